@@ -1,0 +1,149 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import ConfigError, JobConfig, batch_layout, help_text, load_config, to_toml
+from trainer.preflight import check
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_arguments():
+    assert load_config([]) == JobConfig()
+
+
+def test_cli_forms_and_types():
+    config = load_config(
+        [
+            "--training.steps", "20",
+            "--optimizer.lr=3e-4",
+            "--compile.enable",
+            "--metrics.enable_tensorboard", "false",
+            "--training.global_batch_size", "-1",
+            "--lr_scheduler.decay_ratio", "0.2",
+        ]
+    )
+    assert config.training.steps == 20
+    assert config.optimizer.lr == 3e-4
+    assert config.compile.enable is True
+    assert config.metrics.enable_tensorboard is False
+    assert config.training.global_batch_size == -1
+    assert config.lr_scheduler.decay_ratio == 0.2
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n")
+    config = load_config(["--job.config_file", path, "--training.steps", "9"])
+    assert config.training.steps == 9  # CLI wins
+    assert config.training.seq_len == 64  # TOML wins over the default
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size
+    assert config.job.config_file == path
+
+
+def test_toml_position_does_not_matter(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\n")
+    config = load_config(["--training.steps", "9", f"--job.config_file={path}"])
+    assert config.training.steps == 9
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stpes", "3"], "did you mean 'training.steps'"),
+        (["--trainig.steps", "3"], "did you mean 'training.steps'"),
+        (["--training.steps", "three"], "training.steps: expected an integer"),
+        (["--training.steps", "2.5"], "training.steps: expected an integer"),
+        (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
+        (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["--job.config_file", "/no/such/file.toml"], "config file not found: /no/such/file.toml"),
+        (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),
+        (["--training.seq_len", "0"], "training.seq_len must be positive"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+    ],
+)
+def test_bad_cli_input(argv, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(argv)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[trainig]\nsteps = 3\n", "unknown section [trainig] (did you mean 'training'?)"),
+        ("[training]\nstep = 3\n", "unknown option 'training.step'"),
+        ("[training]\nsteps = '3'\n", "training.steps: expected int, got the string"),
+        ("[training]\nsteps = 3\nsteps = 4\n", "invalid TOML"),
+        ("steps = 3\n", "'steps' must be a [section] table"),
+    ],
+)
+def test_bad_toml_input(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(["--job.config_file", path])
+    assert message in str(err.value)
+    assert path in str(err.value)
+
+
+def test_degrees_must_match_world_size():
+    with pytest.raises(ConfigError, match="multiply to 8 .* world size is 4"):
+        check(["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], 4)
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        check(["--parallelism.tensor_parallel_degree", "4"], 6)
+    check(["--parallelism.data_parallel_replicate_degree", "2"], 4)  # shard degree -1 takes the rest
+
+
+def test_batch_sizes_must_divide():
+    training = JobConfig().training
+    training.local_batch_size, training.global_batch_size = 4, 24
+    assert batch_layout(training, 2) == (24, 3)
+    training.global_batch_size = 20
+    with pytest.raises(ConfigError, match="global_batch_size 20 is not divisible"):
+        batch_layout(training, 2)
+    training.global_batch_size = -1
+    assert batch_layout(training, 4) == (16, 1)
+
+
+def test_help_lists_every_field_with_doc_and_default():
+    text = help_text()
+    for section, values in JobConfig().to_dict().items():
+        for name in values:
+            assert f"--{section}.{name} " in text
+    assert "Optimizer steps to train. " in text or "Optimizer steps to train." in text
+    assert "(default: 100)" in text
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    config = load_config(["--training.steps", "5", "--lr_scheduler.decay_ratio", "0.5", "--compile.enable"])
+    path = write(tmp_path, to_toml(config))
+    config.job.config_file = path
+    assert load_config(["--job.config_file", path]) == config
+
+
+def test_train_py_reports_bad_input_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "train.py", "--training.stesp", "3"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: unknown option 'training.stesp' (did you mean 'training.steps'?)"
+
+
+def test_preflight_catches_world_size_mismatch():
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.preflight", "--world-size", "3", "--parallelism.data_parallel_replicate_degree", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "not divisible" in result.stderr

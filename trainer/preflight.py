@@ -1,0 +1,41 @@
+"""Checks a job's config for a given world size in one process, before torchrun starts them all.
+
+``python -m trainer.preflight --world-size N [config options]``: exits 2 with one line on stderr
+when the config is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from trainer.config import ConfigError, batch_layout, load_config
+from trainer.distributed import ParallelDims
+
+
+def check(argv: list[str], world_size: int) -> None:
+    config = load_config(argv)
+    p = config.parallelism
+    dims = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+    batch_layout(config.training, dims.dp_degree)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
+        print("usage: python -m trainer.preflight --world-size N [config options]", file=sys.stderr)
+        return 2
+    try:
+        check(argv[2:], int(argv[1]))
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
