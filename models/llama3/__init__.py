@@ -1,0 +1,73 @@
+"""Llama 3 model and its named sizes ("flavors").
+
+The flavor instances are shared: copy one (``dataclasses.replace``) before changing
+fields such as ``vocab_size`` or ``max_seq_len``.
+"""
+
+from .model import (
+    Transformer,
+    TransformerModelArgs,
+    apply_rotary_emb,
+    flops_per_token,
+    num_params,
+    precompute_rope_cache,
+    rope_inv_freq,
+)
+
+__all__ = [
+    "Transformer",
+    "TransformerModelArgs",
+    "apply_rotary_emb",
+    "flops_per_token",
+    "llama3_flavors",
+    "num_params",
+    "precompute_rope_cache",
+    "rope_inv_freq",
+]
+
+llama3_flavors: dict[str, TransformerModelArgs] = {
+    # Small models for tests and smoke runs; vocab_size is replaced by the tokenizer's.
+    "debugmodel": TransformerModelArgs(
+        dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
+    ),
+    "debugmodel_wide": TransformerModelArgs(
+        dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
+    ),
+    # Published Llama 3.1 hyper-parameters.
+    "8B": TransformerModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        norm_eps=1e-5,
+        rope_theta=500000,
+        use_rope_scaling=True,
+    ),
+    "70B": TransformerModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        norm_eps=1e-5,
+        rope_theta=500000,
+        use_rope_scaling=True,
+    ),
+    "405B": TransformerModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        norm_eps=1e-5,
+        rope_theta=500000,
+        use_rope_scaling=True,
+    ),
+}

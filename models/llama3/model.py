@@ -1,0 +1,327 @@
+"""Llama 3 / 3.1 decoder-only transformer, written to be sharded and pipelined.
+
+Design rules that the parallelisms rely on:
+- Attention infers its local head counts from the projected tensors, so column-sharded
+  wq/wk/wv (tensor parallelism) need no change here.
+- ``layers`` is a ``ModuleDict`` keyed by the global layer index and ``tok_embeddings``,
+  ``norm`` and ``output`` may be ``None``: a pipeline stage deletes what it does not own
+  and parameter names (FQNs) stay the same as in the full model.
+- The model can be built on the meta device; ``init_weights`` then fills every
+  parameter and the rotary table after ``to_empty``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+INIT_STD = 0.02
+"""Standard deviation of the attention/FFN input projections at initialisation."""
+
+
+@dataclass
+class TransformerModelArgs:
+    """Hyper-parameters of a Llama 3 transformer."""
+
+    dim: int = 4096
+    """Width of the residual stream."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Number of query heads; ``dim`` must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads for grouped-query attention (``None``: same as ``n_heads``)."""
+    vocab_size: int = 128256
+    """Vocabulary size; the trainer overrides it with the tokenizer's."""
+    multiple_of: int = 256
+    """The SwiGLU hidden width is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Optional factor applied to the default SwiGLU hidden width ``int(8 * dim / 3)``."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 500000.0
+    """Base of the rotary position embedding frequencies."""
+    use_rope_scaling: bool = False
+    """Apply the Llama 3.1 long-context frequency scaling to RoPE."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3.1 scaling: divisor of the low-frequency bands."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3.1 scaling: wavelengths above original_max_position_embeddings / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3.1 scaling: wavelengths below original_max_position_embeddings / this are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """Llama 3.1 scaling: context length the model was originally trained with."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary table covers; the trainer sets it to the training length."""
+    depth_init: bool = True
+    """Scale the init std of wo/w2 by each layer's depth instead of by the total layer count."""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+
+# ---------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------
+
+
+def rope_inv_freq(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """Rotation speed (radians per position) of each feature pair of a head, shape [head_dim // 2].
+
+    With ``use_rope_scaling`` the Llama 3.1 scheme is applied: bands whose wavelength is
+    shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, bands
+    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``rope_scaling_factor``, and the bands in between are interpolated linearly.
+    """
+    head_dim = args.head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if not args.use_rope_scaling:
+        return inv_freq
+
+    wavelength = 2 * math.pi / inv_freq
+    context_over_wavelength = args.rope_original_max_position_embeddings / wavelength
+    # 0 for low-frequency bands (fully scaled), 1 for high-frequency bands (kept).
+    keep_weight = (context_over_wavelength - args.rope_low_freq_factor) / (
+        args.rope_high_freq_factor - args.rope_low_freq_factor
+    )
+    keep_weight = keep_weight.clamp(0.0, 1.0)
+    return (1 - keep_weight) * inv_freq / args.rope_scaling_factor + keep_weight * inv_freq
+
+
+def precompute_rope_cache(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """Float32 rotary table of shape [max_seq_len, head_dim]: cos angles, then sin angles.
+
+    Kept real-valued (not complex) so it can be moved, cast and sharded like any tensor.
+    """
+    positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, rope_inv_freq(args, device))
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate each interleaved (even, odd) feature pair of ``x`` by its position's angle.
+
+    ``x`` is [batch, seqlen, heads, head_dim]. The pairing matches Meta's checkpoints.
+    The rotation runs in float32 whatever the dtypes of ``x`` and the table (bf16 under
+    mixed precision) and the result is cast back to ``x.dtype``.
+    """
+    seqlen = x.shape[1]
+    cos, sin = rope_cache[:seqlen].float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        n_kv_heads = args.n_kv_heads or args.n_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` [batch, seqlen, dim]; returns [batch, seqlen, dim]."""
+        bs, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism only this rank's heads are present.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q = apply_rotary_emb(q, rope_cache)
+        k = apply_rotary_emb(k, rope_cache)
+
+        # Query head h reads kv head h // n_rep; sharding keeps this ratio per rank.
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def ffn_hidden_dim(args: TransformerModelArgs) -> int:
+    """SwiGLU hidden width: 2/3 of 4 * dim (same FLOPs as a 4x GELU MLP), scaled, rounded up."""
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * math.ceil(hidden / args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        hidden_dim = ffn_hidden_dim(args)
+        self.w1 = nn.Linear(args.dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``x`` [..., dim]."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        """Transform hidden states ``x`` [batch, seqlen, dim]."""
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder: embeddings, ``n_layers`` blocks, final RMSNorm and untied output head.
+
+    ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of
+    ``layers`` deleted (pipeline stages); ``forward`` then passes its input straight
+    through the missing parts, so a later stage takes hidden states instead of tokens.
+    """
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        n_kv_heads = args.n_kv_heads or args.n_heads
+        if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
+            raise ValueError(
+                f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
+                f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
+            )
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # Non-persistent: derived from args, so it stays out of checkpoints.
+        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map token ids [batch, seqlen] (or hidden states [batch, seqlen, dim] on a
+        stage without embeddings) to logits [batch, seqlen, vocab] (or hidden states
+        on a stage without output head)."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.rope_cache.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int = 0) -> None:
+        """(Re)initialise every parameter and the rotary table, in place.
+
+        - rotary table recomputed (after ``to_empty`` it holds garbage), on
+          ``buffer_device`` if given, else where it currently lives;
+        - RMSNorm weights: ones;
+        - wq/wk/wv/w1/w3: truncated normal, std 0.02, cut at 2 std;
+        - wo/w2: same with std ``0.02 / sqrt(2 * (layer_id + 1))`` (depth_init) or
+          ``0.02 / sqrt(2 * n_layers)``: they write into the residual stream, and shrinking
+          them with depth keeps its variance from growing with the number of layers;
+        - tok_embeddings: normal, std 1; output: truncated normal, std dim**-0.5, cut at 3 std.
+
+        Each parameter draws from its own generator seeded by ``seed`` and its name, so the
+        weights do not depend on the parallel layout, the pipeline split or the init order.
+        """
+        self.rope_cache = precompute_rope_cache(self.args, buffer_device or self.rope_cache.device)
+        for name, param in self.named_parameters():
+            # Wrappers (activation checkpointing, compile) insert path segments; the name is what counts.
+            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            _init_param_(param, _init_fn(name, self.args), seed=seed, name=name)
+
+def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, torch.Generator], None]:
+    """The initialiser of the parameter called ``name`` (a full-model FQN)."""
+
+    def trunc_normal(std: float, cutoff_stds: float):
+        return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -cutoff_stds * std, cutoff_stds * std, generator=g)
+
+    if name == "tok_embeddings.weight":
+        return lambda t, g: nn.init.normal_(t, 0.0, 1.0, generator=g)
+    if name == "output.weight":
+        return trunc_normal(args.dim**-0.5, 3.0)
+    if name.endswith("norm.weight"):
+        return lambda t, g: nn.init.ones_(t)
+    if name.endswith((".wo.weight", ".w2.weight")):
+        depth = int(name.split(".")[1]) + 1 if args.depth_init else args.n_layers
+        return trunc_normal(INIT_STD / math.sqrt(2 * depth), 2.0)
+    if name.endswith((".wq.weight", ".wk.weight", ".wv.weight", ".w1.weight", ".w3.weight")):
+        return trunc_normal(INIT_STD, 2.0)
+    raise ValueError(f"no initialiser for parameter {name}")
+
+
+def _init_param_(
+    param: torch.Tensor, init: Callable[[torch.Tensor, torch.Generator], None], *, seed: int, name: str
+) -> None:
+    """Fills ``param`` with ``init`` drawn from a generator keyed by (seed, name).
+
+    A sharded parameter (DTensor) is drawn whole on every rank, one parameter at a time, and
+    each rank keeps its own shard: the values equal those of an unsharded model.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    generator = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if not isinstance(param, DTensor):
+        init(param, generator)
+        return
+    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    init(full, generator)
+    # Every rank holds the same full tensor, so no broadcast is needed: each slices its shard.
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    local.copy_(shard.to_local())
+
+
+# ---------------------------------------------------------------------------
+# Size and FLOPs
+# ---------------------------------------------------------------------------
+
+
+def num_params(model: nn.Module, exclude_embedding: bool) -> int:
+    """Number of (global, if sharded) parameters of ``model``.
+
+    ``exclude_embedding`` drops the token embedding table, whose lookup costs no FLOPs.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = getattr(model, "tok_embeddings", None)
+    if exclude_embedding and embeddings is not None:
+        total -= embeddings.weight.numel()
+    return total
+
+
+def flops_per_token(args: TransformerModelArgs, num_params_non_embedding: int, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token.
+
+    6 FLOPs per weight (2 forward, 4 backward) plus the attention score and value
+    matmuls, 12 * n_layers * n_heads * head_dim * seq_len, counted without the causal
+    half-saving as in the PaLM MFU convention.
+    """
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6.0 * num_params_non_embedding + attention

@@ -1,0 +1,50 @@
+"""Model families: one entry each, so the trainer needs no family-specific code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from trainer.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the trainer needs to know about a model family."""
+
+    name: str
+    model_cls: type[nn.Module]
+    flavors: dict[str, Any]
+    parallelize_fn: Callable[..., None]
+    """Applies the configured parallelisms to a model built on the meta device."""
+    flops_per_token_fn: Callable[[Any, nn.Module, int], float]
+    """Training FLOPs per token of (model args, model, sequence length), for MFU."""
+
+
+def _llama3_spec() -> ModelSpec:
+    from models.llama3 import Transformer, flops_per_token, llama3_flavors, num_params
+    from models.llama3.parallelize import parallelize_llama
+
+    def llama_flops(args: Any, model: nn.Module, seq_len: int) -> float:
+        return flops_per_token(args, num_params(model, exclude_embedding=True), seq_len)
+
+    return ModelSpec("llama3", Transformer, llama3_flavors, parallelize_llama, llama_flops)
+
+
+_REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3_spec}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.name: unknown model '{name}'; known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]()
+
+
+def get_flavor(spec: ModelSpec, flavor: str) -> Any:
+    if flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor: '{flavor}' is not a {spec.name} flavor; known: {', '.join(spec.flavors)}"
+        )
+    return spec.flavors[flavor]
