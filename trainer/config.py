@@ -8,6 +8,7 @@ Every section is a dataclass; the string under each field is its documentation, 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -475,6 +476,10 @@ def validate(config: JobConfig) -> None:
     lr = config.lr_scheduler
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
+    if lr.warmup_steps > config.training.steps:
+        raise ConfigError(
+            f"lr_scheduler.warmup_steps {lr.warmup_steps} exceeds training.steps {config.training.steps}"
+        )
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
 
@@ -521,6 +526,18 @@ def to_toml(config: JobConfig) -> str:
         lines.extend(f"{k} = {render(v)}" for k, v in values.items() if v is not None)
         lines.append("")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def user_input(option: str = "") -> typing.Iterator[None]:
+    """Reports a bad file or value met while acting on ``option`` as a one-line ConfigError
+    (without a prefix when the message already names its option)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{option}: {e}" if option else str(e)) from None
 
 
 def batch_layout(training: Training, dp_degree: int) -> tuple[int, int]:

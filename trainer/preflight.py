@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from models.registry import get_flavor, get_model_spec
 from trainer.config import ConfigError, batch_layout, load_config
 from trainer.distributed import ParallelDims
 
@@ -23,6 +24,7 @@ def check(argv: list[str], world_size: int) -> None:
         world_size=world_size,
     )
     batch_layout(config.training, dims.dp_degree)
+    get_flavor(get_model_spec(config.model.name), config.model.flavor)
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         check(argv[2:], int(argv[1]))
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

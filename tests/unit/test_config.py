@@ -24,6 +24,7 @@ def test_cli_forms_and_types():
     config = load_config(
         [
             "--training.steps", "20",
+            "--lr_scheduler.warmup_steps", "2",
             "--optimizer.lr=3e-4",
             "--compile.enable",
             "--metrics.enable_tensorboard", "false",
@@ -40,7 +41,7 @@ def test_cli_forms_and_types():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n")
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 2\n")
     config = load_config(["--job.config_file", path, "--training.steps", "9"])
     assert config.training.steps == 9  # CLI wins
     assert config.training.seq_len == 64  # TOML wins over the default
@@ -49,7 +50,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_toml_position_does_not_matter(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 7\n")
+    path = write(tmp_path, "[training]\nsteps = 7\n[lr_scheduler]\nwarmup_steps = 2\n")
     config = load_config(["--training.steps", "9", f"--job.config_file={path}"])
     assert config.training.steps == 9
 
@@ -68,6 +69,7 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),
         (["--training.seq_len", "0"], "training.seq_len must be positive"),
         (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--training.steps", "5"], "lr_scheduler.warmup_steps 10 exceeds training.steps 5"),
     ],
 )
 def test_bad_cli_input(argv, message):
@@ -124,7 +126,9 @@ def test_help_lists_every_field_with_doc_and_default():
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    config = load_config(["--training.steps", "5", "--lr_scheduler.decay_ratio", "0.5", "--compile.enable"])
+    config = load_config(
+        ["--training.steps", "5", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--compile.enable"]
+    )
     path = write(tmp_path, to_toml(config))
     config.job.config_file = path
     assert load_config(["--job.config_file", path]) == config

@@ -1,0 +1,52 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of storing them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Compute-heavy ops whose outputs are worth keeping under selective op-level checkpointing.
+_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _op_policy_context():
+    mm_count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            mm_count[mode] += 1
+            # Every other matmul is recomputed: half the matmul memory for a quarter more compute.
+            if mm_count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str = "op") -> None:
+    """Wraps the blocks of ``blocks`` for activation checkpointing, in place.
+
+    mode: ``full`` checkpoints every block; ``selective`` with option ``op`` saves matmul and
+    attention outputs (every other matmul recomputed), with option ``N`` checkpoints every N-th block.
+    """
+    if mode == "none":
+        return
+    for index, (name, block) in enumerate(list(blocks.items())):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif selective_option == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy_context, preserve_rng_state=False)
+        elif (index + 1) % int(selective_option) == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        blocks[name] = wrapped

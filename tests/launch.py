@@ -1,0 +1,44 @@
+"""Runs train.py the way users do (torchrun, gloo on CPU) and reads back what it logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small and quick: what every launched test run shares unless it overrides it.
+TINY_RUN = [
+    "--model.flavor", "debugmodel",
+    "--training.seq_len", "64",
+    "--training.steps", "10",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+    "--metrics.peak_flops", "1e12",
+    "--debug.deterministic",
+]
+
+
+def run_train(dump_folder: str, nproc: int, *overrides: str, timeout: float = 600) -> list[dict]:
+    """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
+    args = ["train.py", *TINY_RUN, "--job.dump_folder", dump_folder, *overrides]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return read_metrics(dump_folder)
+
+
+def read_metrics(dump_folder: str) -> list[dict]:
+    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]

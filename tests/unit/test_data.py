@@ -1,0 +1,326 @@
+"""Tests of trainer.data."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import trainer.data
+from tests.unit.conftest import CharTokenizer
+from trainer.data import (
+    PackedTokenDataset,
+    build_dataloader,
+    default_corpus_texts,
+    epoch_permutation,
+    load_token_stream,
+    local_corpus_texts,
+    packed_dataloader,
+)
+from trainer.tokenizer import Tokenizer
+
+SEQ_LEN = 3
+NUM_WINDOWS = 7
+SEED = 1234
+
+
+def arange_dataset(*, local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1) -> PackedTokenDataset:
+    """Dataset whose window ``w`` holds the tokens ``w * 4 .. w * 4 + 3``."""
+    return PackedTokenDataset(
+        np.arange(NUM_WINDOWS * (SEQ_LEN + 1) + 2, dtype=np.uint16),  # +2: dropped remainder
+        seq_len=SEQ_LEN,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=SEED,
+        return_window_ids=True,
+    )
+
+
+def arange_loader(
+    *, local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1, num_workers: int = 0
+) -> StatefulDataLoader:
+    dataset = arange_dataset(local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    return packed_dataloader(dataset, num_workers=num_workers)
+
+
+def global_order(length: int) -> list[int]:
+    """The first ``length`` window ids of the global stream, computed directly."""
+    order: list[int] = []
+    epoch = 0
+    while len(order) < length:
+        generator = torch.Generator().manual_seed(SEED + epoch)
+        order += torch.randperm(NUM_WINDOWS, generator=generator).tolist()
+        epoch += 1
+    return order[:length]
+
+
+def take_window_ids(batches, steps: int) -> list[list[int]]:
+    return [next(batches)[2].tolist() for _ in range(steps)]
+
+
+def write_corpus(root: Path, files: dict[str, str]) -> Path:
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+    return root
+
+
+# --- packing ---------------------------------------------------------------
+
+
+def test_packing_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpus = write_corpus(tmp_path / "corpus", {"a.txt": "ab", "b.txt": "cde"})
+    tokens = load_token_stream(str(corpus), char_tokenizer, str(tmp_path / "cache"))
+    # [bos a b eos] [bos c d e eos] concatenated.
+    assert tokens.tolist() == [1, 97, 98, 2, 1, 99, 100, 101, 2]
+    dataset = PackedTokenDataset(
+        tokens, seq_len=3, local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0
+    )
+    assert dataset.num_windows == 2  # 9 tokens -> two windows of 4, the final EOS is dropped
+    assert dataset.window(0).tolist() == [1, 97, 98, 2]
+    assert dataset.window(1).tolist() == [1, 99, 100, 101]
+    samples = [sample for sample, _ in zip(dataset, range(2))]
+    first_window = epoch_permutation(2, 0, 0)[0].item()
+    inputs, labels = samples[0]
+    assert inputs.dtype == labels.dtype == torch.int64
+    assert inputs.tolist() == dataset.window(first_window)[:-1].tolist()
+    assert labels.tolist() == dataset.window(first_window)[1:].tolist()
+
+
+def test_loader_yields_shifted_int64_batches(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
+    loader = build_dataloader(
+        str(corpus / "c.txt"), char_tokenizer, seq_len=5, local_batch_size=2,
+        dp_rank=0, dp_world_size=1, seed=3, cache_dir=str(tmp_path / "cache"), return_window_ids=True,
+    )
+    inputs, labels, window_ids = next(iter(loader))
+    assert inputs.shape == labels.shape == (2, 5) and inputs.dtype == labels.dtype == torch.int64
+    stream = [1, *range(97, 123), 2]  # 28 tokens -> 4 windows of 6
+    for row, window_id in enumerate(window_ids.tolist()):
+        window = stream[window_id * 6 : window_id * 6 + 6]
+        assert inputs[row].tolist() == window[:-1] and labels[row].tolist() == window[1:]
+
+
+def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpus = write_corpus(tmp_path, {"tiny.txt": "abc"})
+    with pytest.raises(ValueError, match=r"tiny.txt.*5 tokens.*seq_len \+ 1 = 9"):
+        build_dataloader(
+            str(corpus / "tiny.txt"), char_tokenizer, seq_len=8, local_batch_size=1,
+            dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path / "cache"),
+        )
+
+
+@pytest.mark.parametrize(
+    ("option", "kwargs"),
+    [("seq_len", {"seq_len": 0}), ("local_batch_size", {"local_batch_size": 0}), ("dp_rank", {"dp_rank": 2})],
+)
+def test_bad_loader_options_are_named(
+    tmp_path: Path, char_tokenizer: CharTokenizer, option: str, kwargs: dict[str, int]
+) -> None:
+    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
+    options = {"seq_len": 4, "local_batch_size": 1, "dp_rank": 0, "dp_world_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=option):
+        build_dataloader(
+            str(corpus / "c.txt"), char_tokenizer, seed=0, cache_dir=str(tmp_path / "cache"), **options
+        )
+
+
+# --- global order ----------------------------------------------------------
+
+
+def test_epoch_permutation_is_seeded_and_differs_across_epochs() -> None:
+    first = epoch_permutation(50, SEED, 0)
+    assert sorted(first.tolist()) == list(range(50))
+    assert first.tolist() == epoch_permutation(50, SEED, 0).tolist()
+    assert first.tolist() != epoch_permutation(50, SEED, 1).tolist()
+    # Epoch e of seed s is the permutation drawn with seed s + e.
+    assert epoch_permutation(50, SEED, 1).tolist() == epoch_permutation(50, SEED + 1, 0).tolist()
+    expected = torch.randperm(50, generator=torch.Generator().manual_seed(SEED + 3))
+    assert epoch_permutation(50, SEED, 3).tolist() == expected.tolist()
+
+
+def test_loader_follows_global_order_across_epochs() -> None:
+    batches = iter(arange_loader(local_batch_size=3))
+    ids = sum(take_window_ids(batches, 5), [])  # 15 samples span three epochs of 7
+    assert ids == global_order(15)
+    # Window ids match the tokens: window w starts with token 4 * w.
+    inputs, labels, window_ids = next(batches)
+    assert inputs[:, 0].tolist() == [4 * w for w in window_ids.tolist()]
+    assert labels[:, 0].tolist() == [4 * w + 1 for w in window_ids.tolist()]
+
+
+def test_dp_ranks_concatenated_equal_single_rank_with_double_batch() -> None:
+    single = iter(arange_loader(local_batch_size=4))
+    ranks = [iter(arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2)) for r in range(2)]
+    for _ in range(6):
+        expected = next(single)
+        per_rank = [next(rank) for rank in ranks]
+        for field in range(3):
+            assert torch.equal(torch.cat([batch[field] for batch in per_rank]), expected[field])
+
+
+# --- resume ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("steps_before_save", [1, 3])  # 3 * 3 samples crosses an epoch of 7
+def test_resume_yields_the_uninterrupted_batches(num_workers: int, steps_before_save: int) -> None:
+    loader = arange_loader(local_batch_size=3, dp_rank=1, dp_world_size=2, num_workers=num_workers)
+    batches = iter(loader)
+    before = take_window_ids(batches, steps_before_save)
+    state = copy.deepcopy(loader.state_dict())
+    uninterrupted = take_window_ids(batches, 4)
+
+    resumed_loader = arange_loader(local_batch_size=3, dp_rank=1, dp_world_size=2, num_workers=num_workers)
+    resumed_loader.load_state_dict(state)
+    assert take_window_ids(iter(resumed_loader), 4) == uninterrupted
+
+    # Rank 1 reads samples 3..5 of every chunk of 6 in the global order.
+    order = global_order(6 * (steps_before_save + 4))
+    expected = [order[6 * step + 3 : 6 * step + 6] for step in range(steps_before_save + 4)]
+    assert before + uninterrupted == expected
+
+
+def test_resume_with_different_dp_world_size_continues_global_order() -> None:
+    # 3 steps at dp=1 x 4, then 4 steps at dp=2 x 2, then 3 steps at dp=1 x 4:
+    # 40 samples = 40 positions of the global stream, none lost or repeated.
+    single = arange_loader(local_batch_size=4)
+    batches = iter(single)
+    consumed = sum(take_window_ids(batches, 3), [])
+
+    ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
+    for rank in ranks:
+        rank.load_state_dict(copy.deepcopy(single.state_dict()))
+    rank_batches = [iter(rank) for rank in ranks]
+    for _ in range(4):
+        for batch in rank_batches:
+            consumed += next(batch)[2].tolist()
+
+    resumed_single = arange_loader(local_batch_size=4)
+    resumed_single.load_state_dict(copy.deepcopy(ranks[1].state_dict()))
+    consumed += sum(take_window_ids(iter(resumed_single), 3), [])
+
+    assert consumed == global_order(40)
+    counts = Counter(consumed[:35])  # exactly five epochs of 7 windows
+    assert counts == {window: 5 for window in range(NUM_WINDOWS)}
+
+
+def test_state_mismatch_is_rejected() -> None:
+    dataset = arange_dataset(local_batch_size=2)
+    state = dataset.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        arange_dataset(local_batch_size=2).load_state_dict({**state, "seed": SEED + 1})
+    with pytest.raises(ValueError, match="global batch size 2.*has 4"):
+        arange_dataset(local_batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks chunk_start"):
+        state_without_position = {k: v for k, v in state.items() if k != "chunk_start"}
+        arange_dataset(local_batch_size=2).load_state_dict(state_without_position)
+    with pytest.raises(ValueError, match="inside a batch"):
+        arange_dataset(local_batch_size=1, dp_world_size=2).load_state_dict({**state, "index_in_slice": 1})
+
+
+# --- local corpora ---------------------------------------------------------
+
+
+def test_jsonl_txt_and_folder_corpora(tmp_path: Path) -> None:
+    corpus = write_corpus(
+        tmp_path / "corpus",
+        {
+            "b.txt": "second file",
+            "a/z.jsonl": '{"text": "first", "id": 1}\n\n{"text": "line 3"}\n',  # blank line skipped
+            "c/d/e.txt": "nested",
+            "notes.md": "ignored",
+        },
+    )
+    assert list(local_corpus_texts(str(corpus))) == ["first", "line 3", "second file", "nested"]
+    assert list(local_corpus_texts(str(corpus / "b.txt"))) == ["second file"]
+    assert list(local_corpus_texts(str(corpus / "a/z.jsonl"))) == ["first", "line 3"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"text": "ok"}\n{"content": "no text"}\n', r"bad.jsonl:2: expected .*'text'"),
+        ('{"text": "ok"}\n\n{"text": 3}\n', r"bad.jsonl:3: expected .*'text'"),
+        ('{"text": "ok"}\n{"text": \n', r"bad.jsonl:2: invalid JSON"),
+    ],
+)
+def test_bad_jsonl_line_is_named(tmp_path: Path, content: str, message: str) -> None:
+    path = write_corpus(tmp_path, {"bad.jsonl": content}) / "bad.jsonl"
+    with pytest.raises(ValueError, match=message):
+        list(local_corpus_texts(str(path)))
+
+
+def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    with pytest.raises(FileNotFoundError, match="missing_corpus"):
+        list(local_corpus_texts(str(tmp_path / "missing_corpus")))
+    with pytest.raises(FileNotFoundError, match="missing_corpus"):
+        build_dataloader(
+            str(tmp_path / "missing_corpus"), char_tokenizer, seq_len=4, local_batch_size=1,
+            dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path / "cache"),
+        )
+    empty = write_corpus(tmp_path / "empty", {"readme.md": "no corpus here"})
+    with pytest.raises(ValueError, match="empty contains no .txt or .jsonl"):
+        list(local_corpus_texts(str(empty)))
+    with pytest.raises(ValueError, match="readme.md is neither"):
+        list(local_corpus_texts(str(empty / "readme.md")))
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8"):
+        list(local_corpus_texts(str(tmp_path / "latin1.txt")))
+
+
+# --- token stream cache ----------------------------------------------------
+
+
+def test_token_stream_is_cached_and_invalidated_by_changes(
+    tmp_path: Path, char_tokenizer: CharTokenizer
+) -> None:
+    corpus = write_corpus(tmp_path / "corpus", {"a.txt": "abc"})
+    cache_dir = str(tmp_path / "cache")
+    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
+    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
+    assert char_tokenizer.encode_calls == 1
+    (corpus / "a.txt").write_text("abcd")
+    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 100, 2]
+    assert char_tokenizer.encode_calls == 2
+    assert not [name for name in os.listdir(cache_dir) if name.endswith(".tmp")]
+
+
+# --- default corpus --------------------------------------------------------
+
+
+def test_default_corpus_is_python_documentation() -> None:
+    documents = list(default_corpus_texts())
+    assert documents == list(default_corpus_texts())
+    from pydoc_data.topics import topics
+
+    assert documents[: len(topics)] == [topics[name] for name in sorted(topics)]
+    modules = documents[len(topics) :]
+    assert len(modules) > 300
+    assert any(doc.startswith("JSON (JavaScript Object Notation)") for doc in modules)  # json/__init__.py
+    assert 1_000_000 < sum(map(len, documents)) < 20_000_000
+
+
+def test_python_docs_dataset_with_default_tokenizer(
+    tmp_path: Path, session_default_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = dict(
+        seq_len=64, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path)
+    )
+    inputs, labels = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
+    assert inputs.shape == (2, 64) and torch.equal(inputs[:, 1:], labels[:, :-1])
+    assert int(inputs.max()) < session_default_tokenizer.vocab_size
+
+    def fail() -> None:
+        raise AssertionError("the cached token stream should be used")
+
+    monkeypatch.setattr(trainer.data, "default_corpus_texts", fail)
+    cached_inputs, _ = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
+    assert torch.equal(cached_inputs, inputs)

@@ -1,0 +1,241 @@
+"""Tests for trainer.metrics: peak FLOPs, memory, throughput and the metrics logger."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainer import metrics
+from trainer.metrics import (
+    MetricsLogger,
+    ThroughputTracker,
+    device_peak_flops,
+    peak_memory_gib,
+    peak_memory_stats,
+    reset_peak_memory,
+)
+
+_JSONL_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "data_loading_pct"}
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------------------
+# Peak FLOPs
+# ---------------------------------------------------------------------------
+
+
+def test_cpu_peak_flops_is_measured_once() -> None:
+    flops = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops > 1e8  # even one slow core does far more than 0.1 GFLOP/s
+    assert device_peak_flops(torch.device("cpu"), torch.float32) == flops  # cached, not re-measured
+
+
+def test_peak_flops_override_skips_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("override must not benchmark")
+
+    monkeypatch.setattr(metrics, "_benchmark_matmul_flops", fail)
+    assert device_peak_flops(torch.device("cpu"), torch.bfloat16, override=123e12) == 123e12
+    with pytest.raises(ValueError, match="override"):
+        device_peak_flops(torch.device("cpu"), torch.bfloat16, override=0.0)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "bf16_flops"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100-PCIE-40GB", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA A10", 125e12),
+        ("AMD Instinct MI300X", 1307.4e12),
+    ],
+)
+def test_known_gpu_peak_flops(monkeypatch: pytest.MonkeyPatch, device_name: str, bf16_flops: float) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == bf16_flops
+    assert device_peak_flops(torch.device("cuda"), torch.float16) == bf16_flops
+
+
+def test_gpu_fp32_peak_depends_on_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    # cuBLAS flags are not plain attributes, so monkeypatch cannot restore them.
+    previous = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert device_peak_flops(torch.device("cuda"), torch.float32) == 19.5e12
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert device_peak_flops(torch.device("cuda"), torch.float32) == 156e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def test_unknown_gpu_is_benchmarked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    monkeypatch.setattr(metrics, "_benchmark_matmul_flops", lambda device, dtype: 42.0)
+    assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == 42.0
+
+
+# ---------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------
+
+
+def test_cpu_peak_memory_tracks_allocations() -> None:
+    device = torch.device("cpu")
+    reset_peak_memory(device)
+    before = peak_memory_gib(device)
+    assert before > 0
+    block = torch.ones(64 * 1024**2)  # 256 MiB, touched so it is resident
+    after = peak_memory_gib(device)
+    del block
+    assert after - before >= 0.2
+    stats = peak_memory_stats(device)
+    assert stats.active_gib == stats.reserved_gib >= after
+
+
+# ---------------------------------------------------------------------------
+# Throughput
+# ---------------------------------------------------------------------------
+
+
+def test_throughput_summary_matches_hand_computation() -> None:
+    clock = FakeClock(100.0)
+    tracker = ThroughputTracker(clock=clock)
+    tracker.add_tokens(4096)
+    with tracker.data_loading():
+        clock.now += 0.5
+    tracker.add_tokens(4096)
+    tracker.add_data_loading_time(0.25)
+    clock.now = 104.0
+
+    summary = tracker.summarize(num_flops_per_token=6e9, peak_flops=1e15)
+    # 8192 tokens in 4 s; 6e9 flop/token -> 12.288 TFLOP/s -> 1.2288 % of 1 PFLOP/s.
+    assert summary == pytest.approx(
+        {"tps": 2048.0, "tflops": 12.288, "mfu": 1.2288, "data_loading_pct": 18.75}, rel=1e-12
+    )
+
+    # The window restarted at 104 s: 1000 tokens in 0.5 s, no data loading.
+    tracker.add_tokens(1000)
+    clock.now = 104.5
+    summary = tracker.summarize(num_flops_per_token=1e9, peak_flops=4e12)
+    assert summary == pytest.approx({"tps": 2000.0, "tflops": 2.0, "mfu": 50.0, "data_loading_pct": 0.0})
+
+
+def test_throughput_empty_window_is_zero() -> None:
+    tracker = ThroughputTracker(clock=FakeClock())
+    assert tracker.summarize(num_flops_per_token=1.0, peak_flops=1.0) == {
+        "tps": 0.0,
+        "tflops": 0.0,
+        "mfu": 0.0,
+        "data_loading_pct": 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------
+# MetricsLogger
+# ---------------------------------------------------------------------------
+
+
+def _step_metrics(step: int) -> dict[str, float]:
+    return {
+        "loss": 10.0 / step,
+        "grad_norm": 0.5 * step,
+        "lr": 3e-4 * step,
+        "tps": 1000.0 + step,
+        "tflops": 1.5 * step,
+        "mfu": 2.5 * step,
+        "memory_gib": 0.25 * step,
+        "data_loading_pct": 1.0 * step,
+    }
+
+
+def test_metrics_logger_writes_console_jsonl_and_tensorboard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tensorboard_dir = tmp_path / "tb"
+    metrics_logger = MetricsLogger(
+        str(tmp_path / "dump"), enable=True, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+    )
+    steps = [1, 2, 5]
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        for step in steps:
+            metrics_logger.log(step, _step_metrics(step) | {"memory_reserved_gib": 1.0})
+    metrics_logger.close()
+
+    console = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(console) == len(steps)
+    assert console[-1].startswith("step 5 | loss 2.0000 | grad_norm 2.5000 | lr 1.500e-03")
+    assert "mfu 12.50%" in console[-1] and "1.25/1.00 (active/reserved)" in console[-1]
+
+    lines = (tmp_path / "dump" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [set(record) for record in records] == [_JSONL_KEYS] * len(steps)
+    for record, step in zip(records, steps):
+        assert record == {"step": step} | _step_metrics(step)
+
+    accumulator = EventAccumulator(str(tensorboard_dir))
+    accumulator.Reload()
+    tags = {
+        "loss/global_avg": "loss",
+        "grad_norm": "grad_norm",
+        "lr": "lr",
+        "throughput/tps": "tps",
+        "throughput/tflops": "tflops",
+        "throughput/mfu_pct": "mfu",
+        "memory/peak_gib": "memory_gib",
+        "time/data_loading_pct": "data_loading_pct",
+    }
+    assert set(tags) | {"memory/peak_reserved_gib"} == set(accumulator.Tags()["scalars"])
+    for tag, key in tags.items():
+        events = accumulator.Scalars(tag)
+        assert [event.step for event in events] == steps
+        # TensorBoard stores float32.
+        assert [event.value for event in events] == pytest.approx(
+            [_step_metrics(step)[key] for step in steps], rel=1e-6
+        )
+
+
+def test_metrics_logger_jsonl_is_flushed_per_line_and_nan_is_null(tmp_path: Path) -> None:
+    metrics_logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=False, tensorboard_dir="")
+    metrics_logger.log(7, _step_metrics(7) | {"loss": math.nan, "grad_norm": math.inf})
+    # Read before close(): the line must already be on disk.
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 7 and record["loss"] is None and record["grad_norm"] is None
+    assert set(record) == _JSONL_KEYS
+    with pytest.raises(KeyError, match="mfu"):
+        metrics_logger.log(8, {key: value for key, value in _step_metrics(8).items() if key != "mfu"})
+    metrics_logger.close()
+    assert list(tmp_path.iterdir()) == [tmp_path / "metrics.jsonl"]  # no TensorBoard files
+
+
+def test_non_logging_rank_writes_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dump_folder, tensorboard_dir = tmp_path / "dump", tmp_path / "tb"
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        metrics_logger = MetricsLogger(
+            str(dump_folder), enable=False, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+        )
+        metrics_logger.log(1, _step_metrics(1))
+        metrics_logger.close()
+    assert list(tmp_path.iterdir()) == []
+    assert caplog.records == []

@@ -1,0 +1,412 @@
+"""Tests for trainer.optim: optimizer builder, LR schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import multiprocessing
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+
+# ---------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------
+
+
+def _tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def _step_once(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(2, 4)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_build_optimizer_matches_torch_adamw(implementation: str) -> None:
+    model, reference = _tiny_model(), _tiny_model()
+    optimizer = build_optimizer([model], lr=0.01, weight_decay=0.1, implementation=implementation)
+    expected_optimizer = torch.optim.AdamW(
+        reference.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
+    assert optimizer.defaults["fused"] == (implementation == "fused")
+    assert optimizer.defaults["foreach"] == (implementation == "foreach")
+    for _ in range(3):
+        _step_once(model, optimizer)
+        _step_once(reference, expected_optimizer)
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected)
+
+
+def test_build_optimizer_collects_trainable_params_of_all_parts_once() -> None:
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    second.weight = first.weight  # tied across parts
+    second.bias.requires_grad_(False)
+    optimizer = build_optimizer([first, second], name="Adam", lr=1e-3)
+    assert isinstance(optimizer, torch.optim.Adam)
+    params = optimizer.param_groups[0]["params"]
+    assert [id(p) for p in params] == [id(first.weight), id(first.bias)]
+
+
+def test_fused_falls_back_to_foreach_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(4, 4, device="meta")  # no fused kernel for the meta device
+    with caplog.at_level(logging.WARNING, logger="trainer.optim"):
+        optimizer = build_optimizer([model], lr=1e-3, implementation="fused")
+    assert not optimizer.defaults["fused"]
+    assert optimizer.defaults["foreach"]
+    assert "using 'foreach' instead" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"name": "SGD"}, "optimizer.name"),
+        ({"implementation": "cuda-graph"}, "optimizer.implementation"),
+        ({"lr": 0.0}, "optimizer.lr"),
+        ({"betas": (0.9, 1.0)}, "optimizer.betas"),
+        ({"eps": -1.0}, "optimizer.eps"),
+        ({"weight_decay": -0.1}, "optimizer.weight_decay"),
+    ],
+)
+def test_build_optimizer_rejects_bad_options(kwargs: dict, option: str) -> None:
+    options = {"lr": 1e-3} | kwargs
+    with pytest.raises(ValueError, match=option):
+        build_optimizer([nn.Linear(2, 2)], **options)
+
+
+# ---------------------------------------------------------------------------
+# LR schedule
+# ---------------------------------------------------------------------------
+
+
+def _lr_trace(num_steps: int, **scheduler_kwargs) -> list[float]:
+    """The lr each of the first ``num_steps`` optimizer steps uses, with peak lr 1."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_lr_scheduler(optimizer, **scheduler_kwargs)
+    lrs = []
+    for _ in range(num_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_linear_warmup_then_linear_decay() -> None:
+    # warmup 4 -> 1/4, 2/4, 3/4, 1; decay over the remaining 8 steps: 1 - k/8.
+    lrs = _lr_trace(12, warmup_steps=4, total_steps=12, decay_type="linear")
+    expected = [0.25, 0.5, 0.75, 1.0] + [1 - k / 8 for k in range(1, 9)]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+    assert lrs[0] > 0
+    assert lrs[-1] == 0.0
+
+
+def test_warmup_starts_small_but_not_zero() -> None:
+    lrs = _lr_trace(2, warmup_steps=1000, total_steps=2000)
+    assert lrs == pytest.approx([1e-3, 2e-3])
+
+
+def test_cosine_decay_reaches_min_lr() -> None:
+    lrs = _lr_trace(10, warmup_steps=2, total_steps=10, decay_type="cosine", min_lr_factor=0.1)
+    # decay over 8 steps; step 3 is at progress 2/8, step 5 half way, step 9 the end.
+    assert lrs[:2] == pytest.approx([0.5, 1.0])
+    assert lrs[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert lrs[5] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lrs[9] == pytest.approx(0.1)
+
+
+def test_sqrt_decay() -> None:
+    lrs = _lr_trace(10, warmup_steps=2, total_steps=10, decay_type="sqrt")
+    assert lrs[3] == pytest.approx(1 - math.sqrt(2 / 8))
+    assert lrs[4] == pytest.approx(1 - math.sqrt(3 / 8))
+    assert lrs[9] == pytest.approx(0.0)
+
+
+def test_wsd_warmup_stable_decay_with_decay_ratio() -> None:
+    # 10 steps, decay_ratio 0.4 -> 4 decay steps starting at step 6.
+    lrs = _lr_trace(
+        12, warmup_steps=2, total_steps=10, decay_type="linear", decay_ratio=0.4, min_lr_factor=0.2
+    )
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    expected += [0.2 + 0.8 * (1 - k / 4) for k in range(1, 5)]
+    expected += [0.2, 0.2]  # past total_steps the lr stays at the minimum
+    assert lrs == pytest.approx(expected)
+
+
+def test_no_warmup_and_no_decay() -> None:
+    lrs = _lr_trace(3, warmup_steps=0, total_steps=3, decay_ratio=0.0)
+    assert lrs == [1.0, 1.0, 1.0]
+
+
+def test_scheduler_state_dict_round_trip() -> None:
+    def make(warmup_steps: int, total_steps: int, decay_type: str):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = build_lr_scheduler(
+            optimizer, warmup_steps=warmup_steps, total_steps=total_steps, decay_type=decay_type
+        )
+        return optimizer, scheduler
+
+    optimizer, scheduler = make(3, 20, "cosine")
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    buffer = io.BytesIO()
+    torch.save(scheduler.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)  # only plain Python values inside
+
+    # A scheduler built with a different config must resume the saved schedule.
+    resumed_optimizer, resumed = make(1, 7, "linear")
+    resumed.load_state_dict(state)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+        resumed_optimizer.step()
+        resumed.step()
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    assert resumed.state_dict() == scheduler.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"warmup_steps": -1}, "lr_scheduler.warmup_steps"),
+        ({"warmup_steps": 11}, "lr_scheduler.warmup_steps"),
+        ({"total_steps": 0, "warmup_steps": 0}, "lr_scheduler.total_steps"),
+        ({"decay_type": "exponential"}, "lr_scheduler.decay_type"),
+        ({"decay_ratio": 1.5}, "lr_scheduler.decay_ratio"),
+        ({"decay_ratio": 0.9}, "lr_scheduler.decay_ratio"),  # 2 warmup + 9 decay > 10
+        ({"min_lr_factor": 1.5}, "lr_scheduler.min_lr_factor"),
+    ],
+)
+def test_lr_scheduler_rejects_bad_options(kwargs: dict, option: str) -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    options = {"warmup_steps": 2, "total_steps": 10} | kwargs
+    with pytest.raises(ValueError, match=option):
+        build_lr_scheduler(optimizer, **options)
+
+
+# ---------------------------------------------------------------------------
+# Gradient clipping, single process
+# ---------------------------------------------------------------------------
+
+
+def _params_with_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        param = nn.Parameter(torch.zeros(shape))
+        param.grad = torch.randn(shape, generator=generator) * 3
+        params.append(param)
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])
+def test_clip_plain_tensors_matches_torch(norm_type: float, max_norm: float) -> None:
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    params, expected_params = _params_with_grads(shapes), _params_with_grads(shapes)
+    norm = clip_grad_norm_(params, max_norm, norm_type)
+    expected_norm = torch.nn.utils.clip_grad_norm_(expected_params, max_norm, norm_type)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+    for param, expected in zip(params, expected_params):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-6, atol=0)
+    assert norm.shape == () and norm.dtype == torch.float32
+
+
+def test_clip_ignores_params_without_grad_and_accepts_one_tensor() -> None:
+    (param,) = _params_with_grads([(4,)])
+    expected = torch.linalg.vector_norm(param.grad)
+    assert clip_grad_norm_([param, nn.Parameter(torch.ones(3))], 1e6) == pytest.approx(expected.item())
+    assert clip_grad_norm_(param, 1e6) == pytest.approx(expected.item())
+    assert clip_grad_norm_([], 1.0) == 0.0
+
+
+@pytest.mark.parametrize("bad_value", [math.inf, math.nan])
+def test_clip_non_finite_norm_is_returned(bad_value: float) -> None:
+    params = _params_with_grads([(3,), (2,)])
+    params[1].grad[0] = bad_value
+    norm = clip_grad_norm_(params, 1.0)
+    assert not torch.isfinite(norm)
+    assert math.isnan(norm.item()) == math.isnan(bad_value)
+
+
+# ---------------------------------------------------------------------------
+# Gradient clipping and optimizer with DTensors, 2 gloo processes
+# ---------------------------------------------------------------------------
+
+_WORLD_SIZE = 2
+_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _full_grads(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    # Same seed on every rank: each rank knows the full tensors to compare with.
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def _check_mixed_mesh_clipping() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh_1d = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh_1x2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    mesh_2x1 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    layouts = [
+        ((5, 3), mesh_1d, [Shard(0)]),  # uneven: 3 + 2 rows
+        ((4, 6), mesh_1x2, [Replicate(), Shard(1)]),
+        ((6, 2), mesh_2x1, [Shard(0), Shard(1)]),
+        ((3,), mesh_1d, [Replicate()]),
+        ((2, 2), mesh_1x2, [Replicate(), Replicate()]),
+        ((4,), None, None),  # plain tensor, identical on both ranks
+    ]
+    for norm_type in (2.0, 1.0, math.inf):
+        for max_norm in (0.5, 1e6):
+            full_grads = _full_grads([shape for shape, _, _ in layouts])
+            params, reference_params = [], []
+            for grad, (_, mesh, placements) in zip(full_grads, layouts):
+                param = nn.Parameter(torch.zeros_like(grad))
+                if mesh is None:
+                    param.grad = grad.clone()
+                else:
+                    param = nn.Parameter(distribute_tensor(param.detach(), mesh, placements))
+                    param.grad = distribute_tensor(grad.clone(), mesh, placements)
+                params.append(param)
+                reference = nn.Parameter(torch.zeros_like(grad))
+                reference.grad = grad.clone()
+                reference_params.append(reference)
+
+            norm = clip_grad_norm_(params, max_norm, norm_type)
+            expected_norm = torch.nn.utils.clip_grad_norm_(reference_params, max_norm, norm_type)
+            assert type(norm) is torch.Tensor, type(norm)
+            torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+            for param, reference in zip(params, reference_params):
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                torch.testing.assert_close(grad, reference.grad, rtol=1e-6, atol=1e-7)
+
+
+def _check_pipeline_clipping(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    pp_mesh, dp_mesh = world_mesh["pp"], world_mesh["dp"]
+    # Stage 0 owns grads 0-1, stage 1 grads 2-4; one grad per stage is a DTensor.
+    shapes = [(3, 4), (5,), (2, 2), (6, 1), (7,)]
+    owner = [0, 0, 1, 1, 1]
+    for norm_type in (2.0, math.inf):
+        full_grads = _full_grads(shapes)
+        reference_params = []
+        for grad in full_grads:
+            reference = nn.Parameter(torch.zeros_like(grad))
+            reference.grad = grad.clone()
+            reference_params.append(reference)
+        expected_norm = torch.nn.utils.clip_grad_norm_(reference_params, 1.0, norm_type)
+
+        own = [i for i in range(len(shapes)) if owner[i] == rank]
+        params = []
+        for position, index in enumerate(own):
+            grad = full_grads[index].clone()
+            param = nn.Parameter(torch.zeros_like(grad))
+            if position == 0:
+                param = nn.Parameter(distribute_tensor(param.detach(), dp_mesh, [Shard(0)]))
+                grad = distribute_tensor(grad, dp_mesh, [Shard(0)])
+            param.grad = grad
+            params.append(param)
+
+        norm = clip_grad_norm_(params, 1.0, norm_type, pp_mesh=pp_mesh)
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+        if norm_type == 2.0:  # (with inf, the max may sit on this very stage)
+            stage_norm = torch.linalg.vector_norm(torch.cat([full_grads[i].flatten() for i in own]))
+            assert norm > stage_norm * (1 + 1e-3)  # the other stage really counted
+        for param, index in zip(params, own):
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            torch.testing.assert_close(grad, reference_params[index].grad, rtol=1e-6, atol=1e-7)
+
+
+def _check_optimizer_on_dtensors() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for implementation in ("foreach", "fused", "for-loop"):
+        torch.manual_seed(0)
+        reference = nn.Linear(5, 3)
+        model = nn.Linear(5, 3)
+        model.load_state_dict(reference.state_dict())
+
+        def shard_params(name, module, device_mesh):
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param.detach(), device_mesh, [Shard(0)]))
+                module.register_parameter(param_name, sharded)
+
+        distribute_module(model, mesh, shard_params)
+        optimizer = build_optimizer([model], lr=0.1, implementation=implementation)
+        reference_optimizer = torch.optim.AdamW(
+            reference.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1
+        )
+        for _ in range(2):
+            for module, opt in ((model, optimizer), (reference, reference_optimizer)):
+                for param in module.parameters():
+                    full_grad = torch.ones(param.shape) * 0.5
+                    if hasattr(param, "device_mesh"):
+                        full_grad = distribute_tensor(full_grad, mesh, [Shard(0)])
+                    param.grad = full_grad
+                opt.step()
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.full_tensor(), expected.detach())
+
+
+def _distributed_worker(rank: int, port: int, passed: Any) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE
+    )
+    _check_mixed_mesh_clipping()
+    _check_pipeline_clipping(rank)
+    _check_optimizer_on_dtensors()
+    # Report before teardown: gloo can abort a process while it exits, after all
+    # checks ran, which says nothing about the code under test.
+    passed[rank] = 1  # shared memory: visible at once, unlike a Queue's feeder thread
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_distributed_clipping_and_optimizer_on_dtensors() -> None:
+    context = multiprocessing.get_context("spawn")
+    passed = context.Array("i", _WORLD_SIZE)  # passed[rank] == 1 once all checks passed
+    port = _free_port()
+    workers = [
+        context.Process(target=_distributed_worker, args=(rank, port, passed)) for rank in range(_WORLD_SIZE)
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + _TIMEOUT_S
+    try:
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [worker for worker in workers if worker.is_alive()]
+        for worker in hung:
+            worker.kill()
+            worker.join()
+    assert not hung, f"distributed workers did not finish within {_TIMEOUT_S} s"
+    assert list(passed) == [1] * _WORLD_SIZE, (
+        f"passed per rank {list(passed)}, exit codes {[w.exitcode for w in workers]}; "
+        "see the worker tracebacks above"
+    )

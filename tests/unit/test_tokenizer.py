@@ -1,0 +1,252 @@
+"""Tests of trainer.tokenizer."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.tokenizer import (
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    _split_for_tiktoken,
+    build_tokenizer,
+    default_tokenizer,
+    default_tokenizer_path,
+    load_tokenizer,
+)
+from tests.unit.conftest import DEFAULT_VOCAB_SIZE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Merges of the tiny tiktoken file, after the 256 single bytes (rank = byte).
+TINY_MERGES = [b"he", b"ll", b"llo", b" w"]
+TINY_BASE_VOCAB = 256 + len(TINY_MERGES)
+
+
+def write_tiktoken_file(path: Path, tokens: list[bytes]) -> Path:
+    lines = [f"{base64.b64encode(token).decode()} {rank}" for rank, token in enumerate(tokens)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def tiny_tiktoken_file(tmp_path: Path) -> Path:
+    single_bytes = [bytes([b]) for b in range(256)]
+    return write_tiktoken_file(tmp_path / "tokenizer.model", single_bytes + TINY_MERGES)
+
+
+# --- default sentencepiece tokenizer ---------------------------------------
+
+
+def test_default_tokenizer_round_trips_any_text(session_default_tokenizer: Tokenizer) -> None:
+    tokenizer = session_default_tokenizer
+    text = "def f(x):\n    return x  +  1\n\n\tTabs, é, 中文, 🙂 and <|endoftext|>  "
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+
+
+def test_default_tokenizer_special_ids_and_flags(session_default_tokenizer: Tokenizer) -> None:
+    tokenizer = session_default_tokenizer
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (DEFAULT_VOCAB_SIZE, 1, 2)
+    ids = tokenizer.encode("Return the value.")
+    assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids
+    assert tokenizer.encode("Return the value.", bos=True) == [1, *ids]
+    assert tokenizer.encode("Return the value.", eos=True) == [*ids, 2]
+    assert tokenizer.encode("Return the value.", bos=True, eos=True) == [1, *ids, 2]
+
+
+def test_default_tokenizer_compresses_its_corpus(session_default_tokenizer: Tokenizer) -> None:
+    # Learned merges: common docstring words take far fewer tokens than bytes.
+    text = "Return a new dictionary with the keys of the given object."
+    assert len(session_default_tokenizer.encode(text)) < len(text) / 3
+
+
+def test_build_tokenizer_default_reuses_cached_model(
+    default_tokenizer_cache: str, session_default_tokenizer: Tokenizer
+) -> None:
+    path = default_tokenizer_path(default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
+    modified = os.path.getmtime(path)
+    for name in ("", "default"):
+        tokenizer = build_tokenizer(name, default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
+        assert tokenizer.fingerprint == session_default_tokenizer.fingerprint
+    assert os.path.getmtime(path) == modified
+    assert f"bpe{DEFAULT_VOCAB_SIZE}" in path and "py{}.{}".format(*sys.version_info[:2]) in path
+
+
+def test_default_tokenizer_with_too_small_vocab(
+    tmp_path: Path, session_default_tokenizer: Tokenizer  # corpus already parsed in this process
+) -> None:
+    with pytest.raises(ValueError, match="vocab_size=100: Vocabulary size is smaller"):
+        default_tokenizer(str(tmp_path), 100)
+    assert not Path(default_tokenizer_path(str(tmp_path), 100)).exists()
+
+
+def test_default_tokenizer_trained_once_across_processes(tmp_path: Path) -> None:
+    cache_dir, ready_dir = tmp_path / "cache", tmp_path / "ready"
+    ready_dir.mkdir()
+    trainings = tmp_path / "trainings.log"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        import trainer.data
+        import trainer.tokenizer as tokenizer_module
+        from pydoc_data.topics import topics
+
+        # The help topics alone train quickly; the file locking is under test.
+        trainer.data.default_corpus_texts = lambda: iter(sorted(topics.values()))
+        train = tokenizer_module._train_default_model
+
+        def slow_logged_train(path, vocab_size):
+            with open({str(trainings)!r}, "a") as log:
+                log.write("trained\\n")
+            time.sleep(1.0)  # keeps the other process waiting on the lock
+            train(path, vocab_size)
+
+        tokenizer_module._train_default_model = slow_logged_train
+        # Barrier: both processes call default_tokenizer at the same moment.
+        open(os.path.join({str(ready_dir)!r}, sys.argv[1]), "w").close()
+        while len(os.listdir({str(ready_dir)!r})) < 2:
+            time.sleep(0.01)
+        print(tokenizer_module.default_tokenizer({str(cache_dir)!r}, 512).fingerprint)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr
+    fingerprints = {stdout.strip() for stdout, _ in outputs}
+    assert len(fingerprints) == 1
+    assert trainings.read_text() == "trained\n"
+    model_path = Path(default_tokenizer_path(str(cache_dir), 512))
+    assert load_tokenizer(str(model_path)).fingerprint == fingerprints.pop()
+    assert sorted(p.name for p in cache_dir.iterdir()) == [model_path.name, model_path.name + ".lock"]
+
+
+# --- tiktoken --------------------------------------------------------------
+
+
+def test_tiktoken_encodes_like_hand_computed_bpe(tiny_tiktoken_file: Path) -> None:
+    tokenizer = TiktokenTokenizer(str(tiny_tiktoken_file))
+    # "hello": h,e,l,l,o -> he (256) -> ll (257) -> llo (258) -> [he, llo];
+    # " world": " w" (259) then the single bytes o, r, l, d.
+    assert tokenizer.encode("hello world") == [256, 258, 259, ord("o"), ord("r"), ord("l"), ord("d")]
+    assert tokenizer.decode([256, 258, 259]) == "hello w"
+
+
+def test_tiktoken_special_tokens_follow_base_vocab(tiny_tiktoken_file: Path) -> None:
+    tokenizer = TiktokenTokenizer(str(tiny_tiktoken_file))
+    assert tokenizer.vocab_size == TINY_BASE_VOCAB + 256
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (TINY_BASE_VOCAB, TINY_BASE_VOCAB + 1)
+    assert tokenizer.decode([TINY_BASE_VOCAB + 6, TINY_BASE_VOCAB + 7, TINY_BASE_VOCAB + 9]) == (
+        "<|start_header_id|><|end_header_id|><|eot_id|>"
+    )
+    assert tokenizer.decode([TINY_BASE_VOCAB + 255]) == "<|reserved_special_token_250|>"
+    ids = tokenizer.encode("hello", bos=True, eos=True)
+    assert ids == [TINY_BASE_VOCAB, 256, 258, TINY_BASE_VOCAB + 1]
+
+
+def test_tiktoken_treats_special_token_text_as_plain_text(tiny_tiktoken_file: Path) -> None:
+    tokenizer = TiktokenTokenizer(str(tiny_tiktoken_file))
+    text = "<|begin_of_text|>x<|endoftext|>"
+    ids = tokenizer.encode(text)
+    assert all(i < TINY_BASE_VOCAB for i in ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_tiktoken_round_trips_long_and_unicode_text(tiny_tiktoken_file: Path) -> None:
+    tokenizer = TiktokenTokenizer(str(tiny_tiktoken_file))
+    texts = [
+        "Grüße, 中文 🙂\r\n\tend",
+        "a" + " " * 100_000 + "b",  # tiktoken's regex backtracks on long whitespace runs
+        "x" * 60_000,
+        "hello world\n" * 80_000,  # longer than one 400k-char encode chunk
+    ]
+    started = time.perf_counter()
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert time.perf_counter() - started < 10
+
+
+def test_long_texts_are_cut_into_bounded_pieces() -> None:
+    text = "word " * 100_000 + " " * 60_000 + "z" * 30_000
+    pieces = list(_split_for_tiktoken(text))
+    assert "".join(pieces) == text
+    assert max(len(piece) for piece in pieces) <= 400_000
+    uniform_runs = [piece for piece in pieces if piece.isspace() or " " not in piece]
+    assert uniform_runs and max(len(piece) for piece in uniform_runs) <= 25_000
+    assert pieces[1].startswith(" ")  # the 400k cut falls before a space, not inside a word
+
+
+# --- format detection and errors -------------------------------------------
+
+
+def test_load_tokenizer_detects_format(
+    tiny_tiktoken_file: Path, default_tokenizer_cache: str
+) -> None:
+    assert isinstance(load_tokenizer(str(tiny_tiktoken_file)), TiktokenTokenizer)
+    sentencepiece_path = default_tokenizer_path(default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
+    assert isinstance(load_tokenizer(sentencepiece_path), SentencePieceTokenizer)
+    assert isinstance(build_tokenizer(str(tiny_tiktoken_file), "unused"), TiktokenTokenizer)
+
+
+def test_missing_tokenizer_file_names_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.model")
+    with pytest.raises(FileNotFoundError, match="nope.model"):
+        load_tokenizer(missing)
+    with pytest.raises(FileNotFoundError, match="nope.model"):
+        build_tokenizer(missing, str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\xffgarbage", b"hello world\n", b'{"model": "bpe"}'])
+def test_unrecognised_tokenizer_file_names_path(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "weird.model"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="unrecognised tokenizer file .*weird.model"):
+        load_tokenizer(str(path))
+
+
+def test_tokenizer_path_that_is_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a file"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_malformed_tiktoken_line_names_file_and_line(tmp_path: Path) -> None:
+    path = write_tiktoken_file(tmp_path / "bad.model", [bytes([b]) for b in range(256)])
+    lines = path.read_text().splitlines()
+    lines[2] = "not-base64!! 2"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=r"bad.model:3:"):
+        load_tokenizer(str(path))
+
+
+def test_tiktoken_file_without_all_single_bytes(tmp_path: Path) -> None:
+    path = write_tiktoken_file(tmp_path / "small.model", [b"a", b"b", b"ab"])
+    with pytest.raises(ValueError, match="small.model.*single-byte"):
+        load_tokenizer(str(path))
+
+
+def test_tiktoken_file_with_gaps_in_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "gaps.model"
+    path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {2 * b}\n" for b in range(256)))
+    with pytest.raises(ValueError, match="gaps.model.*ranks"):
+        load_tokenizer(str(path))

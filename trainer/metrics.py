@@ -1,0 +1,346 @@
+"""Training metrics: device peak FLOPs, peak memory, throughput and logging.
+
+The global loss average across data-parallel ranks is computed by the trainer;
+this module only formats and writes what it is given, on the logging rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class _GpuPeak:
+    """Dense (no sparsity) peak matmul FLOP/s of one accelerator model."""
+
+    bf16: float  # also the fp16 rate on every listed model
+    fp32: float  # plain fp32, i.e. without TF32 tensor cores
+
+
+# Ordered: the first pattern that matches the device name wins, so the more
+# specific H100 variants come before the generic SXM entry. Word boundaries keep
+# "A10" from matching "A100" or "A10G".
+_KNOWN_GPUS: tuple[tuple[str, _GpuPeak], ...] = (
+    (r"\bH100\b.*\bNVL\b", _GpuPeak(bf16=835e12, fp32=60e12)),
+    (r"\bH100\b.*\bPCIe\b", _GpuPeak(bf16=756e12, fp32=51e12)),
+    (r"\bH100\b", _GpuPeak(bf16=989e12, fp32=67e12)),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    (r"\bG?H200\b", _GpuPeak(bf16=989e12, fp32=67e12)),
+    (r"\bB200\b", _GpuPeak(bf16=2250e12, fp32=75e12)),
+    (r"\bA100\b", _GpuPeak(bf16=312e12, fp32=19.5e12)),
+    (r"\bL40S\b", _GpuPeak(bf16=362e12, fp32=91.6e12)),
+    (r"\bA10G\b", _GpuPeak(bf16=70e12, fp32=35e12)),
+    (r"\bA10\b", _GpuPeak(bf16=125e12, fp32=31.2e12)),
+    (r"\bL4\b", _GpuPeak(bf16=121e12, fp32=30.3e12)),
+    (r"\bMI300X\b", _GpuPeak(bf16=1307.4e12, fp32=163.4e12)),
+    (r"\bMI325X\b", _GpuPeak(bf16=1307.4e12, fp32=163.4e12)),
+    (r"\bMI250X?\b", _GpuPeak(bf16=383e12, fp32=95.7e12)),
+)
+
+
+def _known_gpu_peak(device_name: str) -> _GpuPeak | None:
+    for pattern, peak in _KNOWN_GPUS:
+        if re.search(pattern, device_name):
+            return peak
+    return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+@functools.cache
+def _benchmark_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Achieved FLOP/s of a square matmul, timed for about a quarter of a second."""
+    # Accelerators need large matrices to approach their peak; CPUs saturate early
+    # and a large CPU matmul in a slow dtype (fp16) would blow the time budget.
+    size = 512 if device.type == "cpu" else 4096
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up: kernel selection and first-touch allocation
+    _synchronize(device)
+    iterations = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 0.25:
+        torch.matmul(a, b)
+        _synchronize(device)
+        iterations += 1
+    flops = 2 * size**3 * iterations / elapsed
+    logger.info(
+        "Measured %.1f TFLOP/s for a %dx%d %s matmul on %s (%d threads)",
+        flops / 1e12,
+        size,
+        size,
+        dtype,
+        device,
+        torch.get_num_threads(),
+    )
+    return flops
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> float:
+    """Peak dense matmul FLOP/s of ``device`` for ``dtype``, the denominator of MFU.
+
+    Args:
+        device: device the model runs on.
+        dtype: dtype the matmuls run in (bf16 under mixed precision).
+        override: returned as is when given (e.g. from the config).
+
+    Known GPUs are looked up by ``torch.cuda.get_device_name`` (bf16/fp16 dense
+    rates; fp32 uses the TF32 rate, half the bf16 one, when TF32 matmuls are
+    enabled on CUDA, else the much lower plain fp32 rate). On a CPU, an unknown
+    GPU, or other dtypes, a short square-matmul benchmark is run once per
+    process and (device, dtype); that is achieved rather than theoretical peak,
+    so MFU there means "fraction of what this machine's matmul reaches".
+    """
+    if override is not None:
+        if not override > 0:
+            raise ValueError(f"device_peak_flops: override must be > 0, got {override}")
+        return float(override)
+    device = torch.device(device)
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        name = torch.cuda.get_device_name(device)
+        peak = _known_gpu_peak(name)
+        if peak is None:
+            logger.warning("Unknown GPU %r: benchmarking matmul FLOP/s for MFU", name)
+        elif dtype != torch.float32:
+            return peak.bf16
+        elif torch.version.hip is None and torch.backends.cuda.matmul.allow_tf32:
+            return peak.bf16 / 2
+        else:
+            return peak.fp32
+    return _benchmark_matmul_flops(device, dtype)
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peak memory since the last reset, in GiB."""
+
+    active_gib: float  # allocated by tensors (CUDA) / resident set size (CPU)
+    reserved_gib: float  # held by the caching allocator (CUDA) / same as active (CPU)
+
+
+def _cpu_peak_rss_bytes() -> int:
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux but in bytes on macOS.
+    return max_rss if sys.platform == "darwin" else max_rss * 1024
+
+
+def peak_memory_stats(device: torch.device) -> PeakMemory:
+    """Peak active and reserved memory of this process on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return PeakMemory(
+            active_gib=torch.cuda.max_memory_allocated(device) / _GIB,
+            reserved_gib=torch.cuda.max_memory_reserved(device) / _GIB,
+        )
+    rss_gib = _cpu_peak_rss_bytes() / _GIB
+    return PeakMemory(active_gib=rss_gib, reserved_gib=rss_gib)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory in GiB: CUDA max allocated, CPU peak RSS of this process."""
+    return peak_memory_stats(device).active_gib
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (e.g. after each log)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    # Linux resets the RSS high-water mark that getrusage reports when "5" is
+    # written here; elsewhere the CPU peak covers the whole process lifetime.
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        logger.debug("Cannot reset the peak RSS; CPU peak memory is the process lifetime peak")
+
+
+class ThroughputTracker:
+    """Accumulates tokens, data-loading time and wall time between two logs.
+
+    Count only the tokens this rank processed, so the rates are per rank.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock`` returns seconds; tests inject a fake one."""
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window now."""
+        self.window_start: float = self._clock()
+        self.tokens: int = 0
+        self.data_loading_seconds: float = 0.0
+
+    def add_tokens(self, num_tokens: int) -> None:
+        """Count tokens processed by this rank (e.g. ``batch * seq_len`` per step)."""
+        self.tokens += num_tokens
+
+    def add_data_loading_time(self, seconds: float) -> None:
+        """Count time spent waiting for the next batch."""
+        self.data_loading_seconds += seconds
+
+    @contextlib.contextmanager
+    def data_loading(self) -> Iterator[None]:
+        """Time the enclosed block as data loading: ``with tracker.data_loading(): batch = next(it)``."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add_data_loading_time(self._clock() - start)
+
+    def summarize(self, num_flops_per_token: float, peak_flops: float) -> dict[str, float]:
+        """Rates over the window since the last reset, then start a new window.
+
+        Returns:
+            ``tps`` (tokens/s), ``tflops`` (achieved TFLOP/s), ``mfu`` (percent of
+            ``peak_flops``) and ``data_loading_pct`` (percent of wall time), all
+            per rank. All zero for an empty (zero-length) window.
+        """
+        elapsed = self._clock() - self.window_start
+        if elapsed > 0:
+            tps = self.tokens / elapsed
+            achieved_flops = num_flops_per_token * tps
+            summary = {
+                "tps": tps,
+                "tflops": achieved_flops / 1e12,
+                "mfu": 100.0 * achieved_flops / peak_flops,
+                "data_loading_pct": 100.0 * self.data_loading_seconds / elapsed,
+            }
+        else:
+            summary = {"tps": 0.0, "tflops": 0.0, "mfu": 0.0, "data_loading_pct": 0.0}
+        self.reset()
+        return summary
+
+
+# Keys of every metrics.jsonl line after "step", in order, and their TensorBoard tags.
+_TENSORBOARD_TAGS = {
+    "loss": "loss/global_avg",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tps": "throughput/tps",
+    "tflops": "throughput/tflops",
+    "mfu": "throughput/mfu_pct",
+    "memory_gib": "memory/peak_gib",
+    "data_loading_pct": "time/data_loading_pct",
+}
+# Optional extra: shown on the console and in TensorBoard, not in the jsonl schema.
+_RESERVED_MEMORY_KEY = "memory_reserved_gib"
+_RESERVED_MEMORY_TAG = "memory/peak_reserved_gib"
+
+
+def _json_number(value: float) -> float | None:
+    # Strict JSON has no NaN/Infinity; null keeps each line parseable by any tool.
+    return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+    """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard.
+
+    Construct it on every rank with ``enable`` true only on the logging rank; the
+    other ranks' instances do nothing (no console line, no file).
+
+    ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
+    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent) and
+    optionally ``memory_reserved_gib``.
+    """
+
+    def __init__(
+        self,
+        dump_folder: str,
+        *,
+        enable: bool,
+        enable_tensorboard: bool,
+        tensorboard_dir: str,
+    ) -> None:
+        self.enabled = enable
+        self._jsonl = None
+        self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
+        if not enable:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(tensorboard_dir)
+            logger.info("TensorBoard logs in %s", tensorboard_dir)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of ``step`` (see the class docstring for the keys)."""
+        if not self.enabled:
+            return
+        missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
+        if missing:
+            raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
+        values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
+        reserved_gib = metrics.get(_RESERVED_MEMORY_KEY)
+
+        memory = f"{values['memory_gib']:.2f}"
+        if reserved_gib is not None:
+            memory += f"/{reserved_gib:.2f} (active/reserved)"
+        logger.info(
+            "step %d | loss %.4f | grad_norm %.4f | lr %.3e | tps/rank %s | tflops/rank %.2f"
+            " | mfu %.2f%% | memory %s GiB | data loading %.1f%%",
+            step,
+            values["loss"],
+            values["grad_norm"],
+            values["lr"],
+            f"{values['tps']:,.0f}",
+            values["tflops"],
+            values["mfu"],
+            memory,
+            values["data_loading_pct"],
+        )
+
+        record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # a crash must not lose the lines before it
+
+        if self._tensorboard is not None:
+            for key, tag in _TENSORBOARD_TAGS.items():
+                self._tensorboard.add_scalar(tag, values[key], step)
+            if reserved_gib is not None:
+                self._tensorboard.add_scalar(_RESERVED_MEMORY_TAG, float(reserved_gib), step)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""
+        if not self.enabled:
+            return
+        logger.info("step %d | validation loss %.4f", step, loss)
+        with open(os.path.join(os.path.dirname(self.jsonl_path), "validation.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("validation/loss", loss, step)
+
+    def close(self) -> None:
+        """Flush and close the files; further ``log`` calls are no-ops."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        self.enabled = False

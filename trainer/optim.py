@@ -1,0 +1,315 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+Everything here works with plain tensors and with DTensor parameters/gradients
+(FSDP2, SimpleFSDP and tensor parallelism all produce DTensors), so the trainer
+does not need to know how a model was parallelized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+logger = logging.getLogger(__name__)
+
+_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+}
+_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+_DECAY_TYPES = ("linear", "cosine", "sqrt")
+
+
+def _trainable_parameters(model_parts: list[nn.Module]) -> list[nn.Parameter]:
+    """Parameters requiring grad over all parts, each once (parts may share tied weights)."""
+    seen: set[int] = set()
+    params = []
+    for part in model_parts:
+        for param in part.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def _supports_fused(params: list[nn.Parameter]) -> bool:
+    # Same rule torch applies at the first step(); checking up front lets us fall
+    # back before training starts instead of failing mid-run. For DTensors,
+    # `.device` is the device of the local shard, which is what the kernel sees.
+    supported_devices = _get_fused_kernels_supported_devices()
+    return all(p.device.type in supported_devices and torch.is_floating_point(p) for p in params)
+
+
+def build_optimizer(
+    model_parts: list[nn.Module],
+    *,
+    name: str = "AdamW",
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    implementation: str = "foreach",
+) -> torch.optim.Optimizer:
+    """Build one optimizer over the trainable parameters of all model parts.
+
+    Args:
+        model_parts: modules whose parameters are optimized together (e.g. the
+            pipeline stages this rank owns). Parameters may be DTensors.
+        name: ``"Adam"`` or ``"AdamW"``.
+        lr: peak learning rate (the scheduler scales it).
+        betas, eps, weight_decay: usual Adam hyper-parameters.
+        implementation: ``"foreach"`` (multi-tensor kernels), ``"fused"`` (single
+            fused kernel; falls back to foreach with a warning where the
+            parameters' device or dtype has no fused kernel) or ``"for-loop"``.
+
+    Raises:
+        ValueError: on an unknown option or an invalid value, naming the
+            ``optimizer.*`` option, or when there is nothing to optimize.
+    """
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, got {name!r}")
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"optimizer.implementation must be one of {list(_IMPLEMENTATIONS)}, got {implementation!r}"
+        )
+    if not lr > 0:
+        raise ValueError(f"optimizer.lr must be > 0, got {lr}")
+    if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
+        raise ValueError(f"optimizer.betas must be two values in [0, 1), got {betas}")
+    if not eps > 0:
+        raise ValueError(f"optimizer.eps must be > 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"optimizer.weight_decay must be >= 0, got {weight_decay}")
+
+    params = _trainable_parameters(model_parts)
+    if not params:
+        raise ValueError("build_optimizer: the model parts have no parameters that require grad")
+
+    use_fused = implementation == "fused"
+    if use_fused and not _supports_fused(params):
+        logger.warning(
+            "optimizer.implementation='fused' is not supported for these parameters "
+            "(devices %s, dtypes %s); using 'foreach' instead",
+            sorted({p.device.type for p in params}),
+            sorted({str(p.dtype) for p in params}),
+        )
+        use_fused = False
+    use_foreach = implementation != "for-loop" and not use_fused
+
+    optimizer = _OPTIMIZERS[name](
+        params,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        foreach=use_foreach,
+        fused=use_fused,
+    )
+    logger.info(
+        "Built %s (%s) over %d parameter tensors, lr=%g, betas=%s, eps=%g, weight_decay=%g",
+        name,
+        "fused" if use_fused else "foreach" if use_foreach else "for-loop",
+        len(params),
+        lr,
+        betas,
+        eps,
+        weight_decay,
+    )
+    return optimizer
+
+
+class WarmupStableDecay:
+    """LR multiplier for step ``s`` (0-based count of optimizer steps already taken).
+
+    * warmup, ``s < warmup_steps``: ``(s + 1) / warmup_steps``, so the first step
+      uses ``peak / warmup_steps`` (never 0) and step ``warmup_steps - 1`` the peak;
+    * stable: 1 until ``decay_start = total_steps - decay_steps``;
+    * decay, ``decay_start <= s``: ``min + (1 - min) * shape(p)`` with progress
+      ``p = (s - decay_start + 1) / decay_steps``, so the last step
+      (``s = total_steps - 1``) uses exactly ``min_lr_factor * peak``; later
+      steps stay there.
+
+    A callable object rather than a closure because ``LambdaLR.state_dict`` saves
+    the ``__dict__`` of callable objects, so the schedule round-trips through a
+    checkpoint.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int,
+        decay_start: int,
+        decay_steps: int,
+        decay_type: str,
+        min_lr_factor: float,
+    ) -> None:
+        self.warmup_steps = warmup_steps
+        self.decay_start = decay_start
+        self.decay_steps = decay_steps
+        self.decay_type = decay_type
+        self.min_lr_factor = min_lr_factor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if step < self.decay_start or self.decay_steps == 0:
+            return 1.0
+        progress = min((step - self.decay_start + 1) / self.decay_steps, 1.0)
+        if self.decay_type == "linear":
+            remaining = 1.0 - progress
+        elif self.decay_type == "cosine":
+            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:  # "sqrt", validated in build_lr_scheduler
+            remaining = 1.0 - math.sqrt(progress)
+        return self.min_lr_factor + (1.0 - self.min_lr_factor) * remaining
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_type: str = "linear",
+    decay_ratio: float | None = None,
+    min_lr_factor: float = 0.0,
+) -> LambdaLR:
+    """Linear warmup, optional stable phase, then decay to ``min_lr_factor * peak``.
+
+    Args:
+        optimizer: optimizer whose ``lr`` is the peak learning rate.
+        warmup_steps: steps of linear warmup; the first step uses
+            ``peak / warmup_steps``. 0 disables warmup.
+        total_steps: number of training steps; the last one uses the minimum lr.
+        decay_type: shape of the decay: ``"linear"``, ``"cosine"`` or ``"sqrt"``
+            (``1 - sqrt(progress)``).
+        decay_ratio: fraction of ``total_steps`` spent decaying, at the end of
+            training. ``None`` decays over all steps after warmup; a value < 1
+            gives warmup-stable-decay (WSD); 0 keeps the peak after warmup.
+        min_lr_factor: final lr as a fraction of the peak, in [0, 1].
+
+    Call ``scheduler.step()`` once after each ``optimizer.step()``.
+
+    Raises:
+        ValueError: naming the ``lr_scheduler.*`` option that is invalid.
+    """
+    if total_steps < 1:
+        raise ValueError(f"lr_scheduler.total_steps must be >= 1, got {total_steps}")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(
+            f"lr_scheduler.warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}"
+        )
+    if decay_type not in _DECAY_TYPES:
+        raise ValueError(f"lr_scheduler.decay_type must be one of {list(_DECAY_TYPES)}, got {decay_type!r}")
+    if not 0.0 <= min_lr_factor <= 1.0:
+        raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {min_lr_factor}")
+
+    if decay_ratio is None:
+        decay_steps = total_steps - warmup_steps
+    else:
+        if not 0.0 <= decay_ratio <= 1.0:
+            raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {decay_ratio}")
+        decay_steps = round(decay_ratio * total_steps)
+        if warmup_steps + decay_steps > total_steps:
+            raise ValueError(
+                f"lr_scheduler.decay_ratio={decay_ratio} gives {decay_steps} decay steps, which with "
+                f"lr_scheduler.warmup_steps={warmup_steps} exceeds lr_scheduler.total_steps={total_steps}"
+            )
+
+    schedule = WarmupStableDecay(
+        warmup_steps=warmup_steps,
+        decay_start=total_steps - decay_steps,
+        decay_steps=decay_steps,
+        decay_type=decay_type,
+        min_lr_factor=min_lr_factor,
+    )
+    logger.info(
+        "LR schedule: %d warmup, %d stable, %d %s decay steps to %g x peak",
+        warmup_steps,
+        total_steps - warmup_steps - decay_steps,
+        decay_steps,
+        decay_type,
+        min_lr_factor,
+    )
+    return LambdaLR(optimizer, lr_lambda=schedule)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Clip gradients in place by their global norm and return that norm.
+
+    Gradients may be plain tensors or DTensors on any mix of meshes and
+    placements. ``torch.nn.utils.get_total_norm`` and ``clip_grads_with_norm_``
+    stack/scale all gradients in single DTensor ops, which fail when the
+    DTensors live on different meshes; so gradients are grouped by mesh, each
+    group's norm is reduced over its own mesh, and the groups' norms combined.
+
+    Args:
+        parameters: parameters (or a single tensor) whose ``.grad`` is clipped;
+            those without a gradient are ignored.
+        max_norm: norm the gradients are scaled down to when they exceed it.
+        norm_type: p of the p-norm; ``math.inf`` for the max-norm.
+        pp_mesh: pipeline-parallel mesh when this rank holds only some stages;
+            the stages' norms are combined (sum of norm^p, or max for inf).
+            Every rank of ``pp_mesh`` must call this function.
+
+    Returns:
+        The total norm as a plain float32 scalar tensor. A non-finite norm is
+        returned as is without raising; the gradients are then scaled as torch
+        does (an inf norm zeroes them, a NaN norm makes them NaN), and deciding
+        whether to skip the step is the caller's business. Checking here would
+        cost a device-to-host sync on every step.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+
+    params_by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for p in params:
+        mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+        params_by_mesh.setdefault(mesh, []).append(p)
+
+    group_norms = []
+    for group in params_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        # full_tensor() performs the reduction over this mesh for sharded grads.
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        group_norms.append(norm.float())
+
+    if group_norms:
+        device = group_norms[0].device
+        total_norm = torch.linalg.vector_norm(
+            torch.stack([norm.to(device) for norm in group_norms]), norm_type
+        )
+    else:
+        # A stage without gradients still has to join the pp all-reduce below.
+        device = torch.device(pp_mesh.device_type) if pp_mesh is not None else torch.device("cpu")
+        total_norm = torch.zeros((), dtype=torch.float32, device=device)
+
+    if pp_mesh is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total_norm = total_norm**norm_type
+            dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+            total_norm = total_norm ** (1.0 / norm_type)
+
+    # Scaling is pointwise, but DTensor still rejects one op spanning two meshes.
+    for group in params_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm

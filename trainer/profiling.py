@@ -1,0 +1,38 @@
+"""torch.profiler traces every few steps, written under the dump folder."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterator
+
+import torch
+
+from trainer.config import Profiling
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[torch.profiler.profile | None]:
+    """Yields a profiler whose ``step()`` the loop calls once per step, or None when disabled."""
+    if not config.enable_profiling:
+        yield None
+        return
+    trace_dir = os.path.join(dump_folder, config.save_traces_folder)
+
+    def save_trace(prof: torch.profiler.profile) -> None:
+        step_dir = os.path.join(trace_dir, f"iteration_{prof.step_num}")
+        os.makedirs(step_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(step_dir, f"rank{rank}_trace.json"))
+        logger.info("profiler trace saved to %s", step_dir)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # Record the last step of each profile_freq window, after a warm-up step.
+    wait = max(config.profile_freq - 2, 0)
+    schedule = torch.profiler.schedule(wait=wait, warmup=1, active=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
+        yield prof

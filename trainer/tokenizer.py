@@ -1,0 +1,365 @@
+"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, plus a default
+sentencepiece BPE model trained on the Python documentation of the running
+interpreter, so that training works on any machine without downloads."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import fcntl
+import hashlib
+import io
+import os
+import re
+import sys
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+
+import sentencepiece as spm
+import tiktoken
+
+# Pre-tokenizer regex of the Llama 3 tokenizer.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+# Named Llama 3 special tokens in id order; the remaining ids up to 256 are
+# `<|reserved_special_token_{5..250}|>`.
+_LLAMA3_NAMED_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>",
+    "<|reserved_special_token_3|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+)
+
+# Some tiktoken versions backtrack or recurse deeply on very long runs of
+# (non-)whitespace; bounded pieces keep encoding fast on all of them. Llama 3's
+# reference code uses the same two bounds.
+_TIKTOKEN_MAX_RUN_CHARS = 25_000
+_TIKTOKEN_MAX_CHUNK_CHARS = 400_000
+_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS},}}")
+
+# Default tokenizer training. Bump the version when the recipe or the corpus
+# extraction changes so stale cached models are not reused.
+_DEFAULT_MODEL_VERSION = 1
+_DEFAULT_MAX_TRAINING_LINES = 200_000
+_DEFAULT_MAX_LINE_CHARS = 1_000
+
+
+class Tokenizer(ABC):
+    """Maps text to token ids and back.
+
+    Attributes:
+        vocab_size: number of token ids (all ids are in ``[0, vocab_size)``).
+        bos_id: id of the beginning-of-sequence token.
+        eos_id: id of the end-of-sequence token.
+        fingerprint: hex digest that changes whenever the text-to-ids mapping
+            changes; used as a cache key for tokenized corpora.
+    """
+
+    def __init__(self, *, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.fingerprint = fingerprint
+
+    @abstractmethod
+    def _encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` without BOS/EOS."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of the token ids ``ids``."""
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of ``text``, optionally framed by BOS and EOS."""
+        ids = self._encode_text(text)
+        if bos:
+            ids.insert(0, self.bos_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """Tokenizer backed by a sentencepiece ``.model`` file."""
+
+    def __init__(self, path: str) -> None:
+        model_bytes = _read_model_file(path)
+        self._processor = _load_sentencepiece(model_bytes, path)
+        bos_id, eos_id = self._processor.bos_id(), self._processor.eos_id()
+        if bos_id < 0 or eos_id < 0:
+            raise ValueError(f"sentencepiece model {path} has no BOS or EOS token")
+        super().__init__(
+            vocab_size=self._processor.vocab_size(),
+            bos_id=bos_id,
+            eos_id=eos_id,
+            fingerprint=hashlib.sha256(model_bytes).hexdigest(),
+        )
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the token ids ``ids``."""
+        return self._processor.decode(ids)
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Tokenizer for tiktoken BPE files in the Llama 3 ``tokenizer.model`` format.
+
+    Each line of the file is ``base64(token_bytes) rank``; the 256 Llama 3
+    special tokens get the ids right after the base vocabulary.
+    """
+
+    def __init__(self, path: str) -> None:
+        model_bytes = _read_model_file(path)
+        ranks = _parse_tiktoken_ranks(model_bytes, path)
+        num_base_tokens = len(ranks)
+        special_tokens = {
+            name: num_base_tokens + offset for offset, name in enumerate(llama3_special_tokens())
+        }
+        self._encoding = tiktoken.Encoding(
+            name=f"tessera:{os.path.basename(path)}",
+            pat_str=LLAMA3_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=special_tokens,
+        )
+        super().__init__(
+            vocab_size=num_base_tokens + LLAMA3_NUM_SPECIAL_TOKENS,
+            bos_id=special_tokens["<|begin_of_text|>"],
+            eos_id=special_tokens["<|end_of_text|>"],
+            fingerprint=hashlib.sha256(model_bytes).hexdigest(),
+        )
+
+    def _encode_text(self, text: str) -> list[int]:
+        # encode_ordinary: special-token text in documents is plain text.
+        ids: list[int] = []
+        for piece in _split_for_tiktoken(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the token ids ``ids`` (invalid UTF-8 becomes U+FFFD)."""
+        return self._encoding.decode(ids)
+
+
+def llama3_special_tokens() -> list[str]:
+    """The 256 Llama 3 special tokens in id order (offsets after the base vocab)."""
+    num_reserved_left = LLAMA3_NUM_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIAL_TOKENS)
+    first_unnamed = 5  # reserved tokens 0..4 are interleaved with the named ones
+    reserved = [
+        f"<|reserved_special_token_{i}|>"
+        for i in range(first_unnamed, first_unnamed + num_reserved_left)
+    ]
+    return [*_LLAMA3_NAMED_SPECIAL_TOKENS, *reserved]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a sentencepiece or tiktoken tokenizer file, detecting its format."""
+    model_bytes = _read_model_file(path)
+    if _looks_like_tiktoken(model_bytes):
+        return TiktokenTokenizer(path)
+    try:
+        _load_sentencepiece(model_bytes, path)
+    except ValueError:
+        raise ValueError(
+            f"unrecognised tokenizer file {path}: expected a sentencepiece .model "
+            "or a tiktoken BPE file ('base64-token rank' lines)"
+        ) from None
+    return SentencePieceTokenizer(path)
+
+
+def default_tokenizer(cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
+    """Sentencepiece BPE tokenizer trained on the Python docs corpus.
+
+    Trained on first use and cached in ``cache_dir``; concurrent callers (e.g.
+    torchrun ranks) wait for a single trainer and then load its file.
+    """
+    path = default_tokenizer_path(cache_dir, vocab_size)
+    create_file_once(path, lambda tmp_path: _train_default_model(tmp_path, vocab_size))
+    return SentencePieceTokenizer(path)
+
+
+def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
+    """Cache path of the default tokenizer; the corpus depends on the Python version."""
+    python_version = "{}.{}.{}".format(*sys.version_info[:3])
+    name = f"python_docs_bpe{vocab_size}_v{_DEFAULT_MODEL_VERSION}_py{python_version}.model"
+    return os.path.join(cache_dir, name)
+
+
+def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
+    """Tokenizer from a config value: ``""``/``"default"`` or a tokenizer file path."""
+    if path in ("", "default"):
+        return default_tokenizer(cache_dir, vocab_size)
+    return load_tokenizer(path)
+
+
+def create_file_once(path: str, write: Callable[[str], None]) -> None:
+    """Create ``path`` by calling ``write(tmp_path)`` unless it already exists.
+
+    Safe for concurrent processes: an exclusive lock on ``path + ".lock"`` lets
+    one process build the file while the others wait, and the file appears
+    atomically (``os.replace``) so nobody reads a partial one.
+    """
+    if os.path.exists(path):
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # The lock file is never deleted: removing it would let two processes hold
+    # locks on different inodes.
+    with open(path + ".lock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return  # built by another process while we waited
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        try:
+            write(tmp_path)
+            os.chmod(tmp_path, 0o644)  # mkstemp creates owner-only files
+            os.replace(tmp_path, path)
+        finally:
+            if os.path.exists(tmp_path):
+                os.unlink(tmp_path)
+
+
+def _read_model_file(path: str) -> bytes:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer path is not a file: {path}")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _load_sentencepiece(model_bytes: bytes, path: str) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(model_bytes)
+    except RuntimeError:
+        # The library's message is a C++ source location, so give our own.
+        raise ValueError(f"cannot load sentencepiece model {path}: not a valid model file") from None
+    return processor
+
+
+def _looks_like_tiktoken(model_bytes: bytes) -> bool:
+    first_line = model_bytes.split(b"\n", 1)[0]
+    parts = first_line.split()
+    if len(parts) != 2 or not parts[1].isdigit():
+        return False
+    try:
+        base64.b64decode(parts[0], validate=True)
+    except binascii.Error:
+        return False
+    return True
+
+
+def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line_number, line in enumerate(model_bytes.splitlines(), start=1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{path}:{line_number}: expected 'base64-token rank'") from None
+        if token in ranks:
+            raise ValueError(f"{path}:{line_number}: duplicate token")
+        ranks[token] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"tiktoken file {path}: ranks must be exactly 0..{len(ranks) - 1}")
+    missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing_bytes:
+        # Without all single bytes some texts have no encoding (tiktoken panics).
+        raise ValueError(
+            f"tiktoken file {path}: {len(missing_bytes)} of the 256 single-byte tokens are missing"
+        )
+    return ranks
+
+
+def _split_for_tiktoken(text: str) -> Iterator[str]:
+    """Cut ``text`` into pieces tiktoken encodes quickly: runs of (non-)whitespace
+    of at most 25k chars and chunks of at most 400k chars cut before a space."""
+    start = 0
+    for run in _LONG_RUN.finditer(text):
+        yield from _bounded_chunks(text[start : run.start()])
+        for run_start in range(run.start(), run.end(), _TIKTOKEN_MAX_RUN_CHARS):
+            yield text[run_start : min(run_start + _TIKTOKEN_MAX_RUN_CHARS, run.end())]
+        start = run.end()
+    yield from _bounded_chunks(text[start:])
+
+
+def _bounded_chunks(text: str) -> Iterator[str]:
+    while len(text) > _TIKTOKEN_MAX_CHUNK_CHARS:
+        # Cutting before whitespace keeps " word" pre-tokens intact; the text has
+        # no run longer than 25k chars, so whitespace exists in the window.
+        cut = max(text.rfind(space, 1, _TIKTOKEN_MAX_CHUNK_CHARS) for space in " \n\t")
+        if cut <= 0:
+            cut = _TIKTOKEN_MAX_CHUNK_CHARS
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
+def _train_default_model(output_path: str, vocab_size: int) -> None:
+    # data.py imports this module, so import its corpus lazily.
+    from trainer.data import default_corpus_texts
+
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_training_lines(default_corpus_texts()),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            # Identity normalization without dummy prefix: decode(encode(s)) == s.
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,  # code indentation
+            split_digits=True,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            # Bounded, unshuffled input and one thread: deterministic and fast.
+            input_sentence_size=_DEFAULT_MAX_TRAINING_LINES,
+            shuffle_input_sentence=False,
+            max_sentence_length=4 * _DEFAULT_MAX_LINE_CHARS,  # bytes; UTF-8 <= 4 per char
+            num_threads=1,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            minloglevel=2,  # errors only
+        )
+    except RuntimeError as error:
+        reason = str(error).rsplit("] ", 1)[-1]  # drop the C++ source location
+        raise ValueError(
+            f"cannot train the default tokenizer with vocab_size={vocab_size}: {reason}"
+        ) from None
+    with open(output_path, "wb") as f:
+        f.write(model.getvalue())
+
+
+def _training_lines(texts: Iterable[str]) -> Iterator[str]:
+    """Non-blank lines of ``texts``, truncated, at most the training line budget."""
+    count = 0
+    for text in texts:
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            yield line[:_DEFAULT_MAX_LINE_CHARS]
+            count += 1
+            if count == _DEFAULT_MAX_TRAINING_LINES:
+                return
