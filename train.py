@@ -24,10 +24,8 @@ def main(argv: list[str]) -> int:
         from trainer.trainer import Trainer
 
         trainer = Trainer(config)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+        trainer.train()
+        trainer.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

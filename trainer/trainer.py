@@ -225,4 +225,7 @@ class Trainer:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # Leave together: a rank tearing down its connections while a peer still uses them
+            # makes gloo abort the peer.
+            dist.barrier()
             dist.destroy_process_group()
