@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
     try:

@@ -441,8 +441,23 @@ def _apply_toml(config: JobConfig, path: str) -> None:
     config.job.config_file = path
 
 
+def _unavailable(config: JobConfig) -> dict[str, bool]:
+    """Options whose feature has not landed yet: refused up front rather than ignored."""
+    p = config.parallelism
+    return {
+        "parallelism.data_parallel_impl = simple_fsdp": p.data_parallel_impl == "simple_fsdp",
+        "parallelism.tensor_parallel_degree > 1": p.tensor_parallel_degree > 1,
+        "parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
+        "compile.enable": config.compile.enable,
+        "checkpoint.enable": config.checkpoint.enable,
+    }
+
+
 def validate(config: JobConfig) -> None:
     """Checks value ranges and choices that do not depend on the world size."""
+    for option, requested in _unavailable(config).items():
+        if requested:
+            raise ConfigError(f"{option}: not available yet in this version of Tessera")
     for key, choices in CHOICES.items():
         section_name, _, field_name = key.partition(".")
         value = getattr(getattr(config, section_name), field_name)

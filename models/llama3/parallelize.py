@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
-from trainer.config import ConfigError, JobConfig
+from trainer.config import JobConfig
 from trainer.distributed import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -19,17 +19,6 @@ def parallelize_llama(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig
 ) -> None:
     """Applies the configured parallelisms to ``model`` (built on the meta device) in place."""
-    if parallel_dims.tp_enabled:
-        raise ConfigError("parallelism.tensor_parallel_degree > 1: tensor parallelism is not available yet")
-    if parallel_dims.pp_enabled:
-        raise ConfigError("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not available yet")
-    if config.compile.enable:
-        raise ConfigError("compile.enable: torch.compile is not available yet")
-    if config.parallelism.data_parallel_impl != "fsdp2":
-        raise ConfigError(
-            f"parallelism.data_parallel_impl: '{config.parallelism.data_parallel_impl}' is not available yet"
-        )
-
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
     if not parallel_dims.dp_enabled:

@@ -26,7 +26,7 @@ def test_cli_forms_and_types():
             "--training.steps", "20",
             "--lr_scheduler.warmup_steps", "2",
             "--optimizer.lr=3e-4",
-            "--compile.enable",
+            "--profiling.enable_profiling",
             "--metrics.enable_tensorboard", "false",
             "--training.global_batch_size", "-1",
             "--lr_scheduler.decay_ratio", "0.2",
@@ -34,7 +34,7 @@ def test_cli_forms_and_types():
     )
     assert config.training.steps == 20
     assert config.optimizer.lr == 3e-4
-    assert config.compile.enable is True
+    assert config.profiling.enable_profiling is True
     assert config.metrics.enable_tensorboard is False
     assert config.training.global_batch_size == -1
     assert config.lr_scheduler.decay_ratio == 0.2
@@ -64,6 +64,8 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--training.steps", "2.5"], "training.steps: expected an integer"),
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
         (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
+        (["--compile.enable"], "compile.enable: not available yet"),
+        (["--parallelism.data_parallel_impl", "simple_fsdp"], "simple_fsdp: not available yet"),
         (["--training.steps"], "--training.steps needs a value"),
         (["--job.config_file", "/no/such/file.toml"], "config file not found: /no/such/file.toml"),
         (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),
@@ -99,9 +101,9 @@ def test_bad_toml_input(tmp_path, text, message):
 
 def test_degrees_must_match_world_size():
     with pytest.raises(ConfigError, match="multiply to 8 .* world size is 4"):
-        check(["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"], 4)
+        check(["--parallelism.data_parallel_shard_degree", "4", "--parallelism.data_parallel_replicate_degree", "2"], 4)
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):
-        check(["--parallelism.tensor_parallel_degree", "4"], 6)
+        check(["--parallelism.data_parallel_replicate_degree", "4"], 6)
     check(["--parallelism.data_parallel_replicate_degree", "2"], 4)  # shard degree -1 takes the rest
 
 
@@ -127,7 +129,7 @@ def test_help_lists_every_field_with_doc_and_default():
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
     config = load_config(
-        ["--training.steps", "5", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--compile.enable"]
+        ["--training.steps", "5", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--debug.deterministic"]
     )
     path = write(tmp_path, to_toml(config))
     config.job.config_file = path
