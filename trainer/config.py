@@ -152,6 +152,17 @@ class Compile:
     """torch.compile the model (per transformer block for fsdp2, whole model for simple_fsdp)."""
     backend: str = "inductor"
     """torch.compile backend: inductor or aot_eager."""
+    bucketing: str = "manual"
+    """SimpleFSDP collective bucketing in the compiled graph: none (one all-gather and one
+    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (the greedy planner)."""
+    manual_buckets: list[str] = field(default_factory=list)
+    """Buckets for manual bucketing, each a '+'-joined list of module-name patterns
+    (e.g. 'layers.0+layers.1', 'norm+output'); empty = one bucket per transformer block,
+    tok_embeddings, and norm+output."""
+    bucket_memory_cap_mb: float = 1024.0
+    """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
+    compute_flops: typing.Optional[float] = None
+    """Auto bucketing: FLOP/s one rank achieves; unset = measured by a matmul benchmark."""
 
 
 @dataclass
@@ -168,6 +179,11 @@ class Metrics:
 
 @dataclass
 class Comm:
+    alpha_us: typing.Optional[float] = None
+    """Latency of one collective in microseconds for the auto bucket planner; unset (with
+    bandwidth_gbps) = calibrated at start by timing all-gathers on the data-parallel group."""
+    bandwidth_gbps: typing.Optional[float] = None
+    """Collective bandwidth in GB/s (bytes, not bits) for the auto bucket planner; unset = calibrated."""
     init_timeout_seconds: int = 300
     """Timeout of collectives during initialization (first step included)."""
     train_timeout_seconds: int = 100
@@ -237,6 +253,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.backend": ("inductor", "aot_eager"),
+    "compile.bucketing": ("none", "manual", "auto"),
 }
 
 
@@ -445,10 +462,8 @@ def _unavailable(config: JobConfig) -> dict[str, bool]:
     """Options whose feature has not landed yet: refused up front rather than ignored."""
     p = config.parallelism
     return {
-        "parallelism.data_parallel_impl = simple_fsdp": p.data_parallel_impl == "simple_fsdp",
         "parallelism.tensor_parallel_degree > 1": p.tensor_parallel_degree > 1,
         "parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
-        "compile.enable": config.compile.enable,
         "checkpoint.enable": config.checkpoint.enable,
     }
 
@@ -488,6 +503,8 @@ def validate(config: JobConfig) -> None:
                 f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
                 "is neither 'op' nor a positive integer"
             )
+    if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
+        raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
     lr = config.lr_scheduler
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")

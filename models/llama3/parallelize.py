@@ -1,16 +1,35 @@
 """Maps a job config to the parallelisms applied to a Llama 3 model, in a fixed order:
-tensor parallel, activation checkpointing, compile, data parallel."""
+tensor parallel, activation checkpointing, compile, data parallel (SimpleFSDP is compiled after
+data parallel, so that its gathers are traced with the compute)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.bucket_plan import (
+    BucketPlan,
+    CommModel,
+    ComputeModel,
+    PlanUnit,
+    calibrate_comm_model,
+    default_manual_patterns,
+    plan_auto,
+    plan_manual,
+)
+from parallelisms.bucketing import BucketingPass
+from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
-from trainer.config import JobConfig
+from parallelisms.simple_fsdp import apply_simple_fsdp
+from trainer.config import JobConfig, user_input
 from trainer.distributed import ParallelDims
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -21,20 +40,121 @@ def parallelize_llama(
     """Applies the configured parallelisms to ``model`` (built on the meta device) in place."""
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
-    if not parallel_dims.dp_enabled:
-        return
+    simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"
+    if config.compile.enable and not simple_fsdp:
+        apply_compile_per_block(model.layers, config.compile.backend)
+
+    if parallel_dims.dp_enabled:
+        (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, mesh, config)
+
+    if config.compile.enable and simple_fsdp:
+        plan = _bucket_plan(model, parallel_dims, mesh, config)
+        if plan is not None:
+            logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
+        buckets = [bucket.units for bucket in plan.buckets] if plan is not None else None
+        apply_compile_whole_model(model, config.compile.backend, BucketingPass(buckets))
+
+
+def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
+    # Pipeline microbatches would re-gather every time: keep weights gathered under PP by default.
+    setting = config.parallelism.fsdp_reshard_after_forward
+    return setting == "always" or (setting == "default" and not parallel_dims.pp_enabled)
+
+
+def _dp_dims(parallel_dims: ParallelDims) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name, enabled in (
+            ("dp_replicate", parallel_dims.dp_replicate_enabled),
+            ("dp_shard", parallel_dims.fsdp_enabled),
+        )
+        if enabled
+    )
+
+
+def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> None:
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+    dp_mesh = mesh[_dp_dims(parallel_dims)]
     if parallel_dims.fsdp_enabled:
-        dp_dims = ("dp_replicate", "dp_shard") if parallel_dims.dp_replicate_enabled else ("dp_shard",)
-        reshard = config.parallelism.fsdp_reshard_after_forward
         apply_fsdp2(
             model,
-            mesh[dp_dims],
+            dp_mesh,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard == "always" or (reshard == "default" and not parallel_dims.pp_enabled),
+            reshard_after_forward=_reshard_after_forward(parallel_dims, config),
             blocks=list(model.layers.values()),
         )
     else:
-        apply_ddp(model, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_ddp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> None:
+    if not parallel_dims.fsdp_enabled:
+        mode = "replicate"
+    else:
+        mode = "hybrid_shard" if parallel_dims.dp_replicate_enabled else "fully_shard"
+    apply_simple_fsdp(
+        model,
+        mesh[_dp_dims(parallel_dims)],
+        mode=mode,
+        param_dtype=DTYPES[config.training.mixed_precision_param],
+        reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+        reshard_after_forward=_reshard_after_forward(parallel_dims, config),
+        reshard_blocks=list(model.layers.values()),
+        compiled=config.compile.enable,
+    )
+
+
+def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> list[PlanUnit]:
+    """The model's bucketing units in forward order, with gathered bytes and matmul FLOPs for
+    ``tokens`` tokens per microbatch (backward = 2 x forward)."""
+    args = model.args
+    units = []
+    for name, module in [("tok_embeddings", model.tok_embeddings), *((f"layers.{i}", b) for i, b in model.layers.items()),
+                         ("norm", model.norm), ("output", model.output)]:
+        if module is None:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        # An embedding lookup and a norm do no matmuls; blocks add attention scores and values.
+        forward = 0.0 if name in ("tok_embeddings", "norm") else 2.0 * numel * tokens
+        if name.startswith("layers."):
+            forward += 4.0 * tokens * args.max_seq_len * args.dim
+        units.append(PlanUnit(name, numel * param_dtype.itemsize, forward, 2.0 * forward))
+    return units
+
+
+def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> BucketPlan | None:
+    """The bucket plan, or None when there is nothing to bucket (bucketing none, or no data parallelism)."""
+    if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
+        return None
+    param_dtype = DTYPES[config.training.mixed_precision_param]
+    units = plan_units(model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype)
+    if config.compile.bucketing == "manual":
+        with user_input("compile.manual_buckets"):
+            return plan_manual(units, config.compile.manual_buckets or default_manual_patterns([u.name for u in units]))
+
+    dp_group = parallel_dims.dp_mesh(mesh).get_group()
+    with user_input():
+        if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
+            comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
+        else:
+            comm = calibrate_comm_model(dp_group, device=mesh.device_type)
+            logger.info(
+                "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
+                comm.alpha_s * 1e6,
+                comm.bandwidth_bytes_per_s / 1e9,
+            )
+        compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(mesh.device_type), param_dtype)
+        # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
+        rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=mesh.device_type)
+        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+        return plan_auto(
+            units,
+            comm,
+            ComputeModel(rate.item()),
+            world_size=parallel_dims.dp_degree,
+            memory_cap_bytes=int(config.compile.bucket_memory_cap_mb * 2**20),
+            reduce_scatter_bytes_factor=DTYPES[config.training.mixed_precision_reduce].itemsize / param_dtype.itemsize,
+            reshard_after_forward=_reshard_after_forward(parallel_dims, config),
+        )

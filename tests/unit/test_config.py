@@ -27,6 +27,7 @@ def test_cli_forms_and_types():
             "--lr_scheduler.warmup_steps", "2",
             "--optimizer.lr=3e-4",
             "--profiling.enable_profiling",
+            "--compile.manual_buckets", "layers.0+layers.1, norm+output",
             "--metrics.enable_tensorboard", "false",
             "--training.global_batch_size", "-1",
             "--lr_scheduler.decay_ratio", "0.2",
@@ -35,6 +36,7 @@ def test_cli_forms_and_types():
     assert config.training.steps == 20
     assert config.optimizer.lr == 3e-4
     assert config.profiling.enable_profiling is True
+    assert config.compile.manual_buckets == ["layers.0+layers.1", "norm+output"]
     assert config.metrics.enable_tensorboard is False
     assert config.training.global_batch_size == -1
     assert config.lr_scheduler.decay_ratio == 0.2
@@ -64,8 +66,9 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--training.steps", "2.5"], "training.steps: expected an integer"),
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
         (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
-        (["--compile.enable"], "compile.enable: not available yet"),
-        (["--parallelism.data_parallel_impl", "simple_fsdp"], "simple_fsdp: not available yet"),
+        (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree > 1: not available yet"),
+        (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
+        (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto"),
         (["--training.steps"], "--training.steps needs a value"),
         (["--job.config_file", "/no/such/file.toml"], "config file not found: /no/such/file.toml"),
         (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),

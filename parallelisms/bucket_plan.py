@@ -1,0 +1,578 @@
+"""Bucket plans for SimpleFSDP: which modules share one all-gather and one reduce-scatter.
+
+Pure planning logic (no FX graphs): the graph pass merges the collectives of each bucket.
+
+Cost models
+    * ``CommModel``: alpha-beta model of one ring collective, calibrated on the real process
+      group (``calibrate_comm_model``) or given per cluster (``comm.alpha_us``,
+      ``comm.bandwidth_gbps``).
+    * ``ComputeModel``: a FLOP rate (``compile.compute_flops``, or a matmul benchmark).
+
+Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one step per bucket)
+    Forward, step ``i`` runs ``B_i``'s forward compute ``F_i``:
+        * ``AG(B_0)`` has nothing to hide behind: fully exposed.
+        * ``AG(B_{i+1})`` is prefetched, issued before ``F_i`` and overlapping it.
+        * exposed_forward[i] = ``AG(B_0)`` for i = 0, else ``max(0, AG(B_i) - F_{i-1})``.
+    Backward runs ``B_{n-1} .. B_0``; step ``i`` runs ``B_i``'s backward compute ``G_i``:
+        * ``RS(B_{i+1})``, issued once ``G_{i+1}`` produced its gradients, overlaps ``G_i``.
+        * ``AG(B_{i-1})``, the re-gather of resharded weights, is prefetched during ``G_i``.
+        * the re-gather ``AG(B_{n-1})`` (first backward step) and ``RS(B_0)`` (after the last)
+          have nothing to hide behind: fully exposed, charged to their own step.
+        * exposed_backward[i] = ``max(0, RS(B_{i+1}) + AG(B_{i-1}) - G_i)``, plus those two
+          unhidden collectives on steps ``n-1`` and ``0``. Without resharding there are no
+          re-gathers, so every backward ``AG`` term is 0.
+    Memory: while ``B_i`` computes, ``B_{i+1}`` is being gathered, so the gathered weights of
+    two consecutive buckets are alive together; their sum must stay under the memory cap.
+
+Greedy auto wrapping (the SimpleFSDP paper's algorithm, ``plan_auto``)
+    Walk the units in execution order. The current bucket ``C = B_k`` absorbs the next unit
+    while, for the grown bucket:
+        (forward)  ``AG(C) <= F_{k-1}``                      (``F_{-1} = 0``: ``B_0`` stays one unit)
+        (backward) ``RS(C) + AG(B_{k-2}) <= G_{k-1}``        (the backward step ``C``'s RS overlaps)
+        (memory)   ``bytes(B_{k-1}) + bytes(C) <= memory cap``
+    otherwise ``C`` is closed and the unit starts ``B_{k+1}``. Each check is the budget of one
+    compute step whose other costs belong to closed buckets, and growing ``C`` only makes it
+    harder, so the greedy never revisits a decision. ``C``'s own re-gather overlaps ``G_{k+1}``,
+    a step not formed yet: it is checked when ``B_{k+2}`` grows, where ``C`` is the ``B_{k-2}``.
+    A unit that breaks a check on its own still gets a bucket (a module is never split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.metrics import device_peak_flops
+
+logger = logging.getLogger(__name__)
+
+# Config options named in error messages, so a bad value points at what to change.
+ALPHA_OPTION = "comm.alpha_us"
+BANDWIDTH_OPTION = "comm.bandwidth_gbps"
+COMPUTE_OPTION = "compile.compute_flops"
+
+_MIB = 1024**2
+
+
+def _ring_fraction(world_size: int) -> float:
+    """Fraction of the full buffer each rank sends (and receives) in a ring all-gather/reduce-scatter."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return (world_size - 1) / world_size
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Alpha-beta cost of one collective: ``time(bytes) = alpha_s + bytes / bandwidth_bytes_per_s``.
+
+    ``alpha_s`` is the fixed latency of one collective (launch plus ring start-up), in seconds;
+    ``bandwidth_bytes_per_s`` is the bus bandwidth, the rate nccl-tests reports as ``busbw``.
+    """
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                f"{BANDWIDTH_OPTION} must be a finite number > 0, got a bandwidth of "
+                f"{self.bandwidth_bytes_per_s} bytes/s"
+            )
+        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
+            raise ValueError(f"{ALPHA_OPTION} must be a finite number >= 0, got alpha = {self.alpha_s} s")
+
+    @classmethod
+    def from_config(cls, alpha_us: float, bandwidth_gbps: float) -> CommModel:
+        """From config units: latency in microseconds, bus bandwidth in GB/s (1e9 bytes per second)."""
+        return cls(alpha_s=alpha_us * 1e-6, bandwidth_bytes_per_s=bandwidth_gbps * 1e9)
+
+    def time(self, num_bytes: float) -> float:
+        """Seconds to move ``num_bytes`` through one link."""
+        return self.alpha_s + num_bytes / self.bandwidth_bytes_per_s
+
+    def all_gather_time(self, full_bytes: float, world_size: int) -> float:
+        """Ring all-gather producing ``full_bytes`` on each of ``world_size`` ranks.
+
+        ``alpha + (N - 1) / N * full_bytes / bandwidth``: each rank forwards the N - 1 shards it
+        does not own. An empty bucket issues no collective and costs nothing.
+        """
+        if full_bytes == 0:
+            return 0.0
+        return self.time(_ring_fraction(world_size) * full_bytes)
+
+    def reduce_scatter_time(self, full_bytes: float, world_size: int) -> float:
+        """Ring reduce-scatter of a ``full_bytes`` gradient buffer over ``world_size`` ranks.
+
+        The mirror of the all-gather, same bytes on the wire:
+        ``alpha + (N - 1) / N * full_bytes / bandwidth`` (the reduction arithmetic is ignored).
+        """
+        return self.all_gather_time(full_bytes, world_size)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Compute time from a FLOP count at a fixed achieved rate."""
+
+    flops_per_second: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.flops_per_second) and self.flops_per_second > 0):
+            raise ValueError(
+                f"{COMPUTE_OPTION} must be a finite number > 0, got {self.flops_per_second} FLOP/s"
+            )
+
+    @classmethod
+    def from_config(
+        cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype
+    ) -> ComputeModel:
+        """The configured rate, or when unset the one ``measure_flops_per_second`` finds."""
+        if compute_flops is None:
+            return cls(measure_flops_per_second(device, dtype))
+        return cls(float(compute_flops))
+
+    def time(self, flops: float) -> float:
+        """Seconds to run ``flops`` floating-point operations."""
+        return flops / self.flops_per_second
+
+
+def measure_flops_per_second(device: torch.device | str, dtype: torch.dtype) -> float:
+    """Matmul FLOP/s of ``device`` in ``dtype``.
+
+    Shares ``trainer.metrics.device_peak_flops`` with the MFU metric, so the matmul benchmark
+    runs at most once per process: a measured rate on CPUs and unknown GPUs, the datasheet peak
+    on known GPUs (an optimistic compute time, so the planner errs towards smaller buckets).
+    """
+    return device_peak_flops(torch.device(device), dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+class _AllGatherTimer:
+    """Times one all-gather into a single tensor on the real group; buffers are kept per message size."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self._group = group
+        self._device = device
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, full_bytes: int) -> float:
+        if full_bytes not in self._buffers:
+            world_size = dist.get_world_size(self._group)
+            shard = torch.ones(full_bytes // world_size, dtype=torch.uint8, device=self._device)
+            output = torch.empty(full_bytes, dtype=torch.uint8, device=self._device)
+            self._buffers[full_bytes] = (shard, output)
+        shard, output = self._buffers[full_bytes]
+        _synchronize(self._device)
+        start = time.perf_counter()
+        dist.all_gather_single(output, shard, group=self._group)  # all_gather_into_tensor's new name
+        _synchronize(self._device)
+        return time.perf_counter() - start
+
+
+def calibrate_comm_model(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    sizes: tuple[int, int] = (64 * 1024, 16 * _MIB),
+    iters: int = 10,
+    warmup: int = 2,
+    time_all_gather: Callable[[int], float] | None = None,
+) -> CommModel:
+    """Fits a ``CommModel`` to all-gathers of two message sizes on ``group``; call it on every rank.
+
+    Each size (full gathered bytes, rounded down to a multiple of the world size) gets
+    ``warmup`` untimed runs, a barrier so all ranks start together, and ``iters`` timed runs
+    whose median is this rank's time. The slowest rank's time (all-reduce MAX) is what a
+    collective costs, and it makes every rank return the same model. Two points of
+    ``t = alpha + (N - 1) / N * bytes / bandwidth`` give bandwidth and alpha.
+
+    Args:
+        time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
+            inject a fake one. Default: a real all-gather (``all_gather_single``) on ``group``.
+
+    Raises:
+        ValueError: fewer than 2 ranks (no traffic to time) or bad sizes/iterations.
+        RuntimeError: the large message was not slower than the small one; set
+            ``comm.alpha_us`` and ``comm.bandwidth_gbps`` instead.
+    """
+    world_size = dist.get_world_size(group)
+    if world_size < 2:
+        raise ValueError(f"calibrate_comm_model needs >= 2 ranks to time traffic, got {world_size}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"calibrate_comm_model: need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+    small_bytes, large_bytes = (size // world_size * world_size for size in sizes)
+    if not 0 < small_bytes < large_bytes:
+        raise ValueError(
+            f"calibrate_comm_model: need 0 < small < large message bytes (after rounding to a multiple of "
+            f"{world_size} ranks), got sizes {sizes}"
+        )
+    device = torch.device(device)
+    timer = time_all_gather or _AllGatherTimer(group, device)
+
+    local_medians = []
+    for full_bytes in (small_bytes, large_bytes):
+        for _ in range(warmup):
+            timer(full_bytes)
+        dist.barrier(group)
+        local_medians.append(statistics.median(timer(full_bytes) for _ in range(iters)))
+    slowest = torch.tensor(local_medians, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    small_s, large_s = slowest.tolist()
+    model = _fit_alpha_beta(small_bytes, small_s, large_bytes, large_s, world_size)
+    logger.info(
+        "Calibrated all-gather over %d ranks: %.1f us for %d B, %.1f us for %d B -> alpha %.1f us, "
+        "bandwidth %.3f GB/s",
+        world_size,
+        small_s * 1e6,
+        small_bytes,
+        large_s * 1e6,
+        large_bytes,
+        model.alpha_s * 1e6,
+        model.bandwidth_bytes_per_s / 1e9,
+    )
+    return model
+
+
+def _fit_alpha_beta(small_bytes: int, small_s: float, large_bytes: int, large_s: float, world_size: int) -> CommModel:
+    """The alpha-beta model through two timed all-gathers."""
+    if not large_s > small_s:
+        raise RuntimeError(
+            f"Communication calibration failed: an all-gather of {large_bytes} B took {large_s:.3e} s, "
+            f"not longer than {small_bytes} B ({small_s:.3e} s). Timing is too noisy; set "
+            f"{ALPHA_OPTION} and {BANDWIDTH_OPTION} explicitly or calibrate with larger sizes."
+        )
+    fraction = _ring_fraction(world_size)
+    bandwidth = fraction * (large_bytes - small_bytes) / (large_s - small_s)
+    alpha = small_s - fraction * small_bytes / bandwidth
+    if alpha < 0:
+        # Timing noise can put the fitted line below the origin; a latency cannot be negative.
+        logger.warning("Calibrated all-gather latency %.3e s is negative: using 0", alpha)
+        alpha = 0.0
+    return CommModel(alpha_s=alpha, bandwidth_bytes_per_s=bandwidth)
+
+
+@dataclass(frozen=True)
+class PlanUnit:
+    """One module in forward execution order (e.g. ``tok_embeddings``, ``layers.0``, ``norm``, ``output``).
+
+    ``param_bytes`` are the full (unsharded) bytes of its parameters in the all-gather dtype.
+    """
+
+    name: str
+    param_bytes: int
+    forward_flops: float
+    backward_flops: float
+
+    def __post_init__(self) -> None:
+        if self.param_bytes < 0 or self.forward_flops < 0 or self.backward_flops < 0:
+            raise ValueError(f"PlanUnit {self.name!r}: bytes and FLOPs must be >= 0, got {self}")
+
+
+@dataclass
+class Bucket:
+    """Modules whose parameters share one all-gather and one reduce-scatter.
+
+    The predicted exposed times are ``None`` for a plan made without cost models.
+    """
+
+    units: list[str]
+    param_bytes: int
+    predicted_exposed_forward_s: float | None
+    predicted_exposed_backward_s: float | None
+
+
+@dataclass
+class BucketPlan:
+    """Buckets in forward execution order; together they hold every unit exactly once."""
+
+    buckets: list[Bucket]
+
+    def describe(self) -> str:
+        """A readable table: bucket index, modules, gathered MiB, predicted exposed comm."""
+        lines = [f"{'bucket':>6}  {'modules':<40}  {'MiB':>9}  {'exposed fwd ms':>14}  {'exposed bwd ms':>14}"]
+        for index, bucket in enumerate(self.buckets):
+            lines.append(
+                f"{index:>6}  {_summarize_names(bucket.units):<40}  {bucket.param_bytes / _MIB:>9.2f}  "
+                f"{_milliseconds(bucket.predicted_exposed_forward_s):>14}  "
+                f"{_milliseconds(bucket.predicted_exposed_backward_s):>14}"
+            )
+        total_bytes = sum(bucket.param_bytes for bucket in self.buckets)
+        total_forward = _sum_or_none([bucket.predicted_exposed_forward_s for bucket in self.buckets])
+        total_backward = _sum_or_none([bucket.predicted_exposed_backward_s for bucket in self.buckets])
+        lines.append(
+            f"{'total':>6}  {f'{len(self.buckets)} buckets':<40}  {total_bytes / _MIB:>9.2f}  "
+            f"{_milliseconds(total_forward):>14}  {_milliseconds(total_backward):>14}"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """Plain, JSON-serializable form: ``{"buckets": [{units, param_bytes, predicted_...}, ...]}``."""
+        return dataclasses.asdict(self)
+
+
+def _summarize_names(names: list[str]) -> str:
+    # A 32-layer bucket on one line would push the numbers off screen.
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)} modules)"
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _sum_or_none(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return sum(known) if len(known) == len(values) else None
+
+
+def _check_units(units: Sequence[PlanUnit]) -> None:
+    if not units:
+        raise ValueError("A bucket plan needs at least one unit")
+    names = [unit.name for unit in units]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"Unit names must be unique, repeated: {duplicates}")
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Per-bucket times under one set of cost models (see the module docstring for their use)."""
+
+    comm: CommModel
+    compute: ComputeModel
+    world_size: int
+    reduce_scatter_bytes_factor: float
+    reshard_after_forward: bool
+
+    def __post_init__(self) -> None:
+        _ring_fraction(self.world_size)  # validates world_size
+        factor = self.reduce_scatter_bytes_factor
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"reduce_scatter_bytes_factor must be > 0, got {factor}")
+
+    def all_gather(self, units: Sequence[PlanUnit]) -> float:
+        return self.comm.all_gather_time(sum(unit.param_bytes for unit in units), self.world_size)
+
+    def regather(self, units: Sequence[PlanUnit]) -> float:
+        """Backward all-gather: only resharded weights are gathered again."""
+        return self.all_gather(units) if self.reshard_after_forward else 0.0
+
+    def reduce_scatter(self, units: Sequence[PlanUnit]) -> float:
+        gradient_bytes = sum(unit.param_bytes for unit in units) * self.reduce_scatter_bytes_factor
+        return self.comm.reduce_scatter_time(gradient_bytes, self.world_size)
+
+    def forward(self, units: Sequence[PlanUnit]) -> float:
+        return self.compute.time(sum(unit.forward_flops for unit in units))
+
+    def backward(self, units: Sequence[PlanUnit]) -> float:
+        return self.compute.time(sum(unit.backward_flops for unit in units))
+
+
+def _predict(groups: list[list[PlanUnit]], costs: _Costs) -> BucketPlan:
+    """Buckets with the exposed communication of each step, as defined in the module docstring."""
+    count = len(groups)
+    buckets = []
+    for i, group in enumerate(groups):
+        if i == 0:
+            exposed_forward = costs.all_gather(group)
+        else:
+            exposed_forward = max(0.0, costs.all_gather(group) - costs.forward(groups[i - 1]))
+        overlapped = (costs.reduce_scatter(groups[i + 1]) if i + 1 < count else 0.0) + (
+            costs.regather(groups[i - 1]) if i > 0 else 0.0
+        )
+        exposed_backward = max(0.0, overlapped - costs.backward(group))
+        if i == count - 1:
+            exposed_backward += costs.regather(group)
+        if i == 0:
+            exposed_backward += costs.reduce_scatter(group)
+        buckets.append(
+            Bucket(
+                units=[unit.name for unit in group],
+                param_bytes=sum(unit.param_bytes for unit in group),
+                predicted_exposed_forward_s=exposed_forward,
+                predicted_exposed_backward_s=exposed_backward,
+            )
+        )
+    return BucketPlan(buckets)
+
+
+def predict_plan(
+    units: Sequence[PlanUnit],
+    bucket_units: Sequence[Sequence[str]],
+    comm: CommModel,
+    compute: ComputeModel,
+    world_size: int,
+    *,
+    reduce_scatter_bytes_factor: float = 1.0,
+    reshard_after_forward: bool = True,
+) -> BucketPlan:
+    """The plan with the given buckets (unit names, in execution order) and its predicted exposed comm.
+
+    Use it to compare a manual plan with the auto one: ``predict_plan(units, [b.units for b in
+    plan_manual(units, patterns).buckets], ...)``. The buckets must list every unit once, in order.
+    """
+    _check_units(units)
+    costs = _Costs(comm, compute, world_size, reduce_scatter_bytes_factor, reshard_after_forward)
+    by_name = {unit.name: unit for unit in units}
+    flattened = [name for names in bucket_units for name in names]
+    if flattened != [unit.name for unit in units] or any(not names for names in bucket_units):
+        raise ValueError(
+            f"Buckets {[list(names) for names in bucket_units]} must be non-empty and list every unit once "
+            f"in execution order: {[unit.name for unit in units]}"
+        )
+    return _predict([[by_name[name] for name in names] for names in bucket_units], costs)
+
+
+def plan_auto(
+    units: Sequence[PlanUnit],
+    comm: CommModel,
+    compute: ComputeModel,
+    world_size: int,
+    memory_cap_bytes: int,
+    *,
+    reduce_scatter_bytes_factor: float = 1.0,
+    reshard_after_forward: bool = True,
+) -> BucketPlan:
+    """The SimpleFSDP paper's greedy bucketing (rules and overlap semantics: module docstring).
+
+    Args:
+        units: modules in forward execution order.
+        world_size: ranks of the all-gather / reduce-scatter (the data-parallel shard dim).
+        memory_cap_bytes: cap on the gathered bytes of two consecutive buckets (the one computing
+            and the one being prefetched). A unit that cannot fit is still planned, alone.
+        reduce_scatter_bytes_factor: gradient bytes per gathered parameter byte, i.e. reduce
+            dtype size / gather dtype size (2.0 for bf16 gathers with fp32 reduction).
+        reshard_after_forward: whether backward gathers the weights again (adds those
+            all-gathers to the backward overlap budget).
+    """
+    _check_units(units)
+    if memory_cap_bytes <= 0:
+        raise ValueError(f"memory_cap_bytes must be > 0, got {memory_cap_bytes}")
+    costs = _Costs(comm, compute, world_size, reduce_scatter_bytes_factor, reshard_after_forward)
+
+    closed: list[list[PlanUnit]] = []
+    current = [units[0]]
+    for unit in units[1:]:
+        grown = [*current, unit]
+        previous = closed[-1] if closed else []
+        before_previous = closed[-2] if len(closed) >= 2 else []
+        gather = costs.all_gather(grown)
+        forward_budget = costs.forward(previous)
+        backward_comm = costs.reduce_scatter(grown) + costs.regather(before_previous)
+        backward_budget = costs.backward(previous)
+        in_flight_bytes = sum(u.param_bytes for u in previous) + sum(u.param_bytes for u in grown)
+        if gather > forward_budget:
+            reason = f"forward all-gather {gather:.3e} s > previous bucket's forward {forward_budget:.3e} s"
+        elif backward_comm > backward_budget:
+            reason = f"backward comm {backward_comm:.3e} s > previous bucket's backward {backward_budget:.3e} s"
+        elif in_flight_bytes > memory_cap_bytes:
+            reason = f"gathered bytes of two buckets {in_flight_bytes} > cap {memory_cap_bytes}"
+        else:
+            current = grown
+            continue
+        logger.debug("Bucket %d closes before %s: %s", len(closed), unit.name, reason)
+        closed.append(current)
+        current = [unit]
+    closed.append(current)
+
+    for index, group in enumerate(closed):
+        neighbour_bytes = sum(u.param_bytes for u in closed[index - 1]) if index > 0 else 0
+        group_bytes = sum(u.param_bytes for u in group)
+        if neighbour_bytes + group_bytes > memory_cap_bytes:
+            # Only a lone unit can break the cap: a unit cannot be split across buckets.
+            logger.warning(
+                "Bucket %d (%s, %d B) with the bucket before it (%d B) exceeds the memory cap of %d B: "
+                "a single module cannot be split, so it gets its own bucket anyway",
+                index,
+                group[0].name,
+                group_bytes,
+                neighbour_bytes,
+                memory_cap_bytes,
+            )
+    return _predict(closed, costs)
+
+
+def _parse_spec(spec: str) -> list[str]:
+    patterns = [part.strip() for part in spec.split("+")]
+    if not all(patterns):
+        raise ValueError(f"Bucket spec {spec!r} has an empty pattern; write 'name+name', e.g. 'norm+output'")
+    return patterns
+
+
+def plan_manual(units: Sequence[PlanUnit], patterns: Sequence[str]) -> BucketPlan:
+    """Buckets named by the user, without cost predictions (see ``predict_plan`` for those).
+
+    Each spec in ``patterns`` is one bucket: ``+``-joined fnmatch patterns over unit names
+    (``"norm+output"``; ``"layers.*"`` puts every layer in ONE bucket). Units no spec matches
+    get a bucket each. Buckets are ordered by execution order.
+
+    Raises:
+        ValueError: a pattern matches no unit, a unit matches two specs, or a spec's units are
+            not contiguous in execution order (one bucket is gathered at one point in time).
+    """
+    _check_units(units)
+    names = [unit.name for unit in units]
+    owner: dict[str, str] = {}
+    groups: list[list[int]] = []
+    for spec in patterns:
+        indices: set[int] = set()
+        for pattern in _parse_spec(spec):
+            matched = {i for i, name in enumerate(names) if fnmatch.fnmatchcase(name, pattern)}
+            if not matched:
+                raise ValueError(f"Bucket pattern {pattern!r} (in spec {spec!r}) matches no module of {names}")
+            indices |= matched
+        for i in sorted(indices):
+            if names[i] in owner:
+                raise ValueError(
+                    f"Module {names[i]!r} is matched by two bucket specs: {owner[names[i]]!r} and {spec!r}"
+                )
+            owner[names[i]] = spec
+        ordered = sorted(indices)
+        if ordered[-1] - ordered[0] + 1 != len(ordered):
+            gaps = [names[i] for i in range(ordered[0], ordered[-1]) if i not in indices]
+            raise ValueError(
+                f"Bucket spec {spec!r} is not contiguous in execution order: it matches "
+                f"{[names[i] for i in ordered]} but not {gaps} in between"
+            )
+        groups.append(ordered)
+    groups.extend([i] for i, name in enumerate(names) if name not in owner)
+    groups.sort(key=lambda indices: indices[0])
+    return BucketPlan(
+        [
+            Bucket(
+                units=[names[i] for i in group],
+                param_bytes=sum(units[i].param_bytes for i in group),
+                predicted_exposed_forward_s=None,
+                predicted_exposed_backward_s=None,
+            )
+            for group in groups
+        ]
+    )
+
+
+def default_manual_patterns(unit_names: Sequence[str]) -> list[str]:
+    """The default manual plan: ``tok_embeddings``, each ``layers.<i>``, and ``norm+output``.
+
+    Modules a pipeline stage lacks are left out; any other module gets a bucket of its own.
+    """
+    tail = [name for name in unit_names if name in ("norm", "output")]
+    patterns = []
+    for name in unit_names:
+        if name not in tail:
+            patterns.append(glob.escape(name))  # a literal name, even with fnmatch metacharacters
+        elif name == tail[0]:
+            patterns.append("+".join(glob.escape(tail_name) for tail_name in tail))
+    return patterns

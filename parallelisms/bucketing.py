@@ -1,0 +1,233 @@
+"""Graph pass for SimpleFSDP: bucket the per-parameter collectives and reorder them for overlap.
+
+Works on the forward and backward graphs that torch.compile produces (AOT autograd graphs, or
+Inductor's post-grad graphs). Each collective is attributed to a *unit* (``tok_embeddings``,
+``layers.3``, ``norm`` ...) through the module stack recorded in the node's metadata; the plan
+maps units to buckets. torch's own ``merge_*_bucket`` functions do the merging; this pass decides
+what to merge and where everything goes:
+
+- all-gathers of a bucket become one, issued where the bucket's first all-gather was;
+- reduce-scatters (and all-reduces) of a bucket become one, issued once the last gradient of the
+  bucket is ready;
+- every wait moves as late as possible: right before the first computation that needs its result;
+- with ``reorder``, bucket i+1's all-gather is issued before bucket i's wait, so it runs while
+  bucket i computes (prefetch); a reduce-scatter's wait sinks to its first use (the graph
+  output), so it overlaps the backward compute of the buckets before it.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.fx_passes.bucketing import (
+    merge_all_gather_bucket,
+    merge_all_reduce_bucket,
+    merge_reduce_scatter_bucket,
+)
+
+c10d = torch.ops._c10d_functional
+ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
+REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
+ALL_REDUCES = {c10d.all_reduce.default}
+WAIT = c10d.wait_tensor.default
+
+# Ops that only re-describe a tensor: moving them together with the wait they follow is free.
+_VIEW_OPS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.narrow.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default,
+}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """'all_gather', 'reduce_scatter', 'all_reduce' or None."""
+    if node.op != "call_function":
+        return None
+    if node.target in ALL_GATHERS:
+        return "all_gather"
+    if node.target in REDUCE_SCATTERS:
+        return "reduce_scatter"
+    if node.target in ALL_REDUCES:
+        return "all_reduce"
+    return None
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The FQN of the innermost module that issued ``node`` (backward nodes carry the forward's)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)  # layers['0'] -> layers.0
+    path = re.sub(r"^L\.self\.?|^L\['self'\]\.?|^self\.?", "", path)
+    return re.sub(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module)(?=\.|$)", "", path).strip(".")
+
+
+def unit_of(path: str | None, units: list[str]) -> str | None:
+    """The longest unit name that is ``path`` or one of its ancestors."""
+    if path is None:
+        return None
+    matches = [u for u in units if path == u or path.startswith(u + ".")]
+    return max(matches, key=len) if matches else None
+
+
+@dataclass
+class GraphReport:
+    """What the pass saw and did in one graph: the collective counts after bucketing and, per
+    all-gather bucket in graph order, the bucket index."""
+
+    collectives: collections.Counter = field(default_factory=collections.Counter)
+    all_gather_buckets: list[int] = field(default_factory=list)
+
+
+class BucketingPass(CustomGraphPass):
+    """Buckets and reorders SimpleFSDP's collectives; usable as Inductor's
+    ``post_grad_custom_post_pass`` or called on AOT autograd graphs.
+
+    ``buckets`` lists unit names per bucket, in execution order; None means no bucketing (one
+    collective per parameter), still with waits sunk when ``reorder``.
+    """
+
+    def __init__(self, buckets: list[list[str]] | None, reorder: bool = True):
+        self.buckets = buckets
+        self.reorder = reorder
+        self.unit_to_bucket = {u: i for i, units in enumerate(buckets or []) for u in units}
+        self.reports: list[GraphReport] = []
+
+    def uuid(self) -> str:
+        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
+
+    def __call__(self, graph: fx.Graph) -> None:
+        report = GraphReport()
+        if self.buckets is not None:
+            self._merge(graph)
+        stable_topological_sort(graph)
+        if self.reorder:
+            for node in list(graph.nodes):
+                if node.op == "call_function" and node.target is WAIT:
+                    sink_wait(node)
+            self._prefetch_all_gathers(graph)
+        stable_topological_sort(graph)
+        graph.lint()
+        for node in graph.nodes:
+            kind = collective_kind(node)
+            if kind:
+                report.collectives[kind] += 1
+                if kind == "all_gather":
+                    report.all_gather_buckets.append(self._bucket_of(node))
+        self.reports.append(report)
+
+    def _bucket_of(self, node: fx.Node) -> int:
+        if "tessera_bucket" in node.meta:
+            return node.meta["tessera_bucket"]
+        unit = unit_of(module_path(node), list(self.unit_to_bucket))
+        if unit is None:
+            raise RuntimeError(f"cannot attribute collective {node.name} to a bucket unit")
+        return self.unit_to_bucket[unit]
+
+    def _merge(self, graph: fx.Graph) -> None:
+        groups: dict[tuple, list[fx.Node]] = collections.defaultdict(list)
+        for node in graph.nodes:
+            kind = collective_kind(node)
+            if kind:
+                # Only collectives over the same group and dtype can share a buffer.
+                key = (kind, self._bucket_of(node), str(node.args[-1]), node.meta["val"].dtype)
+                groups[key].append(node)
+        for (kind, bucket, _, _), nodes in groups.items():
+            if kind == "all_gather":
+                # Shards are graph inputs (or casts of them): gather them all up front.
+                new_nodes, _ = merge_all_gather_bucket(graph, nodes, insert_before=nodes[0])
+            elif kind == "reduce_scatter":
+                new_nodes, _ = merge_reduce_scatter_bucket(graph, nodes)
+            else:
+                new_nodes, _ = merge_all_reduce_bucket(graph, nodes)
+            for node in new_nodes:
+                node.meta["tessera_bucket"] = bucket
+
+    def _prefetch_all_gathers(self, graph: fx.Graph) -> None:
+        """Issues each all-gather right before the previous all-gather's wait."""
+        gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather"]
+        for previous, gather in zip(gathers, gathers[1:]):
+            previous_wait = next(iter(previous.users))
+            for node in issue_chain(gather):
+                previous_wait.prepend(node)
+
+
+def issue_chain(collective: fx.Node) -> list[fx.Node]:
+    """The collective and the non-input nodes it depends on (buffer set-up, casts), in graph order."""
+    chain: set[fx.Node] = set()
+    stack = [collective]
+    while stack:
+        node = stack.pop()
+        if node in chain or node.op in ("placeholder", "get_attr"):
+            continue
+        chain.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in collective.graph.nodes if n in chain]
+
+
+def sink_wait(wait: fx.Node) -> None:
+    """Moves ``wait`` (and the views of its result) to right before the first real use."""
+    movable = [wait]
+    frontier = list(wait.users)
+    first_use: fx.Node | None = None
+    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    while frontier:
+        user = frontier.pop()
+        is_view = user.op == "call_function" and (
+            user.target in _VIEW_OPS or user.target is operator.getitem
+        )
+        if is_view and all(inp in movable or order[inp] < order[wait] for inp in user.all_input_nodes):
+            if user not in movable:
+                movable.append(user)
+                frontier.extend(user.users)
+        elif first_use is None or order[user] < order[first_use]:
+            first_use = user
+    if first_use is None:
+        return
+    for node in sorted(movable, key=order.__getitem__):
+        first_use.prepend(node)
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorders nodes so every input comes before its users, keeping the given order otherwise
+    (an input found late is pulled up to just before its first user)."""
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def place(node: fx.Node) -> None:
+        stack = [(node, False)]
+        while stack:
+            current, inputs_done = stack.pop()
+            if current in placed:
+                continue
+            if inputs_done:
+                placed.add(current)
+                order.append(current)
+                continue
+            stack.append((current, True))
+            stack.extend((inp, False) for inp in reversed(current.all_input_nodes) if inp not in placed)
+
+    for node in list(graph.nodes):
+        place(node)
+    first = next(iter(graph.nodes))
+    if order[0] is not first:
+        first.prepend(order[0])
+    for previous, node in zip(order, order[1:]):
+        previous.append(node)

@@ -1,0 +1,422 @@
+"""Tests for parallelisms.bucket_plan: cost models, calibration, auto and manual bucket plans.
+
+Most tests use world size 2 and a bandwidth of 0.5 B/s, so a collective of ``b`` full bytes takes
+``alpha + 0.5 * b / 0.5 = alpha + b`` seconds, and a compute rate of 1 FLOP/s, so FLOPs are
+seconds: every expected boundary below can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import random
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelisms.bucket_plan import (
+    BucketPlan,
+    CommModel,
+    ComputeModel,
+    PlanUnit,
+    calibrate_comm_model,
+    default_manual_patterns,
+    measure_flops_per_second,
+    plan_auto,
+    plan_manual,
+    predict_plan,
+)
+
+_WORLD_SIZE = 2
+_TIMEOUT_S = 90.0
+_UNIT_RATE = ComputeModel(flops_per_second=1.0)
+
+
+def _comm(alpha_s: float) -> CommModel:
+    """At world size 2: a collective of ``b`` full bytes takes ``alpha_s + b`` seconds."""
+    return CommModel(alpha_s=alpha_s, bandwidth_bytes_per_s=0.5)
+
+
+def _units(*specs: tuple[int, float, float]) -> list[PlanUnit]:
+    """Units ``u0, u1, ...`` from ``(param_bytes, forward_flops, backward_flops)``."""
+    return [PlanUnit(f"u{i}", *spec) for i, spec in enumerate(specs)]
+
+
+def _boundaries(plan: BucketPlan) -> list[list[str]]:
+    return [bucket.units for bucket in plan.buckets]
+
+
+# ---------------------------------------------------------------------------
+# Cost models
+# ---------------------------------------------------------------------------
+
+
+def test_comm_model_from_config_units_and_ring_formula() -> None:
+    comm = CommModel.from_config(alpha_us=10.0, bandwidth_gbps=2.0)
+    assert comm.alpha_s == pytest.approx(10e-6)
+    assert comm.bandwidth_bytes_per_s == pytest.approx(2e9)
+    assert comm.time(4e9) == pytest.approx(10e-6 + 2.0)
+    # Ring over 4 ranks: each rank moves 3/4 of the full bytes.
+    assert comm.all_gather_time(4e9, world_size=4) == pytest.approx(10e-6 + 1.5)
+    assert comm.reduce_scatter_time(4e9, world_size=4) == pytest.approx(10e-6 + 1.5)
+    assert comm.all_gather_time(0, world_size=4) == 0.0
+
+
+@pytest.mark.parametrize("bandwidth_gbps", [0.0, -1.0, math.inf, math.nan])
+def test_bad_bandwidth_names_the_option(bandwidth_gbps: float) -> None:
+    with pytest.raises(ValueError, match=r"comm\.bandwidth_gbps"):
+        CommModel.from_config(alpha_us=5.0, bandwidth_gbps=bandwidth_gbps)
+
+
+def test_negative_latency_names_the_option() -> None:
+    with pytest.raises(ValueError, match=r"comm\.alpha_us"):
+        CommModel.from_config(alpha_us=-1.0, bandwidth_gbps=10.0)
+
+
+@pytest.mark.parametrize("flops_per_second", [0.0, -5.0, math.nan])
+def test_bad_compute_rate_names_the_option(flops_per_second: float) -> None:
+    with pytest.raises(ValueError, match=r"compile\.compute_flops"):
+        ComputeModel(flops_per_second)
+    with pytest.raises(ValueError, match=r"compile\.compute_flops"):
+        ComputeModel.from_config(flops_per_second, "cpu", torch.float32)
+
+
+def test_compute_model_from_config_or_measured() -> None:
+    assert ComputeModel.from_config(2e12, "cpu", torch.float32).time(4e12) == pytest.approx(2.0)
+    measured = ComputeModel.from_config(None, "cpu", torch.float32).flops_per_second
+    assert measured == measure_flops_per_second("cpu", torch.float32)  # benchmarked once, cached
+    assert math.isfinite(measured) and measured > 0
+
+
+# ---------------------------------------------------------------------------
+# plan_auto: known boundaries
+# ---------------------------------------------------------------------------
+
+
+def test_expensive_comm_puts_every_unit_alone() -> None:
+    units = _units(*[(10, 1.0, 2.0)] * 4)  # a 20-byte merge takes 20 s against 1 s of compute
+    plan = plan_auto(units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10**9)
+    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3"]]
+
+
+def test_cheap_comm_merges_until_the_memory_cap() -> None:
+    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)
+    units = _units(*[(100, 1.0, 2.0)] * 6)
+    plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=400)
+    # u0 alone: nothing computes before it. Then the cap bounds two consecutive buckets:
+    # [u0] + [u1, u2, u3] = 400 <= 400, adding u4 makes 500; [u1..u3] + [u4, u5] = 500 > 400.
+    assert _boundaries(plan) == [["u0"], ["u1", "u2", "u3"], ["u4"], ["u5"]]
+    # Without a binding cap everything after u0 merges.
+    unbounded = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10**9)
+    assert _boundaries(unbounded) == [["u0"], ["u1", "u2", "u3", "u4", "u5"]]
+
+
+# (param_bytes, forward, backward); alpha = 1 s, so a collective of b bytes takes 1 + b seconds.
+_MIXED_UNITS = _units((2, 1, 2), (1, 4, 5), (1, 4, 8), (1, 4, 8), (1, 4, 8), (1, 2, 4))
+
+
+def test_mixed_case_each_rule_closes_one_bucket() -> None:
+    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3)
+    # u1 + u2: forward AG(2) = 3 s > F(u0) = 1 s                      -> forward rule closes [u1]
+    # u2 + u3: AG 3 <= F(u1) 4, but RS(2) 3 + re-gather AG(u0) 3 = 6 > G(u1) 5 -> backward rule
+    # u3 + u4: AG 3 <= F(u2) 4, RS 3 + AG(u1) 2 = 5 <= G(u2) 8, bytes 1 + 2 <= 3 -> merge
+    # + u5:    AG(3) 4 <= 4, RS 4 + AG(u1) 2 = 6 <= 8, but bytes 1 + 3 > 3    -> memory rule
+    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3", "u4"], ["u5"]]
+    assert [bucket.param_bytes for bucket in plan.buckets] == [2, 1, 1, 2, 1]
+
+
+def test_mixed_case_without_the_memory_cap_merges_the_tail() -> None:
+    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=100)
+    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3", "u4", "u5"]]
+
+
+def test_mixed_case_without_resharding_has_no_backward_regathers() -> None:
+    plan = plan_auto(
+        _MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3, reshard_after_forward=False
+    )
+    # u2 + u3: RS 3 <= G(u1) 5 now; + u4: bytes 1 + 3 > 3. Then [u4] + u5: bytes 2 + 2 > 3.
+    assert _boundaries(plan) == [["u0"], ["u1"], ["u2", "u3"], ["u4"], ["u5"]]
+
+
+def test_reduce_scatter_bytes_factor_tightens_the_backward_rule() -> None:
+    units = _units((1, 1, 1), (1, 3, 9), (1, 3, 9), (1, 3, 9))
+    plain = plan_auto(units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, 10**9, reshard_after_forward=False)
+    # [u2, u3]: RS 2 s <= G(u1) 9 s at factor 1; at factor 5 it is 10 s > 9 s.
+    assert _boundaries(plain) == [["u0"], ["u1"], ["u2", "u3"]]
+    wide = plan_auto(
+        units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, 10**9, reshard_after_forward=False, reduce_scatter_bytes_factor=5.0
+    )
+    assert _boundaries(wide) == [["u0"], ["u1"], ["u2"], ["u3"]]
+
+
+# ---------------------------------------------------------------------------
+# plan_auto: the memory cap
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_memory_cap_holds_for_every_multi_unit_bucket(seed: int) -> None:
+    rng = random.Random(seed)
+    units = _units(*[(rng.randint(1, 50), rng.uniform(1, 5), rng.uniform(2, 10)) for _ in range(30)])
+    cap = rng.randint(40, 150)
+    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)  # only the cap can close a bucket
+    plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=cap)
+    assert [name for bucket in plan.buckets for name in bucket.units] == [unit.name for unit in units]
+    for previous, bucket in zip([None, *plan.buckets], plan.buckets):
+        in_flight = bucket.param_bytes + (previous.param_bytes if previous else 0)
+        assert in_flight <= cap or len(bucket.units) == 1, (bucket, previous, cap)
+    assert len(plan.buckets) < len(units)  # the cap let buckets grow: this case is not vacuous
+
+
+def test_unit_larger_than_the_cap_gets_its_own_bucket(caplog: pytest.LogCaptureFixture) -> None:
+    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)
+    units = _units((1, 1, 1), (1, 1, 1), (10, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    with caplog.at_level(logging.WARNING, logger="parallelisms.bucket_plan"):
+        plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=5)
+    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3"], ["u4", "u5"]]
+    assert "u2" in caplog.text and "cannot be split" in caplog.text
+
+
+def test_bad_planner_inputs() -> None:
+    with pytest.raises(ValueError, match="memory_cap_bytes"):
+        plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=0)
+    with pytest.raises(ValueError, match="unique"):
+        plan_auto(_units((1, 1, 1)) * 2, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10)
+    with pytest.raises(ValueError, match="at least one unit"):
+        plan_auto([], _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10)
+    with pytest.raises(ValueError, match=">= 0"):
+        PlanUnit("bad", -1, 1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Predicted exposed communication
+# ---------------------------------------------------------------------------
+
+# Buckets B0 = [u0], B1 = [u1, u2], B2 = [u3]: bytes 2, 2, 3; F 1, 3, 2; G 2, 5, 4.
+_THREE_BUCKET_UNITS = _units((2, 1, 2), (1, 2, 3), (1, 1, 2), (3, 2, 4))
+_THREE_BUCKETS = [["u0"], ["u1", "u2"], ["u3"]]
+
+
+def test_predicted_exposed_times_of_three_buckets_with_resharding() -> None:
+    plan = predict_plan(
+        _THREE_BUCKET_UNITS, _THREE_BUCKETS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, reduce_scatter_bytes_factor=2.0
+    )
+    # AG = 1 + bytes: 3, 3, 4.  RS = 1 + 2 * bytes: 5, 5, 7.
+    # Forward: AG(B0) = 3 exposed; AG(B1) 3 - F0 1 = 2; AG(B2) 4 - F1 3 = 1.
+    assert [b.predicted_exposed_forward_s for b in plan.buckets] == pytest.approx([3.0, 2.0, 1.0])
+    # Backward step 2: AG(B1) 3 under G2 4 -> 0, plus its own unhidden re-gather AG(B2) 4 = 4.
+    # Step 1: RS(B2) 7 + AG(B0) 3 = 10 under G1 5 -> 5.
+    # Step 0: RS(B1) 5 under G0 2 -> 3, plus the unhidden RS(B0) 5 = 8.
+    assert [b.predicted_exposed_backward_s for b in plan.buckets] == pytest.approx([8.0, 5.0, 4.0])
+
+
+def test_predicted_exposed_times_of_three_buckets_without_resharding() -> None:
+    plan = predict_plan(
+        _THREE_BUCKET_UNITS,
+        _THREE_BUCKETS,
+        _comm(1.0),
+        _UNIT_RATE,
+        _WORLD_SIZE,
+        reduce_scatter_bytes_factor=2.0,
+        reshard_after_forward=False,
+    )
+    assert [b.predicted_exposed_forward_s for b in plan.buckets] == pytest.approx([3.0, 2.0, 1.0])
+    # No re-gathers: step 2 -> 0; step 1: RS(B2) 7 - G1 5 = 2; step 0: 5 - 2 + RS(B0) 5 = 8.
+    assert [b.predicted_exposed_backward_s for b in plan.buckets] == pytest.approx([8.0, 2.0, 0.0])
+
+
+def test_auto_plan_carries_the_predictions_of_its_buckets() -> None:
+    auto = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3)
+    again = predict_plan(_MIXED_UNITS, _boundaries(auto), _comm(1.0), _UNIT_RATE, _WORLD_SIZE)
+    assert auto.to_dict() == again.to_dict()
+
+
+def test_predict_plan_rejects_buckets_out_of_order() -> None:
+    with pytest.raises(ValueError, match="every unit once"):
+        predict_plan(_THREE_BUCKET_UNITS, [["u1", "u0"], ["u2", "u3"]], _comm(1.0), _UNIT_RATE, _WORLD_SIZE)
+
+
+def test_describe_and_to_dict() -> None:
+    units = [PlanUnit(f"layers.{i}", 3 * 1024**2, 1.0, 2.0) for i in range(5)]
+    plan = predict_plan(units, [["layers.0"], [f"layers.{i}" for i in range(1, 5)]], _comm(0.001), _UNIT_RATE, 2)
+    text = plan.describe()
+    lines = text.splitlines()
+    assert len(lines) == 4  # header, 2 buckets, total
+    assert "layers.1 .. layers.4 (4 modules)" in lines[2] and "12.00" in lines[2]
+    assert lines[-1].split()[:3] == ["total", "2", "buckets"]
+    record = json.loads(json.dumps(plan.to_dict()))
+    assert record["buckets"][1]["units"] == [f"layers.{i}" for i in range(1, 5)]
+    assert record["buckets"][0]["predicted_exposed_forward_s"] == pytest.approx(0.001 + 3 * 1024**2)
+
+
+# ---------------------------------------------------------------------------
+# plan_manual
+# ---------------------------------------------------------------------------
+
+_LLAMA_NAMES = ["tok_embeddings", *[f"layers.{i}" for i in range(12)], "norm", "output"]
+_LLAMA_UNITS = [PlanUnit(name, 100 + i, 1.0, 2.0) for i, name in enumerate(_LLAMA_NAMES)]
+
+
+def test_default_patterns_give_one_bucket_per_block_and_norm_with_output() -> None:
+    patterns = default_manual_patterns(_LLAMA_NAMES)
+    assert patterns == ["tok_embeddings", *[f"layers.{i}" for i in range(12)], "norm+output"]
+    plan = plan_manual(_LLAMA_UNITS, patterns)
+    # "layers.1" is literal: it must not also take layers.10 and layers.11.
+    assert _boundaries(plan) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(12)], ["norm", "output"]]
+    assert plan.buckets[-1].param_bytes == 113 + 114
+    assert all(b.predicted_exposed_forward_s is None for b in plan.buckets)
+    assert "-" in plan.describe().splitlines()[1]
+
+
+def test_default_patterns_of_a_pipeline_stage_without_embeddings() -> None:
+    stage_patterns = default_manual_patterns(["layers.4", "layers.5", "norm", "output"])
+    assert stage_patterns == ["layers.4", "layers.5", "norm+output"]
+    assert default_manual_patterns(["tok_embeddings", "layers.0"]) == ["tok_embeddings", "layers.0"]
+
+
+def test_wildcard_spec_is_one_bucket_and_unmatched_units_stand_alone() -> None:
+    plan = plan_manual(_LLAMA_UNITS, ["layers.*"])
+    assert _boundaries(plan) == [["tok_embeddings"], [f"layers.{i}" for i in range(12)], ["norm"], ["output"]]
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        [],
+        ["norm+output"],
+        ["layers.[0-3]", "layers.[4-7]", "layers.8+layers.9+layers.1?"],
+        ["tok_embeddings+layers.0", "layers.[1-3]", "output"],
+    ],
+)
+def test_manual_plan_holds_every_unit_exactly_once_in_order(patterns: list[str]) -> None:
+    plan = plan_manual(_LLAMA_UNITS, patterns)
+    assert [name for bucket in plan.buckets for name in bucket.units] == _LLAMA_NAMES
+    assert sum(bucket.param_bytes for bucket in plan.buckets) == sum(unit.param_bytes for unit in _LLAMA_UNITS)
+
+
+@pytest.mark.parametrize(
+    ("patterns", "message"),
+    [
+        (["norm+outptu"], r"'outptu'.*matches no module"),
+        (["layers.0", "lyers.*"], r"'lyers\.\*'.*matches no module"),
+        (["tok_embeddings+output"], r"'tok_embeddings\+output' is not contiguous"),
+        (["layers.1*"], r"not contiguous.*'layers\.2'"),  # layers.1, layers.10, layers.11
+        (["layers.*", "layers.0"], r"'layers\.0' is matched by two bucket specs"),
+        (["norm+"], r"empty pattern"),
+    ],
+)
+def test_manual_plan_errors(patterns: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_manual(_LLAMA_UNITS, patterns)
+
+
+# ---------------------------------------------------------------------------
+# Calibration on a real 2-process gloo group
+# ---------------------------------------------------------------------------
+
+# Rank r's fake all-gather: alpha (r + 1) * 100 us, bandwidth 1 GB/s / (r + 1). Rank 1 is slower
+# at every size, so the MAX over ranks is rank 1's line on both ranks.
+_FAKE_SIZES = (4096, 4096 * 1024)
+_RESULTS = (
+    "fake_alpha",
+    "fake_bandwidth",
+    "clamped_alpha",
+    "not_slower_raised",
+    "one_rank_raised",
+    "real_alpha",
+    "real_bandwidth",
+)
+
+
+def _fake_all_gather(alpha_s: float, bandwidth: float) -> Callable[[int], float]:
+    """Times of an exact alpha-beta ring all-gather on ``_WORLD_SIZE`` ranks."""
+
+    def time_all_gather(full_bytes: int) -> float:
+        return alpha_s + (_WORLD_SIZE - 1) / _WORLD_SIZE * full_bytes / bandwidth
+
+    return time_all_gather
+
+
+def _calibration_worker(rank: int, port: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
+    values: dict[str, float] = {}
+
+    slow = rank + 1
+    fake = _fake_all_gather(alpha_s=1e-4 * slow, bandwidth=1e9 / slow)
+    model = calibrate_comm_model(sizes=_FAKE_SIZES, iters=3, warmup=1, time_all_gather=fake)
+    values["fake_alpha"], values["fake_bandwidth"] = model.alpha_s, model.bandwidth_bytes_per_s
+
+    # A fitted line below the origin (alpha -1 ms) is clamped to zero latency.
+    below_origin = _fake_all_gather(alpha_s=-1e-3, bandwidth=1e9)
+    values["clamped_alpha"] = calibrate_comm_model(sizes=_FAKE_SIZES, iters=1, time_all_gather=below_origin).alpha_s
+
+    try:
+        calibrate_comm_model(sizes=_FAKE_SIZES, iters=1, time_all_gather=lambda full_bytes: 1.0)
+        values["not_slower_raised"] = 0.0
+    except RuntimeError as error:
+        values["not_slower_raised"] = float("comm.bandwidth_gbps" in str(error))
+
+    one_rank = dist.new_group([0])  # every rank must take part in creating it
+    values["one_rank_raised"] = 1.0
+    if rank == 0:
+        try:
+            calibrate_comm_model(group=one_rank)
+            values["one_rank_raised"] = 0.0
+        except ValueError:
+            pass
+
+    real = calibrate_comm_model(sizes=(4096, 4 * 1024**2), iters=5, warmup=1)
+    values["real_alpha"], values["real_bandwidth"] = real.alpha_s, real.bandwidth_bytes_per_s
+
+    for index, key in enumerate(_RESULTS):
+        results[rank * len(_RESULTS) + index] = values[key]
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_calibration_on_two_gloo_ranks() -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Array("d", [math.nan] * (_WORLD_SIZE * len(_RESULTS)))
+    port = _free_port()
+    workers = [context.Process(target=_calibration_worker, args=(rank, port, results)) for rank in range(_WORLD_SIZE)]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + _TIMEOUT_S
+    try:
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [worker for worker in workers if worker.is_alive()]
+        for worker in hung:
+            worker.kill()
+            worker.join()
+    assert not hung, f"calibration workers did not finish within {_TIMEOUT_S} s"
+    per_rank = [dict(zip(_RESULTS, results[r * len(_RESULTS) : (r + 1) * len(_RESULTS)])) for r in range(_WORLD_SIZE)]
+    assert not any(math.isnan(v) for values in per_rank for v in values.values()), (
+        f"results {per_rank}, exit codes {[w.exitcode for w in workers]}; see the worker tracebacks above"
+    )
+    for values in per_rank:
+        # The slowest rank (rank 1) sets the model on every rank, recovered exactly.
+        assert values["fake_alpha"] == pytest.approx(2e-4, rel=1e-9)
+        assert values["fake_bandwidth"] == pytest.approx(5e8, rel=1e-9)
+        assert values["clamped_alpha"] == 0.0
+        assert values["not_slower_raised"] == 1.0
+        assert values["one_rank_raised"] == 1.0
+        assert math.isfinite(values["real_alpha"]) and values["real_alpha"] >= 0
+        assert math.isfinite(values["real_bandwidth"]) and values["real_bandwidth"] > 0
+    assert per_rank[0]["real_alpha"] == per_rank[1]["real_alpha"]  # all ranks agree
+    assert per_rank[0]["real_bandwidth"] == per_rank[1]["real_bandwidth"]
