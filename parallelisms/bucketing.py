@@ -38,7 +38,7 @@ ALL_REDUCES = {c10d.all_reduce.default}
 WAIT = c10d.wait_tensor.default
 
 # Ops that only re-describe a tensor: moving them together with the wait they follow is free.
-_VIEW_OPS = {
+VIEW_OPS = {
     torch.ops.aten.view.default,
     torch.ops.aten.reshape.default,
     torch.ops.aten._unsafe_view.default,
@@ -53,6 +53,10 @@ _VIEW_OPS = {
     torch.ops.aten.clone.default,
     torch.ops.aten.contiguous.default,
 }
+
+
+def is_view_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 
 
 def collective_kind(node: fx.Node) -> str | None:
@@ -89,8 +93,8 @@ def unit_of(path: str | None, units: list[str]) -> str | None:
 
 @dataclass
 class GraphReport:
-    """What the pass saw and did in one graph: the collective counts after bucketing and, per
-    all-gather bucket in graph order, the bucket index."""
+    """What the pass left in one graph: the collective counts and, when bucketing, the bucket
+    index of each all-gather in graph order."""
 
     collectives: collections.Counter = field(default_factory=collections.Counter)
     all_gather_buckets: list[int] = field(default_factory=list)
@@ -129,7 +133,7 @@ class BucketingPass(CustomGraphPass):
             kind = collective_kind(node)
             if kind:
                 report.collectives[kind] += 1
-                if kind == "all_gather":
+                if kind == "all_gather" and self.buckets is not None:
                     report.all_gather_buckets.append(self._bucket_of(node))
         self.reports.append(report)
 
@@ -190,9 +194,7 @@ def sink_wait(wait: fx.Node) -> None:
     order = {n: i for i, n in enumerate(wait.graph.nodes)}
     while frontier:
         user = frontier.pop()
-        is_view = user.op == "call_function" and (
-            user.target in _VIEW_OPS or user.target is operator.getitem
-        )
+        is_view = is_view_op(user)
         if is_view and all(inp in movable or order[inp] < order[wait] for inp in user.all_input_nodes):
             if user not in movable:
                 movable.append(user)

@@ -42,3 +42,17 @@ def read_metrics(dump_folder: str) -> list[dict]:
 
 def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
+
+
+def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, timeout: float = 900) -> str:
+    """Runs a torchrun worker script from tests/distributed and returns its stdout; fails with
+    the workers' stderr when it exits non-zero."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        os.path.join(REPO, "tests", "distributed", script), *args,
+    ]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(env or {}))
+    result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}")
+    return result.stdout

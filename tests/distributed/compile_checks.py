@@ -1,0 +1,176 @@
+"""torchrun worker: SimpleFSDP under torch.compile, checked from the compiled graphs themselves.
+
+Usage: torchrun --nproc-per-node 2 tests/distributed/compile_checks.py BACKEND
+Prints one line "CHECK <name> ok" per passed check; any failure raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from models.llama3 import Transformer, llama3_flavors
+from models.llama3.parallelize import plan_units
+from parallelisms.bucket_plan import CommModel, ComputeModel, default_manual_patterns, plan_auto, plan_manual
+from parallelisms.bucketing import WAIT, BucketingPass, collective_kind, is_view_op
+from parallelisms.compile import apply_compile_whole_model
+from parallelisms.simple_fsdp import apply_simple_fsdp
+
+ARGS = dataclasses.replace(
+    llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=3, vocab_size=256, max_seq_len=32
+)
+BATCH, SEQ, STEPS = 2, 32, 4
+
+
+def build(mesh, reshard: bool) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    apply_simple_fsdp(
+        model, mesh, mode="fully_shard", reshard_after_forward=reshard,
+        reshard_blocks=list(model.layers.values()), compiled=True,
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(seed=0)
+    return model
+
+
+def train(model: torch.nn.Module) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=generator)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+        (loss / (BATCH * SEQ * dist.get_world_size())).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+class RecordingPass(BucketingPass):
+    """Keeps each graph after the pass, to read collectives and their order from it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graphs: list[fx.Graph] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        super().__call__(graph)
+        self.graphs.append(graph)
+
+
+def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[list[float], RecordingPass]:
+    model = build(mesh, reshard)
+    graph_pass = RecordingPass(buckets)
+    apply_compile_whole_model(model, backend, graph_pass)
+    return train(model), graph_pass
+
+
+def check(name: str, condition: bool, detail: object = "") -> None:
+    if not condition:
+        raise AssertionError(f"{name} failed: {detail}")
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)
+
+
+def prefetch_order_holds(graph: fx.Graph) -> bool:
+    """In forward, bucket i+1's all-gather is issued before bucket i's first compute node."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    gathers = [n for n in nodes if collective_kind(n) == "all_gather"]
+
+    def first_compute(gather: fx.Node) -> int:
+        wait = next(u for u in gather.users if u.target is WAIT)
+        frontier, seen = list(wait.users), []
+        while frontier:
+            user = frontier.pop()
+            if is_view_op(user):
+                frontier.extend(user.users)
+            else:
+                seen.append(index[user])
+        return min(seen)
+
+    return all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
+
+
+def saved_gathered_weights(forward: fx.Graph) -> int:
+    """Forward-graph outputs (saved for backward) that come from an all-gather's wait."""
+    output = next(n for n in forward.nodes if n.op == "output")
+    count = 0
+    for node in output.args[0]:
+        while isinstance(node, fx.Node) and is_view_op(node):
+            node = node.args[0]
+        if isinstance(node, fx.Node) and node.target is WAIT and collective_kind(node.args[0]) == "all_gather":
+            count += 1
+    return count
+
+
+def main(backend: str) -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    with torch.device("meta"):
+        units = plan_units(Transformer(ARGS), tokens=BATCH * SEQ, param_dtype=torch.float32)
+    params_per_unit = {u.name: 0 for u in units}
+    for name, _ in Transformer(ARGS).named_parameters():
+        unit = next(u for u in sorted(params_per_unit, key=len, reverse=True) if name.startswith(u + "."))
+        params_per_unit[unit] += 1
+    n_params = sum(params_per_unit.values())
+
+    torch.manual_seed(0)
+    eager = train(build(mesh, reshard=True))
+
+    # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
+    losses, none_pass = compiled_run(mesh, backend, None)
+    forward, backward = none_pass.reports
+    check("none_counts", forward.collectives["all_gather"] == n_params
+          and backward.collectives["reduce_scatter"] == n_params, (forward, backward, n_params))
+    tolerance = 0.0 if backend == "aot_eager" else 1e-4
+    check("none_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
+
+    # Manual: one collective per bucket, and the reordering prefetches.
+    manual = plan_manual(units, default_manual_patterns([u.name for u in units]))
+    losses, manual_pass = compiled_run(mesh, backend, [b.units for b in manual.buckets])
+    forward, backward = manual_pass.reports
+    check("manual_counts", forward.collectives["all_gather"] == len(manual.buckets)
+          and backward.collectives["reduce_scatter"] == len(manual.buckets), (forward, backward))
+    check("manual_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
+    check("manual_bucket_order", forward.all_gather_buckets == list(range(len(manual.buckets))), forward)
+    if manual_pass.graphs:
+        check("manual_prefetch_order", prefetch_order_holds(manual_pass.graphs[0]))
+        # Resharded: backward re-gathers every bucket whose weights it needs (the embedding's it does not).
+        check("reshard_regathers", backward.collectives["all_gather"] == len(manual.buckets) - 1, backward)
+        check("reshard_frees_gathered", saved_gathered_weights(manual_pass.graphs[0]) == 0)
+
+    if backend == "aot_eager":
+        # Auto: exactly the plan's buckets (synthetic costs that force a multi-unit plan).
+        auto = plan_auto(units, CommModel(1e-4, 1e9), ComputeModel(1e9), world_size=dist.get_world_size(),
+                         memory_cap_bytes=2**20)
+        losses, auto_pass = compiled_run(mesh, backend, [b.units for b in auto.buckets])
+        forward, backward = auto_pass.reports
+        check("auto_plan_has_multi_unit_bucket", any(len(b.units) > 1 for b in auto.buckets), auto.describe())
+        check("auto_counts", forward.collectives["all_gather"] == len(auto.buckets)
+              and backward.collectives["reduce_scatter"] == len(auto.buckets), (forward, backward, auto.describe()))
+        check("auto_losses", losses == eager, (losses, eager))
+
+        # Never reshard: the forward keeps the gathered weights for backward, which gathers nothing.
+        losses, keep_pass = compiled_run(mesh, backend, [b.units for b in manual.buckets], reshard=False)
+        forward, backward = keep_pass.reports
+        check("never_no_regather", backward.collectives["all_gather"] == 0, backward)
+        check("never_keeps_gathered", saved_gathered_weights(keep_pass.graphs[0]) > 0)
+        check("never_losses", losses == eager, (losses, eager))
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,25 @@
+"""SimpleFSDP compiled: collective counts, bucket order, prefetch order and resharding read from
+the compiled graphs, and losses against eager (see compile_checks.py for each check)."""
+
+import pytest
+
+from tests.launch import run_worker
+
+AOT_EAGER_CHECKS = [
+    "none_counts", "none_losses", "manual_counts", "manual_losses", "manual_bucket_order",
+    "manual_prefetch_order", "reshard_regathers", "reshard_frees_gathered",
+    "auto_plan_has_multi_unit_bucket", "auto_counts", "auto_losses",
+    "never_no_regather", "never_keeps_gathered", "never_losses",
+]
+INDUCTOR_CHECKS = [
+    "none_counts", "none_losses", "manual_counts", "manual_losses", "manual_bucket_order",
+    "manual_prefetch_order", "reshard_regathers", "reshard_frees_gathered",
+]
+
+
+@pytest.mark.parametrize("backend, expected", [("aot_eager", AOT_EAGER_CHECKS), ("inductor", INDUCTOR_CHECKS)])
+def test_compiled_simple_fsdp(backend, expected):
+    # The graph cache would skip our pass on a hit, and the checks read what the pass saw.
+    output = run_worker("compile_checks.py", 2, backend, env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
+    passed = [line.split()[1] for line in output.splitlines() if line.startswith("CHECK ")]
+    assert passed == expected
