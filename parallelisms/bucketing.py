@@ -72,9 +72,24 @@ def collective_kind(node: fx.Node) -> str | None:
     return None
 
 
+def _module_stack(node: fx.Node) -> dict | None:
+    return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+
+
 def module_path(node: fx.Node) -> str | None:
-    """The FQN of the innermost module that issued ``node`` (backward nodes carry the forward's)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    """The FQN of the innermost module that issued ``node`` (backward nodes carry the forward's).
+
+    Some collectives (a DTensor redistribute's all-reduce in backward) carry no module stack:
+    they take the one of the nearest producer of their input that does.
+    """
+    stack = _module_stack(node)
+    frontier, seen = list(node.all_input_nodes), set()
+    while not stack and frontier:
+        producer = frontier.pop(0)
+        if producer not in seen:
+            seen.add(producer)
+            stack = _module_stack(producer)
+            frontier.extend(producer.all_input_nodes)
     if not stack:
         return None
     path = list(stack.values())[-1][0]
