@@ -4,7 +4,7 @@ Every parameter is stored as a DTensor on the data-parallel mesh (FSDP ``Shard(0
 ``Replicate()``, HSDP ``(Replicate(), Shard(0))``) under its original name, so the optimizer,
 ``state_dict()`` and DCP only ever see the sharded values. Reading ``module.weight`` returns the
 gathered full tensor: the module's class is swapped for a cached subclass with one property per
-parameter, and the property runs one traceable expression (redistribute to ``Replicate`` then
+parameter, and the property runs one traceable expression (redistribute to ``Replicate``, then
 ``to_local`` with a ``Partial`` gradient). Autograd turns that gradient into a reduce-scatter
 (FSDP), an all-reduce (DDP) or both (HSDP), summed, in ``reduce_dtype``.
 
@@ -13,17 +13,24 @@ the all-gather, its wait and the dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` wh
 resharding). Under ``torch.compile`` the min-cut partitioner reads these tags and re-gathers in
 backward. In eager they are not enough: the matmul that consumes a gathered weight saves it for
 backward. So each block in ``reshard_blocks`` also runs its forward in a block-level region that
-recomputes only the gathers (and the views aliasing them) and saves everything else; backward
-replays the block's forward from those saved outputs and issues the all-gathers again.
+replays only the gathers (and the views aliasing them) and saves everything else: backward
+re-runs the block's forward from those saved outputs, issuing the all-gathers again.
 
 Activation checkpointing. A block already wrapped by ``checkpoint_wrapper`` (full AC, op-level
 SAC, or the checkpointed blocks of every-N-th AC) gets no block-level region: its checkpoint
 re-runs the block in backward and recomputes everything its policy does not explicitly save, and
-the gathers (never saved by those policies) are redone with it.
+the gathers (never saved by those policies) are redone with it. In eager this holds even with
+``reshard_after_forward=False``.
 
 Compile. Pass ``compiled=True`` when the model will run under ``torch.compile``: the block-level
-regions are then left out, because their save-everything policy would override the partitioner's
-own choice of activations to save; the per-parameter tags alone make compiled graphs reshard.
+regions are then left out. They would trace (also with ``fullgraph=True``), but their
+save-everything policy overrides the partitioner's own choice of activations to keep; the
+per-parameter tags alone make compiled graphs reshard.
+
+Tensor parallelism. A parameter that is already a DTensor on a 1-D TP mesh is stored on the
+(dp..., tp) mesh, with a strided dp shard when TP also splits dim 0 (the layout FSDP2 uses). The
+gather re-wraps the local shard on the dp mesh alone, gathers it, and re-wraps the result on the
+TP mesh, so the TP styles see the DTensor they expect.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
@@ -49,24 +57,41 @@ _STORAGE_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
     "hybrid_shard": (Replicate(), Shard(0)),
 }
 
-# The ops that turn a stored shard into a gathered weight (the functional collectives live in
-# their own namespace): the ones to redo in backward instead of keeping their outputs alive.
 _CAST_OP = torch.ops.aten._to_copy.default
 _COLLECTIVES_NAMESPACE = "_c10d_functional"
-
-
-def _is_gather_op(op: torch._ops.OpOverload) -> bool:
-    return op is _CAST_OP or op.namespace == _COLLECTIVES_NAMESPACE
+# Collective bookkeeping that returns its input: like a view, it aliases the collective's buffer.
+_ALIASING_COLLECTIVE_OPS = {
+    torch.ops._c10d_functional.wait_tensor.default,
+    torch.ops._c10d_functional._wrap_tensor_autograd.default,
+}
 
 
 @dataclass
 class _GatherConfig:
     """How one model's parameters are gathered; shared by all the modules of that model."""
 
+    dp_mesh: DeviceMesh
+    dp_placements: tuple[Placement, ...]
+    hsdp_meshes: tuple[DeviceMesh, DeviceMesh] | None
+    """HSDP only: the (replicate, shard) sub-meshes, gathered over one at a time."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    reshard_after_forward: bool
+    region_contexts: Callable[[], tuple[Any, Any]]
+    """``context_fn`` of the checkpoint region around each gather."""
     enabled: bool = True
+
+
+@dataclass(frozen=True)
+class _TensorParallelLayout:
+    """A tensor-parallel parameter as the TP styles expect it: a DTensor on the TP mesh."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    local_shape: torch.Size
+    """This rank's TP part: the tensor the data-parallel mesh shards."""
+    local_stride: tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------
@@ -74,57 +99,92 @@ class _GatherConfig:
 # ---------------------------------------------------------------------------
 
 
-def _gather(param: DTensor, config: _GatherConfig) -> torch.Tensor:
-    """Full local copy of ``param`` in ``param_dtype``; its gradient flows back summed over the mesh."""
-    replicated = [Replicate()] * param.device_mesh.ndim
-    partial_sum = [Partial("sum")] * param.device_mesh.ndim
+def _replicate_to_local(
+    tensor: DTensor, forward_dtype: torch.dtype | None, reduce_dtype: torch.dtype
+) -> torch.Tensor:
+    """All-gathers ``tensor`` into a plain local tensor; backward sums the gradient over the mesh."""
     # forward_dtype casts before the all-gather (bf16 on the wire); backward_dtype runs the
-    # reduce-scatter / all-reduce in reduce_dtype, and the gradient lands in the param's dtype.
-    full = param.redistribute(
-        placements=replicated, forward_dtype=config.param_dtype, backward_dtype=config.reduce_dtype
+    # reduce-scatter / all-reduce in reduce_dtype, and the gradient lands in the input's dtype.
+    replicated = tensor.redistribute(
+        placements=[Replicate()] * tensor.device_mesh.ndim, forward_dtype=forward_dtype, backward_dtype=reduce_dtype
     )
-    return full.to_local(grad_placements=partial_sum)
+    return replicated.to_local(grad_placements=[Partial("sum")] * tensor.device_mesh.ndim)
+
+
+def _gather_over_dp(
+    local_shard: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], config: _GatherConfig
+) -> torch.Tensor:
+    """The full tensor (of ``shape``) whose data-parallel shard is ``local_shard``, in ``param_dtype``."""
+    if config.hsdp_meshes is None:
+        # FSDP: all-gather / reduce-scatter. DDP: nothing / all-reduce.
+        sharded = DTensor.from_local(
+            local_shard, config.dp_mesh, config.dp_placements, run_check=False, shape=shape, stride=stride
+        )
+        return _replicate_to_local(sharded, config.param_dtype, config.reduce_dtype)
+    # HSDP, one mesh dim at a time. Backward runs the steps in reverse: reduce-scatter within the
+    # replica first, then all-reduce only the 1/N shard across replicas, as FSDP2 does. (DTensor's
+    # own plan all-reduces the full gradient first: N times the traffic, another summation order.)
+    replicate_mesh, shard_mesh = config.hsdp_meshes
+    replica = DTensor.from_local(local_shard, replicate_mesh, [Replicate()], run_check=False)
+    shard = _replicate_to_local(replica, None, config.reduce_dtype)
+    sharded = DTensor.from_local(shard, shard_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return _replicate_to_local(sharded, config.param_dtype, config.reduce_dtype)
+
+
+def _gather(param: DTensor, config: _GatherConfig, tp: _TensorParallelLayout | None) -> torch.Tensor:
+    """``param`` gathered over the data-parallel mesh; its gradient flows back summed over it.
+
+    The local shard is re-wrapped on the data-parallel mesh alone, which leaves a TP dim of the
+    storage mesh untouched; a TP part is then re-wrapped on its own mesh.
+    """
+    if tp is None:
+        return _gather_over_dp(param.to_local(), param.shape, param.stride(), config)
+    tp_part = _gather_over_dp(param.to_local(), tp.local_shape, tp.local_stride, config)
+    return DTensor.from_local(tp_part, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
 def _gather_region_policy(reshard_after_forward: bool) -> Callable[..., CheckpointPolicy]:
     gather_policy = CheckpointPolicy.MUST_RECOMPUTE if reshard_after_forward else CheckpointPolicy.MUST_SAVE
 
     def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        # Only the gather's own ops carry a decision; the views around them cost nothing either way.
-        return gather_policy if _is_gather_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
+        # The all-gather, its wait and the cast carry the decision; the views around them are free.
+        if op is _CAST_OP or op.namespace == _COLLECTIVES_NAMESPACE:
+            return gather_policy
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
 
-def _block_region_policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # Views (the gathered weight's transpose, the collective's slice) alias the gathered buffer:
-    # saving one would keep the full weight alive, so they are replayed with the collectives.
-    # Casts are saved: the weight's cast runs on the shard, before the all-gather, so it is small,
-    # and replaying an activation's cast could read a value changed in place since.
-    if op.namespace == _COLLECTIVES_NAMESPACE or op.is_view:
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+def _block_region_policy(dp_group_names: frozenset[str]) -> Callable[..., CheckpointPolicy]:
+    """Replay the weights' all-gathers in backward; save everything else."""
+
+    def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        # Views (the gathered weight's transpose, the collective's slice) and waits alias the
+        # gathered buffer: saving one would keep the full weight alive.
+        aliases = op.is_view or op in _ALIASING_COLLECTIVE_OPS
+        # Collectives on the data-parallel groups are the gathers. Tensor-parallel ones act on
+        # activations: saved, not issued again. The weight's cast is saved too: it runs on the
+        # shard, before the all-gather, so it is small.
+        gathers = op.namespace == _COLLECTIVES_NAMESPACE and any(
+            isinstance(arg, str) and arg in dp_group_names for arg in args
+        )
+        return CheckpointPolicy.MUST_RECOMPUTE if aliases or gathers else CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
-def _block_region_contexts() -> tuple[Any, Any]:
-    # Saving every op's output includes tensors later updated in place (RMSNorm's `mean` then
-    # `add_(eps)`). Only views and collectives of parameters are replayed, so handing back the
-    # updated tensor is what the forward saw: allow it instead of raising.
-    return create_selective_checkpoint_contexts(_block_region_policy, allow_cache_entry_mutation=True)
-
-
-def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
     config: _GatherConfig = module._simple_fsdp_config
     if not config.enabled:
         return param
-    policy = _gather_region_policy(config.reshard_after_forward)
     return checkpoint(
         _gather,
         param,
         config,
+        module._simple_fsdp_tp_layouts.get(name),
         use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        context_fn=config.region_contexts,
         # The gather draws no random numbers.
         preserve_rng_state=False,
     )
@@ -160,7 +220,7 @@ def _resharding_class(cls: type[nn.Module]) -> type[nn.Module]:
                 self,
                 *args,
                 use_reentrant=False,
-                context_fn=_block_region_contexts,
+                context_fn=self._simple_fsdp_block_contexts,
                 # Only gathers and views are replayed; every random op's output comes from the cache.
                 preserve_rng_state=False,
                 **kwargs,
@@ -171,34 +231,72 @@ def _resharding_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 # ---------------------------------------------------------------------------
-# Public API
+# Sharding
 # ---------------------------------------------------------------------------
 
 
-def _shard_parameters(
-    model: nn.Module, dp_mesh: DeviceMesh, placements: tuple[Placement, ...], config: _GatherConfig
-) -> None:
-    sharded: dict[int, nn.Parameter] = {}  # by id of the original: tied parameters stay tied
+def _shard_plain(param: torch.Tensor, config: _GatherConfig) -> DTensor:
+    # A meta model has no values to send: every rank takes its own chunk. A materialized one is
+    # split from rank 0's copy, so all ranks agree even if their initializations differed.
+    src_data_rank = None if param.is_meta else 0
+    return distribute_tensor(param.detach(), config.dp_mesh, config.dp_placements, src_data_rank=src_data_rank)
+
+
+def _shard_tensor_parallel(param: DTensor, config: _GatherConfig) -> tuple[DTensor, _TensorParallelLayout]:
+    """Storage for a TP parameter: its TP part sharded over dp, on the (dp..., tp) mesh."""
+    tp_mesh, dp_names = param.device_mesh, config.dp_mesh.mesh_dim_names
+    if tp_mesh.ndim != 1 or tp_mesh.mesh_dim_names is None or dp_names is None:
+        raise NotImplementedError(f"SimpleFSDP over DTensors needs named 1-D TP and dp meshes, got {tp_mesh}")
+    tp_part = param.detach().to_local()
+    dp_shard = distribute_tensor(tp_part, config.dp_mesh, config.dp_placements, src_data_rank=None).to_local()
+    # When TP also splits dim 0, the dp split applies within each TP part: a strided shard.
+    tp_splits_dim0 = any(p.is_shard(0) for p in param.placements)
+    dp_placements = [
+        _StridedShard(0, split_factor=tp_mesh.size()) if tp_splits_dim0 and p.is_shard(0) else p
+        for p in config.dp_placements
+    ]
+    storage_mesh = config.dp_mesh._get_root_mesh()[(*dp_names, *tp_mesh.mesh_dim_names)]
+    storage = DTensor.from_local(
+        dp_shard,
+        storage_mesh,
+        [*dp_placements, *param.placements],
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    layout = _TensorParallelLayout(
+        tp_mesh, tuple(param.placements), param.shape, param.stride(), tp_part.shape, tp_part.stride()
+    )
+    return storage, layout
+
+
+def _shard_parameters(model: nn.Module, config: _GatherConfig) -> None:
+    """Replaces every parameter by its sharded storage and swaps its module's class."""
+    sharded: dict[int, tuple[nn.Parameter, _TensorParallelLayout | None]] = {}  # tied parameters stay tied
     for module in model.modules():
         names = tuple(name for name, param in module._parameters.items() if param is not None)
         if not names:
             continue
+        tp_layouts = {}
         for name in names:
             param = module._parameters[name]
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"SimpleFSDP over a parameter that is already a DTensor ({name} on "
-                    f"{param.device_mesh}, e.g. tensor parallel) is not supported yet"
-                )
             if id(param) not in sharded:
-                # A meta model has no values to send: every rank takes its own chunk. A materialized
-                # one is split from rank 0's copy, so all ranks agree even if their inits differed.
-                src_data_rank = None if param.is_meta else 0
-                local = distribute_tensor(param.detach(), dp_mesh, placements, src_data_rank=src_data_rank)
-                sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-            module._parameters[name] = sharded[id(param)]
+                if isinstance(param, DTensor):
+                    storage, layout = _shard_tensor_parallel(param, config)
+                else:
+                    storage, layout = _shard_plain(param, config), None
+                sharded[id(param)] = nn.Parameter(storage, requires_grad=param.requires_grad), layout
+            module._parameters[name], layout = sharded[id(param)]
+            if layout is not None:
+                tp_layouts[name] = layout
         module._simple_fsdp_config = config
+        module._simple_fsdp_tp_layouts = tp_layouts
         module.__class__ = _gathering_class(type(module), names)
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
 
 
 def apply_simple_fsdp(
@@ -216,8 +314,10 @@ def apply_simple_fsdp(
 
     Args:
         model: built on the meta device (then ``to_empty`` + init) or already materialized.
+            Parameters may already be DTensors on a 1-D TP mesh (named, like ``dp_mesh``, and
+            sliced from the same root mesh).
         dp_mesh: 1-D for ``replicate`` (DDP) and ``fully_shard`` (FSDP); 2-D
-            ``(dp_replicate, dp_shard)`` for ``hybrid_shard`` (HSDP).
+            ``(dp_replicate, dp_shard)`` with named dims for ``hybrid_shard`` (HSDP).
         param_dtype: dtype the weights are cast to before gathering (compute dtype).
         reduce_dtype: dtype gradients are reduced in; they are stored in the parameter's dtype.
         reshard_after_forward: free gathered weights after forward and gather again in backward.
@@ -232,14 +332,30 @@ def apply_simple_fsdp(
     placements = _STORAGE_PLACEMENTS[mode]
     if dp_mesh.ndim != len(placements):
         raise ValueError(f"mode {mode!r} needs a {len(placements)}-D mesh, got {dp_mesh.ndim}-D")
+    hsdp_meshes = None
+    if mode == "hybrid_shard":
+        if dp_mesh.mesh_dim_names is None:
+            raise ValueError("hybrid_shard needs a mesh with named dims (dp_replicate, dp_shard)")
+        hsdp_meshes = tuple(dp_mesh[name] for name in dp_mesh.mesh_dim_names)
     reshard_after_forward = reshard_after_forward and mode != "replicate"
-    config = _GatherConfig(param_dtype, reduce_dtype, reshard_after_forward)
-    _shard_parameters(model, dp_mesh, placements, config)
+    region_contexts = functools.partial(
+        create_selective_checkpoint_contexts, _gather_region_policy(reshard_after_forward)
+    )
+    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, region_contexts)
+    _shard_parameters(model, config)
 
     if not reshard_after_forward or compiled:
         return
+    dp_group_names = frozenset(group.group_name for group in dp_mesh.get_all_groups())
+    # Saving every op's output includes tensors later updated in place (RMSNorm's `mean`, then
+    # `add_(eps)`). Only views and the weights' gathers are replayed, and neither reads such a
+    # tensor's values, so handing back the updated tensor is safe: allow it instead of raising.
+    block_contexts = functools.partial(
+        create_selective_checkpoint_contexts, _block_region_policy(dp_group_names), allow_cache_entry_mutation=True
+    )
     for block in reshard_blocks or []:
         if not isinstance(block, CheckpointWrapper):
+            block._simple_fsdp_block_contexts = block_contexts
             block.__class__ = _resharding_class(type(block))
 
 
