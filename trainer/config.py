@@ -130,6 +130,19 @@ class Parallelism:
     fsdp_reshard_after_forward: str = "default"
     """Free gathered parameters after forward: default (always, except under pipeline parallel),
     always or never."""
+    enable_loss_parallel: bool = True
+    """Under tensor parallelism, compute the cross-entropy on the vocabulary-sharded logits."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with matmuls (GPU only; needs compile)."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
+    pipeline_parallel_layers_per_stage: typing.Optional[int] = None
+    """Transformer blocks per (virtual) stage; unset = layers split evenly, one stage per rank
+    (two for the interleaved and V schedules)."""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Explicit stage boundaries, e.g. 'layers.2,layers.4': each named layer starts a stage."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch; the local batch is split into microbatches of this size."""
 
 
 @dataclass
@@ -251,6 +264,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
     "parallelism.data_parallel_impl": ("fsdp2", "simple_fsdp"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.pipeline_parallel_schedule": (
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+    ),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.backend": ("inductor", "aot_eager"),
     "compile.bucketing": ("none", "manual", "auto"),
@@ -462,8 +478,6 @@ def _unavailable(config: JobConfig) -> dict[str, bool]:
     """Options whose feature has not landed yet: refused up front rather than ignored."""
     p = config.parallelism
     return {
-        "parallelism.tensor_parallel_degree > 1": p.tensor_parallel_degree > 1,
-        "parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
         "checkpoint.enable": config.checkpoint.enable,
     }
 

@@ -26,7 +26,7 @@ from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.simple_fsdp import apply_simple_fsdp
-from trainer.config import JobConfig, user_input
+from trainer.config import ConfigError, JobConfig, user_input
 from trainer.distributed import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ def parallelize_llama(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig
 ) -> None:
     """Applies the configured parallelisms to ``model`` (built on the meta device) in place."""
+    if parallel_dims.tp_enabled:
+        raise ConfigError("parallelism.tensor_parallel_degree > 1: tensor parallelism is not available yet")
+    if parallel_dims.pp_enabled:
+        raise ConfigError("parallelism.pipeline_parallel_degree > 1: pipeline parallelism is not available yet")
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"

@@ -12,24 +12,19 @@ from tests.launch import REPO, losses, read_metrics
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
 
 
-def test_run_train_30_steps(tmp_path):
-    dump = str(tmp_path / "run")
+def run_script(dump: str, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NGPU="2", PYTHON=sys.executable)
     result = subprocess.run(
-        [
-            "./run_train.sh",
-            "--training.steps", "30",
-            "--training.seq_len", "128",
-            "--job.dump_folder", dump,
-            "--job.run_name", "e2e",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        ["./run_train.sh", "--job.dump_folder", dump, *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_run_train_30_steps(tmp_path):
+    dump = str(tmp_path / "run")
+    result = run_script(dump, "--training.steps", "30", "--training.seq_len", "128", "--job.run_name", "e2e")
 
     records = read_metrics(dump)
     assert [r["step"] for r in records] == [1, 10, 20, 30]
@@ -48,3 +43,22 @@ def test_run_train_30_steps(tmp_path):
     assert os.path.isfile(os.path.join(dump, "config.toml"))
     # Rank 0's console line carries the step's metrics.
     assert "step 30" in result.stdout + result.stderr
+
+
+def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
+    """The SimpleFSDP acceptance run: inductor, auto bucketing, 20 steps, against FSDP2 eager."""
+    common = ["--training.steps", "20", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+    run_script(str(tmp_path / "fsdp2"), *common)
+    simple = run_script(
+        str(tmp_path / "simple"),
+        *common,
+        "--parallelism.data_parallel_impl", "simple_fsdp",
+        "--compile.enable",
+        "--compile.bucketing", "auto",
+    )
+    assert "SimpleFSDP auto bucket plan" in simple.stdout + simple.stderr
+    expected = losses(read_metrics(str(tmp_path / "fsdp2")))
+    got = losses(read_metrics(str(tmp_path / "simple")))
+    assert len(got) == len(expected) == 20
+    for step, (a, b) in enumerate(zip(got, expected), start=1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs {b}"

@@ -66,7 +66,7 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--training.steps", "2.5"], "training.steps: expected an integer"),
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
         (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
-        (["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree > 1: not available yet"),
+        (["--checkpoint.enable"], "checkpoint.enable: not available yet"),
         (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
         (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto"),
         (["--training.steps"], "--training.steps needs a value"),
