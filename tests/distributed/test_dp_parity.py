@@ -33,10 +33,11 @@ IMPLEMENTATIONS = {
     ],
 }
 
-# HSDP reduces a gradient over two mesh dimensions: FSDP2 reduce-scatters a flat buffer on the
-# shard dimension and then all-reduces it, SimpleFSDP's redistribute of a (Partial, Partial)
-# gradient may sum in another order, so float rounding can differ in the last bit.
-HSDP_TOLERANCE = 1e-6
+# gloo's ring all-reduce orders each element's sum by the element's offset in the buffer: FSDP2
+# all-reduces one flat buffer per block, SimpleFSDP one buffer per parameter (per bucket when
+# compiled), so with more than two replicas a sum can round differently in the last bit.
+# Everything else (FSDP, HSDP, DDP on two ranks) must be bitwise equal.
+ALL_REDUCE_ORDER_TOLERANCE = {"ddp_4": 1e-6}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_losses_match(layout, impl, reference_losses, layout_losses):
     if impl == "fsdp2":
         return
     fsdp2 = layout_losses(layout, "fsdp2")
-    if layout.startswith("hsdp"):
-        assert got == pytest.approx(fsdp2, rel=HSDP_TOLERANCE, abs=0)
+    if layout in ALL_REDUCE_ORDER_TOLERANCE:
+        assert got == pytest.approx(fsdp2, rel=ALL_REDUCE_ORDER_TOLERANCE[layout], abs=0)
     else:
         assert got == fsdp2
