@@ -12,8 +12,6 @@ import logging
 import math
 import multiprocessing
 import random
-import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +31,7 @@ from parallelisms.bucket_plan import (
     plan_manual,
     predict_plan,
 )
+from tests.spawn import spawn_ranks
 
 _WORLD_SIZE = 2
 _TIMEOUT_S = 90.0
@@ -382,32 +381,12 @@ def _calibration_worker(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_calibration_on_two_gloo_ranks() -> None:
-    context = multiprocessing.get_context("spawn")
-    results = context.Array("d", [math.nan] * (_WORLD_SIZE * len(_RESULTS)))
-    port = _free_port()
-    workers = [context.Process(target=_calibration_worker, args=(rank, port, results)) for rank in range(_WORLD_SIZE)]
-    for worker in workers:
-        worker.start()
-    deadline = time.monotonic() + _TIMEOUT_S
-    try:
-        for worker in workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [worker for worker in workers if worker.is_alive()]
-        for worker in hung:
-            worker.kill()
-            worker.join()
-    assert not hung, f"calibration workers did not finish within {_TIMEOUT_S} s"
+    results = multiprocessing.get_context("spawn").Array("d", [math.nan] * (_WORLD_SIZE * len(_RESULTS)))
+    exit_codes = spawn_ranks(_calibration_worker, _WORLD_SIZE, results, timeout_s=_TIMEOUT_S)
     per_rank = [dict(zip(_RESULTS, results[r * len(_RESULTS) : (r + 1) * len(_RESULTS)])) for r in range(_WORLD_SIZE)]
     assert not any(math.isnan(v) for values in per_rank for v in values.values()), (
-        f"results {per_rank}, exit codes {[w.exitcode for w in workers]}; see the worker tracebacks above"
+        f"results {per_rank}, exit codes {exit_codes}; see the worker tracebacks above"
     )
     for values in per_rank:
         # The slowest rank (rank 1) sets the model on every rank, recovered exactly.

@@ -6,8 +6,6 @@ import io
 import logging
 import math
 import multiprocessing
-import socket
-import time
 from typing import Any
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.spawn import spawn_ranks
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 
 # ---------------------------------------------------------------------------
@@ -249,12 +248,6 @@ _WORLD_SIZE = 2
 _TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _full_grads(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     # Same seed on every rank: each rank knows the full tensors to compare with.
     generator = torch.Generator().manual_seed(1234)
@@ -388,25 +381,9 @@ def _distributed_worker(rank: int, port: int, passed: Any) -> None:
 
 
 def test_distributed_clipping_and_optimizer_on_dtensors() -> None:
-    context = multiprocessing.get_context("spawn")
-    passed = context.Array("i", _WORLD_SIZE)  # passed[rank] == 1 once all checks passed
-    port = _free_port()
-    workers = [
-        context.Process(target=_distributed_worker, args=(rank, port, passed)) for rank in range(_WORLD_SIZE)
-    ]
-    for worker in workers:
-        worker.start()
-    deadline = time.monotonic() + _TIMEOUT_S
-    try:
-        for worker in workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [worker for worker in workers if worker.is_alive()]
-        for worker in hung:
-            worker.kill()
-            worker.join()
-    assert not hung, f"distributed workers did not finish within {_TIMEOUT_S} s"
+    passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)  # 1 once a rank's checks passed
+    exit_codes = spawn_ranks(_distributed_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
     assert list(passed) == [1] * _WORLD_SIZE, (
-        f"passed per rank {list(passed)}, exit codes {[w.exitcode for w in workers]}; "
+        f"passed per rank {list(passed)}, exit codes {exit_codes}; "
         "see the worker tracebacks above"
     )
