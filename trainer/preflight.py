@@ -24,7 +24,12 @@ def check(argv: list[str], world_size: int) -> None:
         world_size=world_size,
     )
     batch_layout(config.training, dims.dp_degree)
-    get_flavor(get_model_spec(config.model.name), config.model.flavor)
+    model_args = get_flavor(get_model_spec(config.model.name), config.model.flavor)
+    if dims.pp_enabled:
+        # Imported here: the trainer's imports would double the start-up of every other check.
+        from trainer.trainer import pipeline_layout
+
+        pipeline_layout(config, model_args.n_layers)
 
 
 def main(argv: list[str]) -> int:

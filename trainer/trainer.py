@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -11,9 +12,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-from models.registry import get_flavor, get_model_spec
-from trainer.config import JobConfig, batch_layout, to_toml, user_input
+from models.registry import ModelSpec, get_flavor, get_model_spec
+from parallelisms.pipeline import V_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
+from parallelisms.tensor_parallel import is_vocab_sharded
+from trainer.config import ConfigError, JobConfig, batch_layout, to_toml, user_input
 from trainer.data import build_dataloader
 from trainer.distributed import ParallelDims, init_distributed, set_collective_timeout
 from trainer.metrics import MetricsLogger, ThroughputTracker, device_peak_flops, peak_memory_gib
@@ -22,6 +27,44 @@ from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` for vocab-sharded logits (tensor parallelism); it must also cover the
+    backward. Otherwise no context."""
+    return loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext()
+
+
+def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the tokens, in fp32. Vocab-sharded logits are used as they are
+    (inside ``_loss_context``); other DTensor logits are gathered into one tensor first."""
+    if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (loss parallel returns a replicated DTensor)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
+    """The pipeline stages and microbatch count that ``config`` asks for, for a model of
+    ``n_layers`` blocks; a one-line ConfigError when they are impossible."""
+    p = config.parallelism
+    if config.validation.enable and p.pipeline_parallel_schedule in V_SCHEDULES:
+        # torch's forward-only run (schedule.eval) of a V-shaped pipeline fails at its same-rank hand-over.
+        raise ConfigError(f"validation.enable: not supported with the {p.pipeline_parallel_schedule} pipeline schedule")
+    with user_input():
+        return plan_pipeline(
+            n_layers=n_layers,
+            pp_degree=p.pipeline_parallel_degree,
+            schedule=p.pipeline_parallel_schedule,
+            layers_per_stage=p.pipeline_parallel_layers_per_stage,
+            split_points=p.pipeline_parallel_split_points,
+            local_batch_size=config.training.local_batch_size,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+        )
 
 
 class Trainer:
@@ -40,6 +83,7 @@ class Trainer:
             world_size=dist.get_world_size(),
         )
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.pp_mesh = self.mesh["pp"] if self.parallel_dims.pp_enabled else None
         self.dp_rank, self.dp_size = self.parallel_dims.dp_rank_and_size(self.mesh)
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.dp_size)
         self.global_tokens_per_step = self.global_batch_size * config.training.seq_len
@@ -57,10 +101,13 @@ class Trainer:
         with user_input("training.dataset"):
             self.dataloader = self._build_dataloader(config.training.dataset, config.debug.seed)
 
-        self.model = self._build_model()
+        self.pp_schedule: Schedule | None = None
+        self.model_parts = self._build_model_parts()
+        # Without pipeline parallelism the one part is the whole model.
+        self.model: torch.nn.Module | None = self.model_parts[0] if self.pp_schedule is None else None
         with user_input():
             self.optimizer = build_optimizer(
-                [self.model],
+                self.model_parts,
                 name=config.optimizer.name,
                 lr=config.optimizer.lr,
                 betas=(config.optimizer.beta1, config.optimizer.beta2),
@@ -112,7 +159,9 @@ class Trainer:
             num_workers=self.config.training.dataloader_num_workers,
         )
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model_parts(self) -> list[torch.nn.Module]:
+        """The model; under pipeline parallelism this rank's stages of it, and ``self.pp_schedule``
+        running them."""
         spec = get_model_spec(self.config.model.name)
         model_args = dataclasses.replace(
             get_flavor(spec, self.config.model.flavor),
@@ -125,7 +174,30 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token_fn(model_args, model, self.config.training.seq_len)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("%s %s: %.2fM parameters", spec.name, self.config.model.flavor, n_params / 1e6)
+        if self.pp_mesh is None:
+            return [self._parallelize_and_init(spec, model)]
 
+        layout = pipeline_layout(self.config, model_args.n_layers)
+        logger.info(
+            "pipeline %s, %d microbatches per step:\n%s", layout.schedule, layout.n_microbatches, layout.describe()
+        )
+        pp_rank = self.pp_mesh.get_local_rank()
+        stage_indices = layout.stage_indices(pp_rank)
+        stages = [self._parallelize_and_init(spec, split_stage(model, layout, i)) for i in stage_indices]
+        self.pp_has_first_stage = 0 in stage_indices
+        self.pp_has_last_stage = layout.num_stages - 1 in stage_indices
+        self.pp_schedule = build_schedule(
+            layout,
+            stages,
+            pp_rank=pp_rank,
+            pp_group=self.pp_mesh.get_group(),
+            device=self.device,
+            loss_fn=self._pipeline_loss,
+        )
+        return stages
+
+    def _parallelize_and_init(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+        """Applies the family's parallelisms to ``model`` (meta device), then materializes it."""
         spec.parallelize_fn(model, self.parallel_dims, self.mesh, self.config)
         model.to_empty(device=self.device)
         with torch.no_grad():
@@ -139,26 +211,55 @@ class Trainer:
         """One microbatch. The loss is its summed cross-entropy over the global batch's token
         count, so gradients summed over microbatches and ranks equal the global-batch mean."""
         logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-        loss = loss / self.global_tokens_per_step
-        loss.backward()
-        return loss.detach()
+        with _loss_context(logits):
+            loss = _summed_cross_entropy(logits, labels) / self.global_tokens_per_step
+            loss.backward()
+        return _local_value(loss.detach())
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What the pipeline schedule backpropagates from, per pipeline microbatch on the last
+        stage: as in ``forward_backward``, so the microbatches' losses sum to the global mean."""
+        return _summed_cross_entropy(logits, labels) / self.global_tokens_per_step
+
+    def _pipeline_loss_context(self) -> contextlib.AbstractContextManager:
+        # The schedule computes the loss and its backward inside step(): cover the whole step.
+        loss_parallel_on = self.parallel_dims.tp_enabled and self.config.parallelism.enable_loss_parallel
+        return loss_parallel() if loss_parallel_on else contextlib.nullcontext()
+
+    def _run_pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """Runs the schedule on one microbatch (it splits it into pipeline microbatches), with
+        backward when ``train``. Returns the sum of the pipeline microbatches' losses on the rank
+        holding the last stage, zero on the others."""
+        losses: list[torch.Tensor] = []
+        stage_inputs = (inputs,) if self.pp_has_first_stage else ()
+        targets = labels if self.pp_has_last_stage else None
+        run = self.pp_schedule.step if train else self.pp_schedule.eval
+        with self._pipeline_loss_context():
+            run(*stage_inputs, target=targets, losses=losses, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([_local_value(loss.detach()) for loss in losses]).sum()
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         """Forward/backward over the step's microbatches, clip, update; returns loss, grad norm, lr."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
-        loss = sum(self.forward_backward(x.to(self.device), y.to(self.device)) for x, y in microbatches)
+        if self.pp_schedule is None:
+            loss = sum(self.forward_backward(x.to(self.device), y.to(self.device)) for x, y in microbatches)
+        else:
+            loss = sum(self._run_pipeline(x.to(self.device), y.to(self.device), train=True) for x, y in microbatches)
         grad_norm = clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None],
+            [p for part in self.model_parts for p in part.parameters() if p.grad is not None],
             self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf"),
+            pp_mesh=self.pp_mesh,
         )
         self.optimizer.step()
         self.lr_scheduler.step()
         # Each rank holds its share of the global mean; summing over data-parallel ranks completes it.
-        dp_mesh = self.parallel_dims.dp_mesh(self.mesh)
-        if dp_mesh is not None:
-            dist.all_reduce(loss, group=dp_mesh.get_group())
+        # Under pipelining only the last stage has a loss: the other pp ranks add zeros.
+        for mesh in (self.pp_mesh, self.parallel_dims.dp_mesh(self.mesh)):
+            if mesh is not None:
+                dist.all_reduce(loss, group=mesh.get_group())
         return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     def _next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -187,7 +288,9 @@ class Trainer:
                     microbatches = self._next_microbatches(data_iter)
 
                 step_metrics = self.train_step(microbatches)
-                self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches))
+                # The ranks of a pipeline share its tokens: count this rank's share, so that tokens/s
+                # and TFLOPs stay per rank.
+                self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches) // self.parallel_dims.pp)
                 if self.step == 1:
                     set_collective_timeout(config.comm.train_timeout_seconds, self.mesh)
                 if self.step == 1 or self.step % config.metrics.log_freq == 0 or self.step == config.training.steps:
@@ -209,18 +312,27 @@ class Trainer:
         cfg = self.config.validation
         with user_input("validation.dataset"):
             loader = self._build_dataloader(cfg.dataset, self.config.debug.seed + 1)
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         tokens = 0
         for _, (inputs, labels) in zip(range(cfg.steps), loader):
-            logits = self.model(inputs.to(self.device))
-            total += F.cross_entropy(logits.flatten(0, 1).float(), labels.to(self.device).flatten(), reduction="sum")
+            if self.pp_schedule is not None:
+                # The pipeline's loss is over the training batch's token count: scale it back to a sum.
+                pipeline_loss = self._run_pipeline(inputs.to(self.device), labels.to(self.device), train=False)
+                total += pipeline_loss * self.global_tokens_per_step
+            else:
+                logits = self.model(inputs.to(self.device))
+                with _loss_context(logits):
+                    total += _local_value(_summed_cross_entropy(logits, labels.to(self.device)))
             tokens += labels.numel()
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         total /= tokens * self.dp_size
-        dp_mesh = self.parallel_dims.dp_mesh(self.mesh)
-        if dp_mesh is not None:
-            dist.all_reduce(total, group=dp_mesh.get_group())
+        # Only the last pipeline stage has a loss: the other pp ranks add zeros.
+        for mesh in (self.pp_mesh, self.parallel_dims.dp_mesh(self.mesh)):
+            if mesh is not None:
+                dist.all_reduce(total, group=mesh.get_group())
         self.metrics.log_validation(self.step, total.item())
 
     def close(self) -> None:

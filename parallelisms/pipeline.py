@@ -1,0 +1,234 @@
+"""Pipeline parallelism: the transformer blocks split into stages that a
+``torch.distributed.pipelining`` schedule runs microbatch by microbatch.
+
+Stages. A stage is a copy of the whole model (built on the meta device) with the blocks of the
+other stages deleted; the first stage keeps ``tok_embeddings``, the last ``norm`` and ``output``.
+Parameter names (FQNs) stay those of the full model, so the per-name seeded initialization, the
+parallelisms applied per stage and checkpoints see the same names as without pipelining. This
+relies on the model's layout contract: ``layers`` is a ``ModuleDict`` keyed by the global block
+index and ``tok_embeddings``, ``norm`` and ``output`` may be ``None``.
+
+Layout. ``pp`` ranks run one stage each (GPipe, 1F1B) or several virtual stages each
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble: stage ``s`` on rank ``s % pp``;
+ZBVZeroBubble: exactly two per rank in a V, rank ``r`` holding stages ``r`` and
+``2 pp - 1 - r``). The blocks are split by explicit split points, by a fixed number of blocks
+per stage, or evenly; a split that does not fit is refused, never silently rebalanced.
+
+Loss and gradients. The schedule calls ``loss_fn(output, target)`` on each microbatch of the
+last stage, backpropagates from it, and would divide the gradients by the number of
+microbatches (``scale_grads``). The caller's loss is a microbatch's *summed* loss over the
+global batch's token count, so summing over microbatches already gives the global mean:
+gradients are left unscaled (``scale_grads=False``) and equal those of a run without pipelining.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
+
+# Config options named in error messages, so a bad value points at what to change.
+DEGREE_OPTION = "parallelism.pipeline_parallel_degree"
+SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
+LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
+SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
+MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
+
+ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules that split backward into input and weight gradients (no compile, no FSDP reshard)."""
+V_SCHEDULES = frozenset({"ZBVZeroBubble"})
+"""Schedules placing exactly two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r."""
+
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
+"""A built schedule: one stage per rank, or several."""
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where the blocks go: the stages, the ranks running them, and the microbatch count."""
+
+    schedule: str
+    """Name of the ``torch.distributed.pipelining`` schedule."""
+    pp_degree: int
+    """Ranks in the pipeline."""
+    stage_layers: tuple[tuple[int, ...], ...]
+    """Global block indices of each stage, in stage order."""
+    n_microbatches: int
+    """Microbatches each schedule step splits the local batch into."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The stages that ``pp_rank`` runs, in the order the schedule expects them."""
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, self.num_stages - 1 - pp_rank]
+        return list(range(pp_rank, self.num_stages, self.pp_degree))
+
+    def describe(self) -> str:
+        """One line per rank: its stages and their blocks."""
+        return "\n".join(
+            f"  pp rank {rank}: "
+            + ", ".join(f"stage {s} = layers {list(self.stage_layers[s])}" for s in self.stage_indices(rank))
+            for rank in range(self.pp_degree)
+        )
+
+
+def plan_pipeline(
+    *,
+    n_layers: int,
+    pp_degree: int,
+    schedule: str,
+    layers_per_stage: int | None,
+    split_points: Sequence[str],
+    local_batch_size: int,
+    microbatch_size: int,
+) -> PipelineLayout:
+    """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
+
+    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage), else from
+    ``layers_per_stage``, else an even split into one stage per rank (two for multi-stage
+    schedules). Depends on no process group, so a launcher can check a config up front.
+
+    Raises:
+        ValueError: a one-line message naming the option to change when the blocks cannot be
+            split that way or the microbatches do not fit the schedule.
+    """
+    try:
+        schedule_cls = get_schedule_class(schedule)
+    except ValueError:
+        raise ValueError(f"{SCHEDULE_OPTION}: unknown schedule '{schedule}'") from None
+    single_stage = issubclass(schedule_cls, PipelineScheduleSingle)
+    if split_points and layers_per_stage is not None:
+        raise ValueError(f"set {SPLIT_POINTS_OPTION} or {LAYERS_PER_STAGE_OPTION}, not both")
+    if split_points:
+        starts = _parse_split_points(split_points, n_layers)
+        source = f"{SPLIT_POINTS_OPTION} {','.join(split_points)}"
+    elif layers_per_stage is not None:
+        if layers_per_stage < 1 or n_layers % layers_per_stage:
+            raise ValueError(
+                f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage} does not divide the model's {n_layers} layers"
+            )
+        starts = list(range(0, n_layers, layers_per_stage))
+        source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
+    else:
+        num_stages = pp_degree * (1 if single_stage else 2)
+        if n_layers % num_stages:
+            raise ValueError(
+                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers do not split evenly into {num_stages} stages "
+                f"for {schedule}; set {LAYERS_PER_STAGE_OPTION} or {SPLIT_POINTS_OPTION}"
+            )
+        starts = list(range(0, n_layers, n_layers // num_stages))
+        source = f"{DEGREE_OPTION} {pp_degree}"
+    stage_layers = tuple(tuple(range(a, b)) for a, b in zip(starts, [*starts[1:], n_layers]))
+    _check_stages_per_rank(len(stage_layers), pp_degree, schedule, single_stage, source)
+    n_microbatches = _microbatch_count(local_batch_size, microbatch_size, len(stage_layers), pp_degree, schedule)
+    return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
+
+
+def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]:
+    """Block indices starting each stage (0 first) from ``'layers.N'`` names."""
+    starts = [0]
+    for point in split_points:
+        prefix, _, index = point.partition(".")
+        if prefix != "layers" or not index.isdigit() or not 0 < int(index) < n_layers:
+            raise ValueError(
+                f"{SPLIT_POINTS_OPTION}: '{point}' is not a split point; use layers.N with 0 < N < {n_layers}"
+            )
+        if int(index) <= starts[-1]:
+            raise ValueError(f"{SPLIT_POINTS_OPTION}: '{point}' is out of order; list split points in increasing order")
+        starts.append(int(index))
+    return starts
+
+
+def _check_stages_per_rank(num_stages: int, pp_degree: int, schedule: str, single_stage: bool, source: str) -> None:
+    if single_stage and num_stages != pp_degree:
+        raise ValueError(
+            f"{source} gives {num_stages} stages, but {schedule} runs one stage per rank "
+            f"({DEGREE_OPTION} {pp_degree})"
+        )
+    if num_stages % pp_degree or (not single_stage and num_stages < 2 * pp_degree):
+        raise ValueError(
+            f"{source} gives {num_stages} stages, but {schedule} needs a multiple of {DEGREE_OPTION} "
+            f"{pp_degree} with at least two stages per rank"
+        )
+    if schedule in V_SCHEDULES and num_stages != 2 * pp_degree:
+        raise ValueError(
+            f"{source} gives {num_stages} stages, but {schedule} runs exactly two stages per rank "
+            f"({2 * pp_degree} for {DEGREE_OPTION} {pp_degree})"
+        )
+
+
+def _microbatch_count(
+    local_batch_size: int, microbatch_size: int, num_stages: int, pp_degree: int, schedule: str
+) -> int:
+    """``local_batch_size / microbatch_size``, checked against the schedule's own constraints
+    (which torch would otherwise report mid-construction, or not at all)."""
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        raise ValueError(
+            f"{MICROBATCH_OPTION} {microbatch_size} does not divide training.local_batch_size {local_batch_size}"
+        )
+    n_microbatches = local_batch_size // microbatch_size
+    where = f"training.local_batch_size {local_batch_size} / {MICROBATCH_OPTION} {microbatch_size}"
+    if schedule == "1F1B" and n_microbatches < num_stages:
+        raise ValueError(
+            f"{where} = {n_microbatches} microbatches, but 1F1B needs at least one per stage ({num_stages})"
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        # Microbatches go round the ranks in rounds of (at most) pp_degree.
+        rounds = max(1, n_microbatches // pp_degree)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"{where} = {n_microbatches} microbatches, but {schedule} needs them to divide into "
+                f"rounds of equal size ({rounds} rounds for {DEGREE_OPTION} {pp_degree})"
+            )
+    return n_microbatches
+
+
+def split_stage(model: nn.Module, layout: PipelineLayout, stage_index: int) -> nn.Module:
+    """A copy of ``model`` keeping only what stage ``stage_index`` runs (FQNs unchanged).
+
+    ``model`` should be on the meta device, so that the copy costs no memory.
+    """
+    stage = copy.deepcopy(model)
+    kept = {str(i) for i in layout.stage_layers[stage_index]}
+    for name in list(stage.layers.keys()):
+        if name not in kept:
+            del stage.layers[name]
+    if stage_index > 0:
+        stage.tok_embeddings = None
+    if stage_index < layout.num_stages - 1:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_schedule(
+    layout: PipelineLayout,
+    stage_models: Sequence[nn.Module],
+    *,
+    pp_rank: int,
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Schedule:
+    """The schedule running ``stage_models`` (this rank's stages, in ``layout.stage_indices``
+    order, parallelized and materialized) with ``loss_fn`` on the last stage.
+
+    Stage input and output shapes are inferred at the first step, so the stages may hold
+    DTensors or mixed-precision activations without being told.
+    """
+    stages = [
+        PipelineStage(model, stage_index, layout.num_stages, device, group=pp_group)
+        for model, stage_index in zip(stage_models, layout.stage_indices(pp_rank), strict=True)
+    ]
+    schedule_cls = get_schedule_class(layout.schedule)
+    stage_arg = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
+    return schedule_cls(stage_arg, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
