@@ -94,8 +94,8 @@ def plan_pipeline(
     """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
 
     Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage), else from
-    ``layers_per_stage``, else an even split into one stage per rank (two for multi-stage
-    schedules). Depends on no process group, so a launcher can check a config up front.
+    ``layers_per_stage``, else an even split into one stage per rank (for multi-stage
+    schedules the fewest per rank, at least two, that divide the layers; two for V schedules). Depends on no process group, so a launcher can check a config up front.
 
     Raises:
         ValueError: a one-line message naming the option to change when the blocks cannot be
@@ -119,10 +119,18 @@ def plan_pipeline(
         starts = list(range(0, n_layers, layers_per_stage))
         source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
     else:
-        num_stages = pp_degree * (1 if single_stage else 2)
-        if n_layers % num_stages:
+        # The fewest stages per rank the schedule accepts that split the layers evenly.
+        if single_stage:
+            candidates = [1]
+        elif schedule in V_SCHEDULES:
+            candidates = [2]
+        else:
+            candidates = list(range(2, n_layers // pp_degree + 1))
+        num_stages = next((pp_degree * v for v in candidates if n_layers % (pp_degree * v) == 0), None)
+        if num_stages is None:
             raise ValueError(
-                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers do not split evenly into {num_stages} stages "
+                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers do not split evenly into "
+                f"{' or '.join(str(pp_degree * v) for v in candidates) or 'enough'} stages "
                 f"for {schedule}; set {LAYERS_PER_STAGE_OPTION} or {SPLIT_POINTS_OPTION}"
             )
         starts = list(range(0, n_layers, n_layers // num_stages))

@@ -6,7 +6,10 @@ when the config is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+
+import torch
 
 from models.registry import get_flavor, get_model_spec
 from trainer.config import ConfigError, batch_layout, load_config
@@ -24,7 +27,14 @@ def check(argv: list[str], world_size: int) -> None:
         world_size=world_size,
     )
     batch_layout(config.training, dims.dp_degree)
-    model_args = get_flavor(get_model_spec(config.model.name), config.model.flavor)
+    spec = get_model_spec(config.model.name)
+    model_args = get_flavor(spec, config.model.flavor)
+    if dims.tp_enabled:
+        from parallelisms.tensor_parallel import validate_tp
+
+        with torch.device("meta"):
+            model = spec.model_cls(dataclasses.replace(model_args, max_seq_len=config.training.seq_len))
+        validate_tp(model, dims.tp)
     if dims.pp_enabled:
         # Imported here: the trainer's imports would double the start-up of every other check.
         from trainer.trainer import pipeline_layout

@@ -192,7 +192,7 @@ class Trainer:
             pp_rank=pp_rank,
             pp_group=self.pp_mesh.get_group(),
             device=self.device,
-            loss_fn=self._pipeline_loss,
+            loss_fn=self._loss,
         )
         return stages
 
@@ -212,13 +212,13 @@ class Trainer:
         count, so gradients summed over microbatches and ranks equal the global-batch mean."""
         logits = self.model(inputs)
         with _loss_context(logits):
-            loss = _summed_cross_entropy(logits, labels) / self.global_tokens_per_step
+            loss = self._loss(logits, labels)
             loss.backward()
         return _local_value(loss.detach())
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What the pipeline schedule backpropagates from, per pipeline microbatch on the last
-        stage: as in ``forward_backward``, so the microbatches' losses sum to the global mean."""
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What backward starts from, per microbatch (and per pipeline microbatch on the last
+        stage): summed cross-entropy over the global batch's token count."""
         return _summed_cross_entropy(logits, labels) / self.global_tokens_per_step
 
     def _pipeline_loss_context(self) -> contextlib.AbstractContextManager:

@@ -98,9 +98,9 @@ def _layout_error(*overrides: str) -> str:
     "overrides, message",
     [
         (
-            ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-            "parallelism.pipeline_parallel_degree 2: 6 layers do not split evenly into 4 stages for "
-            "Interleaved1F1B; set parallelism.pipeline_parallel_layers_per_stage or "
+            ["--parallelism.pipeline_parallel_degree", "4"],
+            "parallelism.pipeline_parallel_degree 4: 6 layers do not split evenly into 4 stages for "
+            "1F1B; set parallelism.pipeline_parallel_layers_per_stage or "
             "parallelism.pipeline_parallel_split_points",
         ),
         (
@@ -162,6 +162,11 @@ def _layout_error(*overrides: str) -> str:
 )
 def test_impossible_layout_is_one_line_error(overrides, message):
     assert _layout_error(*overrides) == message
+
+
+def test_interleaved_default_takes_the_fewest_even_stages_per_rank():
+    layout = _layout("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+    assert layout.stage_layers == ((0,), (1,), (2,), (3,), (4,), (5,))  # 4 stages would not divide 6 layers
 
 
 def test_layouts_place_stages_and_blocks():

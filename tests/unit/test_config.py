@@ -67,6 +67,11 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
         (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
         (["--checkpoint.enable"], "checkpoint.enable: not available yet"),
+        (
+            ["--parallelism.data_parallel_impl", "simple_fsdp", "--parallelism.tensor_parallel_degree", "2",
+             "--compile.enable"],
+            "compile.bucketing: 'manual' is not supported yet for SimpleFSDP with tensor parallelism",
+        ),
         (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
         (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto"),
         (["--training.steps"], "--training.steps needs a value"),
