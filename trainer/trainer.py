@@ -336,8 +336,6 @@ class Trainer:
         self.metrics.log_validation(self.step, total.item())
 
     def close(self) -> None:
+        """Waits until every rank has finished, so that none leaves while a peer still talks to it."""
         if dist.is_initialized():
-            # Leave together: a rank tearing down its connections while a peer still uses them
-            # makes gloo abort the peer.
             dist.barrier()
-            dist.destroy_process_group()
