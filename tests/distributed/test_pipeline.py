@@ -194,9 +194,9 @@ def test_zero_bubble_refuses_compile_and_reshard(schedule, option):
 
 
 def test_preflight_and_train_py_report_impossible_layout(tmp_path):
-    schedule = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
-    args = ["--parallelism.pipeline_parallel_degree", "2", *schedule]
-    expected = _layout_error(*schedule)
+    uneven = ["--parallelism.pipeline_parallel_layers_per_stage", "4"]  # 6 layers
+    args = ["--parallelism.pipeline_parallel_degree", "2", *uneven]
+    expected = _layout_error(*uneven)
     preflight = subprocess.run(
         [sys.executable, "-m", "trainer.preflight", "--world-size", "2", *args],
         cwd=REPO, capture_output=True, text=True,
