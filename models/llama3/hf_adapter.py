@@ -1,0 +1,246 @@
+"""Pure mapping between our Llama 3 state dict and Hugging Face's ``LlamaForCausalLM`` layout.
+
+Rotary convention. Our ``apply_rotary_emb`` rotates interleaved feature pairs (2i, 2i+1) of each
+head (Meta's layout); HF's ``rotate_half`` pairs feature i with feature i + head_dim / 2, both at
+frequency i. The attention scores are unchanged if the rows of wq and wk are reordered per head so
+that our row 2i becomes HF row i and our row 2i+1 becomes HF row i + head_dim / 2: the usual
+Meta -> HF conversion. Every other tensor is copied as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from .model import Transformer, TransformerModelArgs, ffn_hidden_dim
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_LEVEL_INV = {hf: ours for ours, hf in _TOP_LEVEL.items()}
+_IN_LAYER_INV = {hf: ours for ours, hf in _IN_LAYER.items()}
+_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def to_hf_key(key: str) -> str:
+    """HF name of our parameter ``key``; KeyError if it is not a Llama parameter."""
+    if key in _TOP_LEVEL:
+        return _TOP_LEVEL[key]
+    match = _OURS_LAYER.fullmatch(key)
+    if match and match[2] in _IN_LAYER:
+        return f"model.layers.{match[1]}.{_IN_LAYER[match[2]]}"
+    raise KeyError(key)
+
+
+def from_hf_key(key: str) -> str:
+    """Our name of the HF parameter ``key``; KeyError if it is not a Llama parameter."""
+    if key in _TOP_LEVEL_INV:
+        return _TOP_LEVEL_INV[key]
+    match = _HF_LAYER.fullmatch(key)
+    if match and match[2] in _IN_LAYER_INV:
+        return f"layers.{match[1]}.{_IN_LAYER_INV[match[2]]}"
+    raise KeyError(key)
+
+
+def permute_for_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorders the rows of a wq/wk weight [n_heads * head_dim, dim] per head from interleaved
+    pairs to halves: row 2i -> row i, row 2i+1 -> row i + head_dim / 2."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def unpermute_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of ``permute_for_hf``."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rotary_heads(key: str, args: TransformerModelArgs) -> int | None:
+    """Number of heads of ``key`` (our name) if it is a rotary projection (wq/wk), else None."""
+    if key.endswith(".attention.wq.weight"):
+        return args.n_heads
+    if key.endswith(".attention.wk.weight"):
+        return args.n_kv_heads or args.n_heads
+    return None
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """Our (full, unsharded) tensors -> HF names and layout. Any subset of the keys is accepted."""
+    out = {}
+    for key, tensor in state_dict.items():
+        heads = _rotary_heads(key, args)
+        out[to_hf_key(key)] = permute_for_hf(tensor, heads) if heads else tensor
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """HF tensors -> our names and layout. Any subset of the keys is accepted."""
+    out = {}
+    for hf_key, tensor in state_dict.items():
+        key = from_hf_key(hf_key)
+        heads = _rotary_heads(key, args)
+        out[key] = unpermute_from_hf(tensor, heads) if heads else tensor
+    return out
+
+
+def hf_param_shapes(args: TransformerModelArgs, tied: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every parameter of the full model (``lm_head`` left out when ``tied``)."""
+    # A meta-device model costs no memory and keeps the shapes in one place: model.py.
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, max_seq_len=1))
+    shapes = {to_hf_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` equal to a model built from ``args``."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    rope_scaling = None
+    if args.use_rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_position_embeddings,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": ffn_hidden_dim(args),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def args_from_hf_config(
+    config: dict[str, Any], base: TransformerModelArgs | None = None, source: str = "config.json"
+) -> TransformerModelArgs:
+    """``TransformerModelArgs`` of an HF Llama ``config``.
+
+    Fields HF does not store (``multiple_of``, ``ffn_dim_multiplier``, ``max_seq_len``,
+    ``depth_init``) come from ``base`` (default args if None). The FFN width is derived from
+    them, so it must equal the file's ``intermediate_size``: ValueError naming ``source`` if not.
+    """
+    base = base or TransformerModelArgs()
+
+    def field(name: str) -> Any:
+        if name not in config:
+            raise ValueError(f"{source}: missing field '{name}'")
+        return config[name]
+
+    for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(name, expected) != expected:
+            raise ValueError(f"{source}: {name}={config[name]!r} is not supported (need {expected!r})")
+    # transformers >= 5 nests theta and scaling in rope_parameters; older files use the top level.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default or llama3)")
+    rope_theta = rope.get("rope_theta", config.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(f"{source}: missing field 'rope_theta'")
+
+    n_heads = field("num_attention_heads")
+    n_kv_heads = config.get("num_key_value_heads") or n_heads
+    args = dataclasses.replace(
+        base,
+        dim=field("hidden_size"),
+        n_layers=field("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,  # our flavors' spelling of MHA
+        vocab_size=field("vocab_size"),
+        norm_eps=field("rms_norm_eps"),
+        rope_theta=float(rope_theta),
+        use_rope_scaling=rope_type == "llama3",
+    )
+    if args.use_rope_scaling:
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        absent = [name for name in names if name not in rope]
+        if absent:
+            raise ValueError(f"{source}: llama3 rope scaling without '{absent[0]}'")
+        args = dataclasses.replace(
+            args,
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if config.get("head_dim", args.head_dim) != args.head_dim:
+        raise ValueError(
+            f"{source}: head_dim={config['head_dim']} but hidden_size / num_attention_heads = {args.head_dim}"
+        )
+    if ffn_hidden_dim(args) != field("intermediate_size"):
+        raise ValueError(
+            f"{source}: intermediate_size={config['intermediate_size']} but multiple_of={args.multiple_of}, "
+            f"ffn_dim_multiplier={args.ffn_dim_multiplier} give {ffn_hidden_dim(args)}"
+        )
+    return args
+
+
+# Our field -> HF config name, for messages about a file that does not match the model.
+ARG_TO_HF_FIELD = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "use_rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_original_max_position_embeddings": "rope_scaling.original_max_position_embeddings",
+}
+
+
+def config_mismatches(file_args: TransformerModelArgs, model_args: TransformerModelArgs) -> list[str]:
+    """Human-readable differences between the args read from a config and the model's args."""
+    out = []
+    for name, hf_name in ARG_TO_HF_FIELD.items():
+        if name.startswith("rope_") and name != "rope_theta" and not model_args.use_rope_scaling:
+            continue  # scaling parameters are unused without scaling
+        ours, theirs = getattr(model_args, name), getattr(file_args, name)
+        if name == "n_kv_heads":
+            ours, theirs = ours or model_args.n_heads, theirs or file_args.n_heads
+        if ours != theirs:
+            out.append(f"{hf_name}={theirs} but the model has {name}={ours}")
+    return out
