@@ -21,15 +21,48 @@ def main(argv: list[str]) -> int:
     )
     try:
         config = load_config(argv)
-        from trainer.trainer import Trainer
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
+    from trainer.checkpoint import CheckpointError
+    from trainer.trainer import NonFiniteError, Trainer
+
+    trainer = None
+    try:
         trainer = Trainer(config)
         trainer.train()
         trainer.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if not _is_collective_failure(e):
+            raise
+        # A peer died or hung: torchrun restarts the job from the newest checkpoint.
+        step = trainer.step + 1 if trainer is not None else 0
+        print(
+            f"error: a collective failed at step {step} (a rank died or hung longer than "
+            f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    # gloo reports a dead or hung peer as a plain RuntimeError raised from its transport.
+    return isinstance(error, dist.DistError) or "/gloo/" in str(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def exit_without_teardown(code: int) -> None:

@@ -21,15 +21,24 @@ TINY_RUN = [
 ]
 
 
-def run_train(dump_folder: str, nproc: int, *overrides: str, timeout: float = 600) -> list[dict]:
-    """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
+def train_command(dump_folder: str, nproc: int, *overrides: str, max_restarts: int = 0) -> list[str]:
+    """The command line of a train.py run with ``nproc`` ranks (a plain process when 1)."""
     args = ["train.py", *TINY_RUN, "--job.dump_folder", dump_folder, *overrides]
     if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        args = [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", *args,
+        ]
+    return [sys.executable, *args]
+
+
+def run_train(
+    dump_folder: str, nproc: int, *overrides: str, max_restarts: int = 0, timeout: float = 600
+) -> list[dict]:
+    """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
+    command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return read_metrics(dump_folder)
@@ -42,6 +51,11 @@ def read_metrics(dump_folder: str) -> list[dict]:
 
 def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
+
+
+def losses_by_step(records: list[dict]) -> dict[int, float]:
+    """Each step's loss; a step logged again after a restart counts with its last value."""
+    return {r["step"]: r["loss"] for r in records}
 
 
 def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, timeout: float = 900) -> str:

@@ -83,6 +83,10 @@ class Training:
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
     dataloader_num_workers: int = 0
     """Data-loading worker processes per rank."""
+    nonfinite_policy: str = "error"
+    """On a non-finite loss or gradient norm: error (stop; the restart resumes from the last
+    checkpoint), skip_step (drop the update and the batch) or rollback (reload the last checkpoint
+    and go on past the batches since)."""
 
 
 @dataclass
@@ -148,7 +152,29 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save distributed checkpoints (and resume from them)."""
+    """Save distributed checkpoints and resume from the newest complete one at start."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside the dump folder; each checkpoint is a step-N sub-folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    async_mode: str = "disabled"
+    """disabled (training waits for the save), async (a background thread writes while training
+    continues) or async_with_pinned_mem (staging into pinned memory, on accelerators)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
+    load_step: int = -1
+    """Resume from step-N exactly instead of the newest complete checkpoint; -1 = the newest."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
+    initial_load_path: str = ""
+    """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
+    folder (e.g. a seed checkpoint's step-0) or Hugging Face safetensors folder (fine-tuning)."""
+    create_seed_checkpoint: bool = False
+    """On 1 rank: write the initialized model as <folder>/step-0 and exit; loadable at any layout."""
+    export_hf: bool = False
+    """At the last step, also write the model in Hugging Face's Llama safetensors layout to <folder>/hf."""
+    export_dtype: str = "float32"
+    """Dtype of the Hugging Face export: float32, bfloat16 or float16."""
 
 
 @dataclass
@@ -233,6 +259,12 @@ class Debug:
     """Use deterministic algorithms so two runs give bitwise-equal losses."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic collection is off); 0 = leave gc alone."""
+    fail_at_step: int = -1
+    """Failure injection for tests, on the first attempt only (before any torchrun restart): at this
+    step the last rank does what debug.failure says; -1 = never."""
+    failure: str = "kill"
+    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save (die
+    while writing that step's checkpoint) or nan (non-finite gradients)."""
 
 
 @dataclass
@@ -259,6 +291,10 @@ class JobConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_param": ("float32", "bfloat16"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "training.nonfinite_policy": ("error", "skip_step", "rollback"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "debug.failure": ("kill", "hang", "kill_during_save", "nan"),
     "optimizer.name": ("AdamW", "Adam"),
     "optimizer.implementation": ("foreach", "fused", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
@@ -474,19 +510,8 @@ def _apply_toml(config: JobConfig, path: str) -> None:
     config.job.config_file = path
 
 
-def _unavailable(config: JobConfig) -> dict[str, bool]:
-    """Options whose feature has not landed yet: refused up front rather than ignored."""
-    p = config.parallelism
-    return {
-        "checkpoint.enable": config.checkpoint.enable,
-    }
-
-
 def validate(config: JobConfig) -> None:
     """Checks value ranges and choices that do not depend on the world size."""
-    for option, requested in _unavailable(config).items():
-        if requested:
-            raise ConfigError(f"{option}: not available yet in this version of Tessera")
     for key, choices in CHOICES.items():
         section_name, _, field_name = key.partition(".")
         value = getattr(getattr(config, section_name), field_name)
@@ -525,6 +550,7 @@ def validate(config: JobConfig) -> None:
                 f"compile.bucketing: '{config.compile.bucketing}' is not supported yet for SimpleFSDP with "
                 "tensor parallelism; use none"
             )
+    _validate_checkpoint(config)
     if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
         raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
     lr = config.lr_scheduler
@@ -536,6 +562,37 @@ def validate(config: JobConfig) -> None:
         )
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
+
+
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _validate_checkpoint(config: JobConfig) -> None:
+    ckpt = config.checkpoint
+    if ckpt.interval <= 0:
+        raise ConfigError(f"checkpoint.interval must be positive, got {ckpt.interval}")
+    if ckpt.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {ckpt.keep_latest_k}")
+    if ckpt.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be -1 (newest) or a step >= 0, got {ckpt.load_step}")
+    for part in ckpt.exclude_from_loading:
+        if part not in CHECKPOINT_PARTS:
+            raise ConfigError(
+                f"checkpoint.exclude_from_loading: '{part}' is not one of {', '.join(CHECKPOINT_PARTS)}"
+                f"{_suggest(part, CHECKPOINT_PARTS)}"
+            )
+    needs_enable = {
+        "create_seed_checkpoint": ckpt.create_seed_checkpoint,
+        "load_step": ckpt.load_step != -1,
+        "export_hf": ckpt.export_hf,
+    }
+    for option, used in needs_enable.items():
+        if used and not ckpt.enable:
+            raise ConfigError(f"checkpoint.{option} needs checkpoint.enable")
+    if config.training.nonfinite_policy == "rollback" and not ckpt.enable:
+        raise ConfigError("training.nonfinite_policy: 'rollback' needs checkpoint.enable")
+    if ckpt.create_seed_checkpoint and config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("checkpoint.create_seed_checkpoint: run it on 1 rank without pipeline parallelism")
 
 
 def help_text() -> str:

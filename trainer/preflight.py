@@ -7,6 +7,7 @@ when the config is wrong.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import torch
@@ -27,6 +28,11 @@ def check(argv: list[str], world_size: int) -> None:
         world_size=world_size,
     )
     batch_layout(config.training, dims.dp_degree)
+    ckpt = config.checkpoint
+    if ckpt.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
+    if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
     spec = get_model_spec(config.model.name)
     model_args = get_flavor(spec, config.model.flavor)
     if dims.tp_enabled:

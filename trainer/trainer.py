@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
+import signal
 import time
 
 import torch
@@ -18,8 +20,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.registry import ModelSpec, get_flavor, get_model_spec
 from parallelisms.pipeline import V_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
 from parallelisms.tensor_parallel import is_vocab_sharded
+from trainer.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
 from trainer.config import ConfigError, JobConfig, batch_layout, to_toml, user_input
 from trainer.data import build_dataloader
+from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
 from trainer.distributed import ParallelDims, init_distributed, set_collective_timeout
 from trainer.metrics import MetricsLogger, ThroughputTracker, device_peak_flops, peak_memory_gib
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -27,6 +31,10 @@ from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm under ``training.nonfinite_policy = "error"``."""
 
 
 def _loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -136,6 +144,32 @@ class Trainer:
         )
         self.throughput = ThroughputTracker()
         self.step = 0
+        self._failure_injected = False
+        self._poison_gradients = False
+        self.checkpointer = self._build_checkpointer()
+
+    def _is_first_attempt(self) -> bool:
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def _build_checkpointer(self) -> CheckpointManager | None:
+        ckpt = self.config.checkpoint
+        if not ckpt.enable and not ckpt.initial_load_path:
+            return None
+        states = {
+            "model": ModelState(self.model_parts),
+            "optimizer": OptimizerState(self.model_parts, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.dataloader,
+            "train_state": TrainState(lambda: self.step, self._set_step, self.device),
+        }
+        checkpointer = CheckpointManager(ckpt, self.config.job.dump_folder, states, to_toml(self.config))
+        debug = self.config.debug
+        if debug.failure == "kill_during_save" and self._is_first_attempt():
+            checkpointer.fail_during_save_at_step = debug.fail_at_step
+        return checkpointer
+
+    def _set_step(self, step: int) -> None:
+        self.step = step
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -171,6 +205,7 @@ class Trainer:
         # Built without storage, so that a model of any size is only ever materialized sharded.
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        self.model_args = model_args
         self.flops_per_token = spec.flops_per_token_fn(model_args, model, self.config.training.seq_len)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("%s %s: %.2fM parameters", spec.name, self.config.model.flavor, n_params / 1e6)
@@ -241,32 +276,77 @@ class Trainer:
         return torch.stack([_local_value(loss.detach()) for loss in losses]).sum()
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
-        """Forward/backward over the step's microbatches, clip, update; returns loss, grad norm, lr."""
+        """Forward/backward over the step's microbatches, clip, update; returns loss, grad norm, lr.
+        A non-finite loss or gradient norm leaves the model and optimizer untouched."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
         if self.pp_schedule is None:
             loss = sum(self.forward_backward(x.to(self.device), y.to(self.device)) for x, y in microbatches)
         else:
             loss = sum(self._run_pipeline(x.to(self.device), y.to(self.device), train=True) for x, y in microbatches)
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        if self._poison_gradients:
+            self._poison_gradients = False
+            params[0].grad.fill_(float("nan"))
         grad_norm = clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters() if p.grad is not None],
+            params,
             self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf"),
             pp_mesh=self.pp_mesh,
         )
-        self.optimizer.step()
-        self.lr_scheduler.step()
         # Each rank holds its share of the global mean; summing over data-parallel ranks completes it.
         # Under pipelining only the last stage has a loss: the other pp ranks add zeros.
         for mesh in (self.pp_mesh, self.parallel_dims.dp_mesh(self.mesh)):
             if mesh is not None:
                 dist.all_reduce(loss, group=mesh.get_group())
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        step_metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        # Both values are global (all-reduced), so every rank takes the same branch.
+        if math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"]):
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        return step_metrics
 
     def _next_microbatches(self, data_iter) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [next(data_iter) for _ in range(self.grad_accum_steps)]
 
+    def _inject_failure(self, step: int) -> None:
+        """``debug.fail_at_step``: acts once, on the first attempt, on the last rank (all ranks
+        for ``nan``, so that they skip or roll back together)."""
+        debug = self.config.debug
+        if step != debug.fail_at_step or self._failure_injected or not self._is_first_attempt():
+            return
+        self._failure_injected = True
+        if debug.failure == "nan":
+            self._poison_gradients = self.rank == dist.get_world_size() - 1
+            return
+        if self.rank != dist.get_world_size() - 1 or debug.failure == "kill_during_save":
+            return
+        logger.warning("debug.fail_at_step=%d: injecting '%s' on rank %d", step, debug.failure, self.rank)
+        if debug.failure == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while debug.failure == "hang":
+            time.sleep(3600)
+
+    def _handle_nonfinite(self, step: int, step_metrics: dict[str, float]) -> None:
+        policy = self.config.training.nonfinite_policy
+        what = f"non-finite loss {step_metrics['loss']} or grad norm {step_metrics['grad_norm']} at step {step}"
+        if policy == "error":
+            raise NonFiniteError(f"{what} (training.nonfinite_policy=error)")
+        if policy == "skip_step":
+            logger.warning("%s: update skipped, batch dropped (training.nonfinite_policy=skip_step)", what)
+            return
+        self.step = self.checkpointer.rollback()
+        logger.warning(
+            "%s: rolled back to step %d, going on with the next batches (training.nonfinite_policy=rollback)",
+            what,
+            self.step,
+        )
+
     def train(self) -> None:
         config = self.config
+        if config.checkpoint.create_seed_checkpoint:
+            self._create_seed_checkpoint()
+            return
+        self._resume()
         data_iter = iter(self.dataloader)
         gc_freq = config.debug.gc_freq
         if gc_freq > 0:
@@ -279,28 +359,74 @@ class Trainer:
             config.training.local_batch_size,
             self.dp_size,
         )
+        first_step = self.step + 1
         with maybe_profile(config.profiling, config.job.dump_folder, self.rank) as profiler:
             while self.step < config.training.steps:
-                self.step += 1
-                if gc_freq > 0 and self.step % gc_freq == 0:
+                step = self.step + 1
+                if gc_freq > 0 and step % gc_freq == 0:
                     gc.collect(1)
                 with self.throughput.data_loading():
                     microbatches = self._next_microbatches(data_iter)
+                self._inject_failure(step)
 
                 step_metrics = self.train_step(microbatches)
+                if step == first_step:
+                    set_collective_timeout(config.comm.train_timeout_seconds, self.mesh)
+                if not (math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"])):
+                    self._handle_nonfinite(step, step_metrics)
+                    continue
+                self.step = step
                 # The ranks of a pipeline share its tokens: count this rank's share, so that tokens/s
                 # and TFLOPs stay per rank.
                 self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches) // self.parallel_dims.pp)
-                if self.step == 1:
-                    set_collective_timeout(config.comm.train_timeout_seconds, self.mesh)
-                if self.step == 1 or self.step % config.metrics.log_freq == 0 or self.step == config.training.steps:
+                if step == first_step or step % config.metrics.log_freq == 0 or step == config.training.steps:
                     self._log(step_metrics)
-                if config.validation.enable and self.step % config.validation.freq == 0:
+                if self.checkpointer is not None and self.checkpointer.should_save(step, config.training.steps):
+                    self.checkpointer.save(step)
+                elif self.checkpointer is not None:
+                    self.checkpointer.poll()
+                if config.validation.enable and step % config.validation.freq == 0:
                     self.validate()
                 if profiler is not None:
                     profiler.step()
+        if config.checkpoint.export_hf:
+            self._export_hf()
         self.metrics.close()
         logger.info("training finished after %d steps", self.step)
+
+    def _resume(self) -> None:
+        """Restores the newest complete checkpoint, or else loads ``checkpoint.initial_load_path``'s
+        model weights."""
+        ckpt = self.config.checkpoint
+        if self.checkpointer is None:
+            return
+        if ckpt.enable and self.checkpointer.resume() is not None:
+            logger.info("resumed from step %d", self.step)
+            return
+        if not ckpt.initial_load_path:
+            return
+        if not os.path.isdir(ckpt.initial_load_path):
+            raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
+        if is_hf_folder(ckpt.initial_load_path):
+            with user_input("checkpoint.initial_load_path"):
+                load_hf_weights(self.model_parts, ckpt.initial_load_path)
+        else:
+            self.checkpointer.load_model_only(ckpt.initial_load_path)
+        logger.info("initial weights loaded from %s", ckpt.initial_load_path)
+
+    def _create_seed_checkpoint(self) -> None:
+        if dist.get_world_size() != 1:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {dist.get_world_size()}"
+            )
+        self.checkpointer.save(0, parts=["model"])
+        logger.info("seed checkpoint written to %s", os.path.join(self.checkpointer.folder, "step-0"))
+
+    def _export_hf(self) -> None:
+        folder = os.path.join(self.checkpointer.folder, "hf")
+        dtype = getattr(torch, self.config.checkpoint.export_dtype)
+        export_hf(self.model_parts, self.model_args, folder, dtype)
+        logger.info("Hugging Face export (%s) written to %s", self.config.checkpoint.export_dtype, folder)
 
     def _log(self, step_metrics: dict[str, float]) -> None:
         summary = self.throughput.summarize(self.flops_per_token, self.peak_flops)
@@ -336,6 +462,9 @@ class Trainer:
         self.metrics.log_validation(self.step, total.item())
 
     def close(self) -> None:
-        """Waits until every rank has finished, so that none leaves while a peer still talks to it."""
+        """Waits for the checkpoint in flight, then until every rank has finished, so that none
+        leaves while a peer still talks to it."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if dist.is_initialized():
             dist.barrier()

@@ -66,7 +66,12 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--training.steps", "2.5"], "training.steps: expected an integer"),
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
         (["--compile.enable", "maybe"], "compile.enable: expected true or false"),
-        (["--checkpoint.enable"], "checkpoint.enable: not available yet"),
+        (["--checkpoint.interval", "0"], "checkpoint.interval must be positive"),
+        (["--checkpoint.async_mode", "background"], "checkpoint.async_mode: 'background' is not one of"),
+        (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean 'optimizer'"),
+        (["--checkpoint.load_step", "5"], "checkpoint.load_step needs checkpoint.enable"),
+        (["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
+        (["--debug.failure", "explode"], "debug.failure: 'explode' is not one of"),
         (
             ["--parallelism.data_parallel_impl", "simple_fsdp", "--parallelism.tensor_parallel_degree", "2",
              "--compile.enable"],

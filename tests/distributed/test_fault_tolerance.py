@@ -1,0 +1,171 @@
+"""Checkpoints and restarts end to end: torchrun restarts after a killed, hung or mid-save rank,
+a truncated checkpoint, two torchrun agents as two nodes. Every resumed run must reproduce the
+uninterrupted run's losses bitwise (``debug.deterministic``, fp32, same layout)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
+
+STEPS = 12
+# run_train.sh passes configs/debug_model.toml: the direct launches use it too.
+CHECKPOINTED = [
+    "--job.config_file", "configs/debug_model.toml", "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2",
+    "--checkpoint.enable", "--checkpoint.interval", "4",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, dict[int, float]]:
+    """The uninterrupted run on 2 ranks (checkpoints at steps 4, 8 and 12)."""
+    dump = str(tmp_path_factory.mktemp("reference"))
+    return dump, losses_by_step(run_train(dump, 2, *CHECKPOINTED))
+
+
+def run_script(dump: str, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """run_train.sh on 2 ranks with the checkpointed tiny settings."""
+    from tests.launch import TINY_RUN
+
+    full_env = dict(os.environ, NGPU="2", LOG_RANK="0,1", PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(
+        ["./run_train.sh", *TINY_RUN, "--job.dump_folder", dump, *CHECKPOINTED, *overrides],
+        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def restarted_run(dump: str, *overrides: str) -> tuple[dict[int, float], str]:
+    """A 2-rank torchrun with one restart allowed; returns its losses and combined output."""
+    command = train_command(dump, 2, *CHECKPOINTED, *overrides, max_restarts=1)
+    result = subprocess.run(
+        command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return losses_by_step(read_metrics(dump)), output
+
+
+def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
+    # The acceptance scenario through run_train.sh (its --max-restarts default).
+    result = run_script(str(tmp_path), "--debug.fail_at_step", "7")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "injecting 'kill'" in output and "resumed from step 4" in output
+    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
+
+
+def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
+    losses, output = restarted_run(
+        str(tmp_path), "--checkpoint.async_mode", "async", "--debug.fail_at_step", "8",
+        "--debug.failure", "kill_during_save",
+    )
+    assert "killing this rank in the middle of the save" in output
+    # The half-written step-8 is not loaded: the restart goes back to step 4 and drops it.
+    assert "resumed from step 4" in output and "removing incomplete checkpoint" in output
+    assert losses == reference[1]
+
+
+def test_hung_rank_times_out_and_restarts(tmp_path, reference):
+    losses, output = restarted_run(
+        str(tmp_path), "--debug.fail_at_step", "6", "--debug.failure", "hang", "--comm.train_timeout_seconds", "5"
+    )
+    assert "error: a collective failed at step 6" in output
+    assert "resumed from step 4" in output
+    assert losses == reference[1]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def test_five_sigkills_at_random_steps(tmp_path, reference):
+    """Kills a random rank from outside five times, each after 1-3 newly logged steps; with
+    ``--max-restarts 5`` a single failed rendezvous would exhaust the restarts."""
+    rng = random.Random(1234)
+    dump = str(tmp_path)
+    command = train_command(
+        dump, 2, *CHECKPOINTED, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
+        "--checkpoint.keep_latest_k", "2", max_restarts=5,
+    )
+    log = open(tmp_path / "agent.log", "w")
+    agent = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=log)
+    metrics = os.path.join(dump, "metrics.jsonl")
+
+    def logged() -> int:
+        return sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+
+    try:
+        for kill in range(5):
+            target = logged() + rng.randint(1, 3)
+            deadline = time.monotonic() + 300
+            while logged() < target:
+                assert agent.poll() is None, f"the job ended before kill {kill + 1}"
+                assert time.monotonic() < deadline, f"no progress before kill {kill + 1}"
+                time.sleep(0.05)
+            os.kill(rng.choice(_children(agent.pid)), 9)
+        assert agent.wait(timeout=600) == 0, (tmp_path / "agent.log").read_text()[-4000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        log.close()
+    assert losses_by_step(read_metrics(dump)) == reference[1]
+    complete = [p for p in os.listdir(os.path.join(dump, "checkpoint")) if p.startswith("step-")]
+    assert len(complete) <= 2, complete  # keep_latest_k
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
+    dump = str(tmp_path / "run")
+    shutil.copytree(reference[0], dump)
+    os.remove(os.path.join(dump, "metrics.jsonl"))
+    newest = os.path.join(dump, "checkpoint", "step-12")
+    shard = os.path.join(newest, "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    # Asked for explicitly: a one-line error naming the file.
+    result = subprocess.run(
+        train_command(dump, 2, *CHECKPOINTED, "--checkpoint.load_step", "12"),
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode != 0
+    assert f"error: {shard} is truncated or changed" in result.stderr
+    # Auto-resume: step 8 instead, then the same losses.
+    losses = losses_by_step(run_train(dump, 2, *CHECKPOINTED))
+    assert losses == {step: loss for step, loss in reference[1].items() if step > 8}
+    assert os.path.isdir(newest + ".unloadable")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost(tmp_path, reference):
+    """Two torchrun agents with one rank each, joined by the c10d rendezvous, train as the
+    reference's two ranks do."""
+    from tests.launch import TINY_RUN
+
+    env = dict(
+        os.environ, NGPU="1", NNODES="2", RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", RDZV_ID="two-nodes",
+        PYTHON=sys.executable,
+    )
+    dump = str(tmp_path)
+    nodes = [
+        subprocess.Popen(
+            ["./run_train.sh", *TINY_RUN, "--job.dump_folder", dump, *CHECKPOINTED],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=900)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    assert losses_by_step(read_metrics(dump)) == reference[1]
