@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Multi-node training under SLURM: one run_train.sh (one torchrun agent) per node, joined by
+# torchrun's c10d rendezvous on the first node of the allocation.
+#   sbatch --nodes 2 scripts/slurm_train.sh --training.steps 1000 --job.dump_folder /shared/run1
+# Environment: NGPU (ranks per node), CONFIG_FILE, MAX_RESTARTS, RDZV_PORT (default 29500).
+#SBATCH --job-name=tessera
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+set -euo pipefail
+
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export NNODES=$SLURM_JOB_NUM_NODES
+export RDZV_ENDPOINT="$head_node:${RDZV_PORT:-29500}"
+export RDZV_ID="tessera-$SLURM_JOB_ID"
+
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+srun --kill-on-bad-exit=0 ./run_train.sh "$@"

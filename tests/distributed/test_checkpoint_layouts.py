@@ -1,0 +1,98 @@
+"""Checkpoints across layouts and formats: a chain of resumes through four layouts against one
+process, a seed checkpoint loaded at another layout, the Hugging Face export loaded back, and the
+non-finite policies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
+
+CONSTANT_LR = ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+
+# Global batch 8 throughout: local batch x data-parallel degree.
+LAYOUT_CHAIN = [
+    ["--training.local_batch_size", "2"],  # fsdp2 dp4
+    ["--training.local_batch_size", "4", *TP2, "--parallelism.data_parallel_impl", "simple_fsdp"],
+    ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "4"],
+    ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"],  # fsdp2 pp2 x dp2
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted single-process run the other layouts are held to."""
+    dump = str(tmp_path_factory.mktemp("one_process"))
+    return losses_by_step(run_train(dump, 1, "--training.steps", str(2 * len(LAYOUT_CHAIN)), *CONSTANT_LR))
+
+
+def assert_close(actual: dict[int, float], expected: dict[int, float], rel: float) -> None:
+    assert actual.keys() == expected.keys()
+    for step in actual:
+        assert abs(actual[step] - expected[step]) <= rel * abs(expected[step]), (step, actual[step], expected[step])
+
+
+def test_resume_through_four_layouts_matches_one_process(tmp_path, one_process):
+    """dp4 -> SimpleFSDP dp2 x tp2 -> tp4 -> pp2 x dp2, two steps each, every run resuming the
+    previous one's checkpoint (model, optimizer and the global data position, resharded). The
+    losses follow the uninterrupted single-process run within 1e-5 relative (reduction orders
+    differ); a lost or repeated sample would change them far more."""
+    dump = str(tmp_path / "chain")
+    for i, layout in enumerate(LAYOUT_CHAIN):
+        run_train(
+            dump, 4, "--training.steps", str(2 * (i + 1)), *CONSTANT_LR,
+            "--checkpoint.enable", "--checkpoint.interval", "2", *layout,
+        )
+    assert_close(losses_by_step(read_metrics(dump)), one_process, 1e-5)
+
+
+def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
+    seed_dump = str(tmp_path / "seed")
+    run_train(seed_dump, 1, "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    seed = os.path.join(seed_dump, "checkpoint", "step-0")
+    assert sorted(os.listdir(seed))[:2] == [".metadata", "__0_0.distcp"]
+
+    common = ["--training.steps", "3", *CONSTANT_LR, "--checkpoint.initial_load_path", seed]
+    at_tp2 = losses_by_step(run_train(str(tmp_path / "tp2"), 4, *common, "--training.local_batch_size", "4", *TP2))
+    one = losses_by_step(run_train(str(tmp_path / "one"), 1, *common))
+    assert_close(at_tp2, one, 1e-5)
+    assert one_process[1] != one[1]  # the weights did come from the seed-7 checkpoint
+
+
+def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path):
+    """Export at the end of a tp2 run; the exported folder and the run's own DCP checkpoint, each
+    loaded as initial weights, train identically (fp32 export: bitwise)."""
+    trained = str(tmp_path / "trained")
+    run_train(trained, 2, "--training.steps", "2", *CONSTANT_LR, *TP2, "--checkpoint.enable", "--checkpoint.export_hf")
+    hf = os.path.join(trained, "checkpoint", "hf")
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(hf))
+    after = ["--training.steps", "2", *CONSTANT_LR, "--checkpoint.initial_load_path"]
+    from_hf = losses_by_step(run_train(str(tmp_path / "from_hf"), 1, *after, hf))
+    from_dcp = losses_by_step(run_train(str(tmp_path / "from_dcp"), 1, *after, os.path.join(trained, "checkpoint", "step-2")))
+    assert from_hf == from_dcp
+
+
+def test_nonfinite_policies(tmp_path, one_process):
+    """NaN gradients at step 3. skip_step drops that update and batch; rollback to the step-2
+    checkpoint, going on past the bad batch, must end in exactly the same place; error stops
+    with one line."""
+    common = ["--training.steps", "5", *CONSTANT_LR, "--debug.fail_at_step", "3", "--debug.failure", "nan"]
+    clean = one_process  # a constant learning rate: the run's length does not matter
+    skipped = losses_by_step(run_train(str(tmp_path / "skip"), 1, *common, "--training.nonfinite_policy", "skip_step"))
+    rolled = losses_by_step(
+        run_train(str(tmp_path / "rollback"), 1, *common, "--training.nonfinite_policy", "rollback",
+                  "--checkpoint.enable", "--checkpoint.interval", "2")
+    )
+    assert skipped == rolled
+    assert [skipped[s] for s in (1, 2)] == [clean[s] for s in (1, 2)] and skipped[3] != clean[3]
+
+    result = subprocess.run(
+        train_command(str(tmp_path / "error"), 1, *common), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1
+    assert "error: non-finite loss" in result.stderr and "at step 3 (training.nonfinite_policy=error)" in result.stderr
+    assert "Traceback" not in result.stderr
