@@ -368,32 +368,12 @@ def build_dataset(
 
 
 def build_dataloader(
-    dataset: str,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    seed: int,
-    cache_dir: str,
-    num_workers: int = 0,
-    return_window_ids: bool = False,
+    dataset: str, tokenizer: Tokenizer, *, num_workers: int = 0, **dataset_options: Any
 ) -> StatefulDataLoader:
     """Resumable loader of ``(inputs, labels)`` int64 batches ``[local_batch_size, seq_len]``
-    (plus ``window_ids [local_batch_size]`` when ``return_window_ids``)."""
-    packed = build_dataset(
-        dataset,
-        tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=seed,
-        cache_dir=cache_dir,
-        return_window_ids=return_window_ids,
-    )
-    return packed_dataloader(packed, num_workers=num_workers)
+    (plus ``window_ids [local_batch_size]`` when ``return_window_ids``); ``dataset_options`` are
+    ``build_dataset``'s."""
+    return packed_dataloader(build_dataset(dataset, tokenizer, **dataset_options), num_workers=num_workers)
 
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,16 @@ class ParallelDims:
                 f"(replicate {self.dp_replicate} x shard {self.dp_shard} x tp {self.tp} x pp {self.pp})"
                 f" but the world size is {self.world_size}"
             )
+
+    @classmethod
+    def from_config(cls, parallelism: Parallelism, world_size: int) -> ParallelDims:
+        return cls(
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=parallelism.data_parallel_shard_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            world_size=world_size,
+        )
 
     @property
     def dp_degree(self) -> int:

@@ -19,14 +19,7 @@ from trainer.distributed import ParallelDims
 
 def check(argv: list[str], world_size: int) -> None:
     config = load_config(argv)
-    p = config.parallelism
-    dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        world_size=world_size,
-    )
+    dims = ParallelDims.from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
     ckpt = config.checkpoint
     if ckpt.create_seed_checkpoint and world_size != 1:

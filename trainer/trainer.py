@@ -82,14 +82,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self._set_determinism()
 
-        p = config.parallelism
-        self.parallel_dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            world_size=dist.get_world_size(),
-        )
+        self.parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"] if self.parallel_dims.pp_enabled else None
         self.dp_rank, self.dp_size = self.parallel_dims.dp_rank_and_size(self.mesh)
