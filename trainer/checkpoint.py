@@ -377,3 +377,5 @@ class CheckpointManager:
         """Waits for the save in flight and for deletions."""
         self.wait()
         self._purger.shutdown(wait=True)
+        if self._stager is not None:
+            self._stager.close()
