@@ -30,6 +30,8 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     device = torch.device(dev_type, local_rank) if dev_type != "cpu" else torch.device("cpu")
     if dev_type != "cpu":
         torch.accelerator.set_device_index(local_rank)
+    if dist.is_initialized():  # a second Trainer in the same process (benchmarks, tests)
+        return device
     backend = dist.get_default_backend_for_device(device)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     if "RANK" not in os.environ:

@@ -1,0 +1,137 @@
+"""torchrun worker of ``bench/checkpoint.py``: times the trainer's checkpoint saves and loads.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/checkpoint_worker.py \\
+        --root DIR --out RESULT.json --repeats 3 -- --model.flavor debugmodel ...
+
+Builds a ``Trainer`` from ``configs/debug_model.toml`` plus the overrides (FSDP2 by default), runs
+one training step so that the optimizer state exists, then per repetition, each in a folder of its
+own: a synchronous save, an async save (blocked until staged, then until written), a resume of the
+synchronous checkpoint into a freshly built trainer at the same layout, and one into a freshly
+built trainer at a tensor-parallel layout (TP 2 instead of FSDP 2: every tensor is resharded).
+Each time is the slowest rank's, since the next collective waits for it (async total = blocked +
+the wait after it). Rank 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
+
+BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+def slowest(fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` takes, started together on all ranks, on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+@torch.no_grad()
+def weight_norm(trainer: Trainer) -> float:
+    """Global norm of the model's weights, the same at any layout: checks that a load happened."""
+    total = sum(p.full_tensor().double().pow(2).sum() for p in trainer.model.parameters())
+    return float(total) ** 0.5
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+
+
+def timed_resume(config_args: list[str], folder: str, expected_norm: float) -> float:
+    """Resume time of a freshly built trainer (its optimizer state is created by the load, as in a
+    real restart) from the checkpoint in ``folder``."""
+    fresh = Trainer(load_config(config_args))
+    fresh.checkpointer.folder = folder
+    seconds = slowest(fresh.checkpointer.resume)
+    norm = weight_norm(fresh)
+    if fresh.step != 1 or abs(norm - expected_norm) > 1e-6 * expected_norm:
+        raise RuntimeError(f"load from {folder} restored step {fresh.step}, weight norm {norm} != {expected_norm}")
+    fresh.checkpointer.close()
+    fresh.metrics.close()
+    del fresh
+    gc.collect()
+    return seconds
+
+
+def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
+    config_args = [
+        "--job.config_file", BASE_CONFIG,
+        "--job.dump_folder", os.path.join(root, "dump"),
+        "--checkpoint.enable",
+        "--metrics.enable_tensorboard", "false",
+        "--metrics.peak_flops", "1e12",  # no MFU here: skips the matmul benchmark
+        *overrides,
+    ]
+    trainer = Trainer(load_config(config_args))
+    trainer.train_step(trainer._next_microbatches(iter(trainer.dataloader)))
+    trainer.step = 1
+    norm = weight_norm(trainer)
+    sync = trainer.checkpointer
+    # A second manager over the same states, saving in the background.
+    async_config = dataclasses.replace(trainer.config.checkpoint, async_mode="async")
+    background = CheckpointManager(async_config, trainer.config.job.dump_folder, sync.states, sync.resolved_config)
+
+    # Untimed first saves: one-time costs (the stager allocates its staging copy on the first one).
+    for name, manager in (("warmup-sync", sync), ("warmup-async", background)):
+        manager.folder = os.path.join(root, name)
+        manager.save(1)
+        manager.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_blocked", "async_total", "load", "load_tp2")}
+    for i in range(repeats):
+        sync.folder = os.path.join(root, f"sync-{i}")
+        times["sync_save"].append(slowest(lambda: sync.save(1)))
+        background.folder = os.path.join(root, f"async-{i}")
+        blocked = slowest(lambda: background.save(1))
+        times["async_blocked"].append(blocked)
+        times["async_total"].append(blocked + slowest(background.wait))
+        times["load"].append(timed_resume(config_args, sync.folder, norm))
+        times["load_tp2"].append(timed_resume([*config_args, *TP2], sync.folder, norm))
+
+    background.close()
+    trainer.close()
+    if dist.get_rank() == 0:
+        result = {
+            "world_size": dist.get_world_size(),
+            "params": sum(p.numel() for p in trainer.model.parameters()),
+            "checkpoint_bytes": folder_bytes(os.path.join(root, "sync-0", "step-1")),
+            "times_s": times,
+        }
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", required=True, help="folder for the checkpoints (shared by the ranks)")
+    parser.add_argument("--out", required=True, help="result JSON written by rank 0")
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then train.py config overrides")
+    args = parser.parse_args()
+    overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
+    run(args.root, args.out, args.repeats, overrides)
+
+
+if __name__ == "__main__":
+    main()
