@@ -1,43 +1,201 @@
 """torch.compile: per transformer block (FSDP2) or the whole model with our collective passes
-(SimpleFSDP)."""
+(SimpleFSDP), and the graph breaks compilation ran into.
+
+Partitioner. Every compiled graph is split into forward and backward by torch's min-cut
+partitioner, followed by one fix-up (``SavedValuesOrderPartitioner``): when a graph saves a
+non-tensor object for backward (the ``DeviceMesh`` of DTensor parameters: SimpleFSDP, tensor
+parallel) and also recomputes a random op in backward (scaled-dot-product attention under full or
+every-N-th-block activation checkpointing), torch 2.13 appends the random op's saved RNG state
+*after* the saved mesh, while its runtime expects all saved tensors first, and the first forward
+fails ("expected all tensors_saved_with_vc_check to be Tensors"). The fix-up moves such objects
+behind the tensors in the forward outputs and the backward inputs alike; graphs already in order
+are left untouched.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+from torch._functorch.partitioners import is_sym_node
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from parallelisms.bucketing import BucketingPass
 
+logger = logging.getLogger(__name__)
 
-def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
-    """Compiles each block in place (parameter names unchanged)."""
-    for block in blocks.values():
-        block.compile(backend=backend, fullgraph=True)
+BACKENDS = ("inductor", "aot_eager")
 
 
-def _aot_eager_with_pass(graph_pass: BucketingPass):
-    """AOT autograd without code generation, running ``graph_pass`` on the forward and backward
-    graphs. The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers
-    (the default partitioner would save the gathered weights)."""
+# ---------------------------------------------------------------------------
+# Partitioner
+# ---------------------------------------------------------------------------
 
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-        graph_pass(gm.graph)
-        gm.recompile()
+
+def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """Moves the non-tensor objects saved for backward behind the saved tensors, in the forward
+    graph's outputs and in the backward graph's inputs (same permutation). Returns whether it
+    changed anything."""
+    fw_output = fw_module.graph.find_nodes(op="output")[0]
+    outputs = list(fw_output.args[0])
+    saved = outputs[num_fwd_outputs:]
+    if not all(isinstance(node, fx.Node) for node in saved):
+        return False  # not the layout this fix-up knows: leave it to torch
+    n_sym = 0
+    while n_sym < len(saved) and is_sym_node(saved[len(saved) - 1 - n_sym]):
+        n_sym += 1
+    values = saved[: len(saved) - n_sym]
+    if any(is_sym_node(node) for node in values):
+        return False
+    opaque = [is_opaque_node(node) for node in values]
+    order = [i for i, o in enumerate(opaque) if not o] + [i for i, o in enumerate(opaque) if o]
+    if order == list(range(len(values))):
+        return False
+
+    # Backward inputs: saved symints, then the saved values in forward-output order, then tangents.
+    placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+    bw_values = placeholders[n_sym : n_sym + len(values)]
+    if len(bw_values) != len(values) or any(is_opaque_node(b) != o for b, o in zip(bw_values, opaque)):
+        logger.warning("compile: unexpected backward inputs, saved values left in torch's order")
+        return False
+
+    fw_output.args = (tuple(outputs[:num_fwd_outputs] + [values[i] for i in order] + saved[len(values) :]),)
+    rest = placeholders[n_sym + len(values) :]
+    anchor = rest[0] if rest else next(n for n in bw_module.graph.nodes if n.op != "placeholder")
+    for i in order:
+        anchor.prepend(bw_values[i])
+    for module in (fw_module, bw_module):
+        module.graph.lint()
+        module.recompile()
+    return True
+
+
+class SavedValuesOrderPartitioner(CustomPartitionerFn):
+    """torch's min-cut partitioner, then the saved non-tensor objects moved behind the saved tensors
+    (see the module docstring). Usable as AOT autograd's ``partition_fn`` and as inductor's
+    ``custom_partitioner_fn``."""
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        _order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
+        return fw_module, bw_module
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+PARTITIONER = SavedValuesOrderPartitioner()
+_SHARED_AOT_EAGER = None
+
+
+def _aot_eager(graph_pass: BucketingPass | None = None):
+    """AOT autograd without code generation (torch's ``aot_eager``) with our partitioner, running
+    ``graph_pass`` on the forward and backward graphs when given."""
+
+    def compile_graph(gm: fx.GraphModule, example_inputs):
+        if graph_pass is not None:
+            graph_pass(gm.graph)
+            gm.recompile()
         return make_boxed_func(gm.forward)
 
     return aot_autograd(
-        fw_compiler=compile_graph, bw_compiler=compile_graph, partition_fn=min_cut_rematerialization_partition
+        fw_compiler=compile_graph,
+        bw_compiler=compile_graph,
+        partition_fn=PARTITIONER,
+        keep_inference_input_mutations=True,
     )
+
+
+def _shared_aot_eager():
+    """One backend object for all blocks: dynamo reuses a block's graph for the others only when
+    they were compiled with the same backend."""
+    global _SHARED_AOT_EAGER
+    if _SHARED_AOT_EAGER is None:
+        _SHARED_AOT_EAGER = _aot_eager()
+    return _SHARED_AOT_EAGER
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"compile.backend: unsupported backend '{backend}' (inductor or aot_eager)")
+
+
+# ---------------------------------------------------------------------------
+# Compile
+# ---------------------------------------------------------------------------
+
+
+def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
+    """Compiles each block in place (parameter names unchanged), as one graph per block."""
+    _check_backend(backend)
+    for block in blocks.values():
+        if backend == "inductor":
+            block.compile(backend="inductor", fullgraph=True, options={"custom_partitioner_fn": PARTITIONER})
+        else:
+            block.compile(backend=_shared_aot_eager(), fullgraph=True)
 
 
 def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: BucketingPass) -> None:
     """Compiles ``model`` as one graph (``fullgraph=True``) so compute and SimpleFSDP's collectives
-    are traced together, and runs ``graph_pass`` on the forward and backward graphs."""
+    are traced together, and runs ``graph_pass`` on the forward and backward graphs.
+
+    The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers (the default
+    partitioner would save the gathered weights)."""
+    _check_backend(backend)
     if backend == "inductor":
-        model.compile(backend="inductor", fullgraph=True, options={"post_grad_custom_post_pass": graph_pass})
-    elif backend == "aot_eager":
-        model.compile(backend=_aot_eager_with_pass(graph_pass), fullgraph=True)
+        model.compile(
+            backend="inductor",
+            fullgraph=True,
+            options={"post_grad_custom_post_pass": graph_pass, "custom_partitioner_fn": PARTITIONER},
+        )
     else:
-        raise ValueError(f"compile.backend: unsupported backend '{backend}' (inductor or aot_eager)")
+        model.compile(backend=_aot_eager(graph_pass), fullgraph=True)
+
+
+# ---------------------------------------------------------------------------
+# Graph breaks
+# ---------------------------------------------------------------------------
+
+
+def _summary(reason: str) -> str:
+    """One line for a dynamo graph-break reason: its title and, when given, its explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no reason given)"
+    explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)
+    return f"{lines[0]}: {explanation.removeprefix('Explanation:').strip()}" if explanation else lines[0]
+
+
+def graph_break_count() -> int:
+    """Graph breaks dynamo has hit in this process so far (each break counted once per compile)."""
+    return sum(counters["graph_break"].values())
+
+
+def graph_break_reasons() -> dict[str, int]:
+    """The distinct graph-break reasons seen in this process so far, one line each, with their
+    counts, most frequent first."""
+    merged: Counter[str] = Counter()
+    for reason, count in counters["graph_break"].items():
+        merged[_summary(reason)] += count
+    return dict(merged.most_common())
+
+
+def log_graph_breaks(log: logging.Logger | None = None) -> int:
+    """Logs ``compile: N graph breaks`` (info) and each distinct reason (warning); returns N."""
+    log = log or logger
+    count = graph_break_count()
+    log.info("compile: %d graph breaks", count)
+    for reason, times in graph_break_reasons().items():
+        log.warning("compile: graph break (%d x): %s", times, reason)
+    return count

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from models.registry import ModelSpec, get_flavor, get_model_spec
+from parallelisms.compile import log_graph_breaks
 from parallelisms.pipeline import V_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
 from parallelisms.tensor_parallel import is_vocab_sharded
 from trainer.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
@@ -365,6 +366,8 @@ class Trainer:
                 step_metrics = self.train_step(microbatches)
                 if step == first_step:
                     set_collective_timeout(config.comm.train_timeout_seconds, self.mesh)
+                    if config.compile.enable:
+                        log_graph_breaks(logger)
                 if not (math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"])):
                     self._handle_nonfinite(step, step_metrics)
                     continue

@@ -1,0 +1,135 @@
+"""torchrun worker: torch.compile composed with activation checkpointing, on 2 ranks.
+
+Usage: torchrun --nproc-per-node 2 tests/distributed/compile_composition_checks.py
+
+Each case builds a small Llama 3 through ``parallelize_llama`` (the trainer's path) from config
+overrides, trains a few steps on fixed random tokens and prints, on rank 0, one line
+``RESULT {json}`` with the case name, its losses, the graph breaks dynamo hit while compiling and
+running it, and the number of graphs it compiled. Layouts: FSDP2 (per-block compile), SimpleFSDP
+(whole-model compile, manual buckets), both on 2 data-parallel ranks, and tensor parallel on 2
+ranks (per-block compile of DTensor parameters). Each layout also runs once eagerly as a reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from models.llama3 import Transformer, llama3_flavors
+from models.llama3.parallelize import parallelize_llama
+from parallelisms.compile import graph_break_count
+from parallelisms.tensor_parallel import is_vocab_sharded
+from trainer.config import load_config
+from trainer.distributed import ParallelDims
+
+# 2 blocks: every-2nd-block checkpointing wraps block 1 and leaves block 0 plain.
+ARGS = dataclasses.replace(
+    llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=32
+)
+BATCH, SEQ, STEPS = 2, 32, 5
+COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
+
+LAYOUTS = {
+    # name: (tp degree, overrides)
+    "fsdp2": (1, ["--parallelism.data_parallel_impl", "fsdp2"]),
+    "simple_fsdp": (1, ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.bucketing", "manual"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+}
+AC = {
+    "none": ["--activation_checkpoint.mode", "none"],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "selective_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+}
+# (layout, compiled, ac)
+CASES = [
+    *((layout, False, "none") for layout in LAYOUTS),
+    *(("fsdp2", True, ac) for ac in AC),
+    *(("simple_fsdp", True, ac) for ac in AC),
+    ("tp2", True, "none"),
+    ("tp2", True, "full"),
+]
+
+
+def case_name(layout: str, compiled: bool, ac: str) -> str:
+    return f"{layout}-{'compiled' if compiled else 'eager'}-{ac}"
+
+
+def build(layout: str, compiled: bool, ac: str) -> tuple[torch.nn.Module, ParallelDims, DeviceMesh]:
+    tp, overrides = LAYOUTS[layout]
+    config = load_config([*overrides, *AC[ac], *(COMPILE if compiled else [])])
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, tp=tp, pp=1, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    parallelize_llama(model, dims, mesh, config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"), seed=0)
+    return model, dims, mesh
+
+
+def loss_context(logits: torch.Tensor):
+    return loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext()
+
+
+def train(model: torch.nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> list[float]:
+    """The trainer's loss: summed cross-entropy over the global token count, gradients summed."""
+    dp_rank, dp_size = dims.dp_rank_and_size(mesh)
+    dp_mesh = dims.dp_mesh(mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(dp_rank)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=generator)
+        logits = model(tokens[:, :-1])
+        with loss_context(logits):
+            if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
+                logits = logits.full_tensor()
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+            loss = loss / (BATCH * SEQ * dp_size)
+            loss.backward()
+        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        if dp_mesh is not None:
+            dist.all_reduce(value, group=dp_mesh.get_group())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(value.item())
+    return losses
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.use_deterministic_algorithms(True)
+    stats = torch._dynamo.utils.counters["stats"]
+    for layout, compiled, ac in CASES:
+        torch._dynamo.reset()  # no graph reuse across cases: each compiles its own
+        torch.manual_seed(0)
+        breaks, graphs, start = graph_break_count(), stats["unique_graphs"], time.perf_counter()
+        model, dims, mesh = build(layout, compiled, ac)
+        losses = train(model, dims, mesh)
+        result = {
+            "case": case_name(layout, compiled, ac),
+            "losses": losses,
+            "graph_breaks": graph_break_count() - breaks,
+            "graphs": stats["unique_graphs"] - graphs,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""torch.compile composed with pipeline parallelism and with activation checkpointing.
+
+Pipelining (train.py on 2 ranks, 5 steps): per-block compile under 1F1B and Interleaved1F1B, and
+the whole-stage compile of simple_fsdp under 1F1B, give the losses of one eager process training
+on the same global batch. (Two ranks leave no data parallelism: the simple_fsdp stages are compiled
+whole but not sharded; pp2 x dp2 compiled was checked by hand, 4 ranks being too slow here.)
+
+Activation checkpointing (one worker launch, compile_composition_checks.py, 2 ranks): full,
+selective op-level and every-2nd-block checkpointing under compile give the losses of compile
+without checkpointing bitwise, for FSDP2 (per-block compile), SimpleFSDP (whole-model compile,
+manual buckets) and, for full checkpointing, tensor parallelism; compiled losses equal eager ones
+bitwise too. No compiled case hits a graph break.
+
+Launches: 1 reference process, 3 pipelined runs, 1 worker (13 cases in one process group): about
+1 min 45 s of CPU time, 2 min 40 s wall on 2 busy CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.launch import losses, run_train, run_worker
+
+STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2"]
+GLOBAL_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "8"]
+COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
+
+
+def pp(schedule: str, *more: str) -> list[str]:
+    # Microbatches of 2 sequences: 4 per step.
+    return [
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", schedule,
+        "--parallelism.pipeline_parallel_microbatch_size", "2",
+        *more,
+    ]
+
+
+PIPELINED = {
+    # name: overrides (2 ranks, one pipeline of 2 ranks; no data parallelism)
+    "pp2_1f1b_per_block": [*pp("1F1B"), *COMPILE],
+    # 6 stages of one block, three per rank: every stage a separately compiled block.
+    "pp2_interleaved_per_block": [
+        *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"), *COMPILE,
+    ],
+    # Each stage compiled whole (fullgraph), as simple_fsdp does (unsharded: no data parallelism).
+    "pp2_1f1b_simple_fsdp_whole": [
+        *pp("1F1B"), *COMPILE, "--parallelism.data_parallel_impl", "simple_fsdp", "--compile.bucketing", "manual",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """Losses of one eager process on the whole global batch."""
+    return losses(run_train(str(tmp_path_factory.mktemp("reference")), 1, *STEPS, *GLOBAL_BATCH))
+
+
+@pytest.mark.parametrize("layout", PIPELINED)
+def test_pipelined_compile_matches_single_process(layout, reference, tmp_path):
+    got = losses(run_train(str(tmp_path), 2, *STEPS, *GLOBAL_BATCH, *PIPELINED[layout]))
+    assert len(got) == len(reference) == 5
+    # Measured: within 1e-7 (pipeline microbatches sum in another order), bitwise equal to eager pipelining.
+    assert got == pytest.approx(reference, rel=1e-5, abs=0)
+    assert got[-1] < got[0]
+
+
+@pytest.fixture(scope="module")
+def composition() -> dict[str, dict]:
+    """compile_composition_checks.py's results by case name (``layout-compiled|eager-ac``)."""
+    output = run_worker("compile_composition_checks.py", 2)
+    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    return {r["case"]: r for r in results}
+
+
+# Full and every-2nd-block checkpointing of DTensor parameters (SimpleFSDP, TP) failed at the first
+# compiled forward before parallelisms/compile.py reordered the saved values (see its docstring).
+AC_CASES = [
+    *(("fsdp2", ac) for ac in ("full", "selective_op", "selective_2")),
+    *(("simple_fsdp", ac) for ac in ("full", "selective_op", "selective_2")),
+    ("tp2", "full"),
+]
+
+
+@pytest.mark.parametrize("layout, ac", AC_CASES)
+def test_compiled_checkpointing_matches_compiled_without(layout, ac, composition):
+    got = composition[f"{layout}-compiled-{ac}"]["losses"]
+    without = composition[f"{layout}-compiled-none"]["losses"]
+    assert len(got) == 5
+    assert got == without  # bitwise: checkpointing recomputes the same ops
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "simple_fsdp", "tp2"])
+def test_compiled_matches_eager(layout, composition):
+    assert composition[f"{layout}-compiled-none"]["losses"] == composition[f"{layout}-eager-none"]["losses"]
+
+
+def test_simple_fsdp_matches_fsdp2(composition):
+    assert composition["simple_fsdp-compiled-none"]["losses"] == composition["fsdp2-compiled-none"]["losses"]
+
+
+def test_compiled_models_have_no_graph_breaks(composition):
+    compiled = {name: r for name, r in composition.items() if "-compiled-" in name}
+    assert len(compiled) == len(AC_CASES) + 3
+    # Compiled for real (a block, or the whole model, became at least one graph), in one piece.
+    assert {name: r["graphs"] >= 1 for name, r in compiled.items()} == dict.fromkeys(compiled, True)
+    assert {name: r["graph_breaks"] for name, r in compiled.items()} == dict.fromkeys(compiled, 0)
+    assert all(r["graphs"] == 0 for name, r in composition.items() if "-eager-" in name)
