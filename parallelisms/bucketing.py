@@ -13,6 +13,16 @@ what to merge and where everything goes:
 - with ``reorder``, bucket i+1's all-gather is issued before bucket i's wait, so it runs while
   bucket i computes (prefetch); a reduce-scatter's wait sinks to its first use (the graph
   output), so it overlaps the backward compute of the buckets before it.
+
+Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
+also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
+reduce-scatters of their gradients): each depends on the compute before it, and the next one of
+the same block on the result of the previous, so they can neither share a buffer nor be issued
+early. The data-parallel process groups are recognised from the collectives themselves: a
+*parameter gather* all-gathers a graph input through views and casts only, a *gradient
+reduction* reduce-scatters or all-reduces a value that only reaches the graph's outputs (through
+views and casts). Every collective on the group of one of these is data-parallel; the others
+(TP's) stay where they are, one per tensor, their waits still sunk to their first use.
 """
 
 from __future__ import annotations
@@ -55,8 +65,61 @@ VIEW_OPS = {
 }
 
 
+# Ops that may sit between a parameter's shard and its all-gather, or a gradient's reduction and
+# the graph output, besides views.
+CAST_OPS = {
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten._to_copy.default,
+}
+
+
 def is_view_op(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
+
+
+def _is_view_or_cast(node: fx.Node) -> bool:
+    return is_view_op(node) or (node.op == "call_function" and node.target in CAST_OPS)
+
+
+def group_of(collective: fx.Node) -> str:
+    """The process group name a functional collective runs on (its last argument)."""
+    return str(collective.args[-1])
+
+
+def is_parameter_gather(node: fx.Node) -> bool:
+    """An all-gather of a graph input (a parameter's shard) through views and casts only."""
+    if collective_kind(node) != "all_gather":
+        return False
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        current = stack.pop()
+        if current in seen or current.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(current)
+        if not _is_view_or_cast(current):
+            return False
+        stack.extend(current.all_input_nodes)
+    return True
+
+
+def is_gradient_reduction(node: fx.Node) -> bool:
+    """A reduce-scatter or all-reduce whose result only reaches the graph outputs, through its
+    wait, views and casts (a parameter's gradient)."""
+    if collective_kind(node) not in ("reduce_scatter", "all_reduce"):
+        return False
+    stack, seen, reaches_output = list(node.users), set(), False
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "output":
+            reaches_output = True
+            continue
+        if not (current.op == "call_function" and current.target is WAIT) and not _is_view_or_cast(current):
+            return False
+        stack.extend(current.users)
+    return reaches_output
 
 
 def collective_kind(node: fx.Node) -> str | None:
@@ -113,6 +176,8 @@ class GraphReport:
 
     collectives: collections.Counter = field(default_factory=collections.Counter)
     all_gather_buckets: list[int] = field(default_factory=list)
+    # The data-parallel ones among ``collectives`` (all of them without tensor parallelism).
+    data_parallel: collections.Counter = field(default_factory=collections.Counter)
 
 
 class BucketingPass(CustomGraphPass):
@@ -128,12 +193,16 @@ class BucketingPass(CustomGraphPass):
         self.reorder = reorder
         self.unit_to_bucket = {u: i for i, units in enumerate(buckets or []) for u in units}
         self.reports: list[GraphReport] = []
+        # Data-parallel process groups seen so far: a backward graph without parameter gathers
+        # (weights kept from forward) may still hold some of their collectives.
+        self.dp_groups: set[str] = set()
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport()
+        self._find_dp_groups(graph)
         if self.buckets is not None:
             self._merge(graph)
         stable_topological_sort(graph)
@@ -148,9 +217,19 @@ class BucketingPass(CustomGraphPass):
             kind = collective_kind(node)
             if kind:
                 report.collectives[kind] += 1
-                if kind == "all_gather" and self.buckets is not None:
-                    report.all_gather_buckets.append(self._bucket_of(node))
+                if self._is_data_parallel(node):
+                    report.data_parallel[kind] += 1
+                    if kind == "all_gather" and self.buckets is not None:
+                        report.all_gather_buckets.append(self._bucket_of(node))
         self.reports.append(report)
+
+    def _find_dp_groups(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if is_parameter_gather(node) or is_gradient_reduction(node):
+                self.dp_groups.add(group_of(node))
+
+    def _is_data_parallel(self, node: fx.Node) -> bool:
+        return collective_kind(node) is not None and group_of(node) in self.dp_groups
 
     def _bucket_of(self, node: fx.Node) -> int:
         if "tessera_bucket" in node.meta:
@@ -164,9 +243,9 @@ class BucketingPass(CustomGraphPass):
         groups: dict[tuple, list[fx.Node]] = collections.defaultdict(list)
         for node in graph.nodes:
             kind = collective_kind(node)
-            if kind:
+            if kind and self._is_data_parallel(node):
                 # Only collectives over the same group and dtype can share a buffer.
-                key = (kind, self._bucket_of(node), str(node.args[-1]), node.meta["val"].dtype)
+                key = (kind, self._bucket_of(node), group_of(node), node.meta["val"].dtype)
                 groups[key].append(node)
         for (kind, bucket, _, _), nodes in groups.items():
             if kind == "all_gather":
@@ -180,8 +259,8 @@ class BucketingPass(CustomGraphPass):
                 node.meta["tessera_bucket"] = bucket
 
     def _prefetch_all_gathers(self, graph: fx.Graph) -> None:
-        """Issues each all-gather right before the previous all-gather's wait."""
-        gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather"]
+        """Issues each data-parallel all-gather right before the previous one's wait."""
+        gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and self._is_data_parallel(n)]
         for previous, gather in zip(gathers, gathers[1:]):
             previous_wait = next(iter(previous.users))
             for node in issue_chain(gather):

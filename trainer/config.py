@@ -542,14 +542,6 @@ def validate(config: JobConfig) -> None:
                 f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
                 "is neither 'op' nor a positive integer"
             )
-    if p.data_parallel_impl == "simple_fsdp" and p.tensor_parallel_degree > 1 and config.compile.enable:
-        if config.compile.bucketing != "none":
-            # Merging the gathers of 2-D (dp x tp) parameters breaks the graph's order in torch 2.13's
-            # bucketing helpers; per-parameter collectives work.
-            raise ConfigError(
-                f"compile.bucketing: '{config.compile.bucketing}' is not supported yet for SimpleFSDP with "
-                "tensor parallelism; use none"
-            )
     _validate_checkpoint(config)
     if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
         raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.registry import ModelSpec, get_flavor, get_model_spec
 from parallelisms.compile import log_graph_breaks
-from parallelisms.pipeline import V_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
+from parallelisms.pipeline import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
 from parallelisms.tensor_parallel import is_vocab_sharded
 from trainer.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
 from trainer.config import ConfigError, JobConfig, batch_layout, to_toml, user_input
@@ -61,9 +61,20 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
     """The pipeline stages and microbatch count that ``config`` asks for, for a model of
     ``n_layers`` blocks; a one-line ConfigError when they are impossible."""
     p = config.parallelism
-    if config.validation.enable and p.pipeline_parallel_schedule in V_SCHEDULES:
+    schedule = p.pipeline_parallel_schedule
+    if config.validation.enable and schedule in V_SCHEDULES:
         # torch's forward-only run (schedule.eval) of a V-shaped pipeline fails at its same-rank hand-over.
-        raise ConfigError(f"validation.enable: not supported with the {p.pipeline_parallel_schedule} pipeline schedule")
+        raise ConfigError(f"validation.enable: not supported with the {schedule} pipeline schedule")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        # These schedules split backward into input- and weight-gradient passes, which a compiled
+        # backward does not support and FSDP's reshard/re-gather breaks (None or wrong gradients).
+        if config.compile.enable:
+            raise ConfigError(f"compile.enable: not supported with the {schedule} pipeline schedule")
+        if p.fsdp_reshard_after_forward == "always":
+            raise ConfigError(
+                f"parallelism.fsdp_reshard_after_forward: 'always' gives wrong gradients with the {schedule} "
+                "pipeline schedule; use default or never"
+            )
     with user_input():
         return plan_pipeline(
             n_layers=n_layers,

@@ -25,7 +25,6 @@ from parallelisms.bucket_plan import (
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
-from parallelisms.pipeline import ZERO_BUBBLE_SCHEDULES
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp
 from trainer.config import ConfigError, JobConfig, user_input
@@ -47,17 +46,6 @@ def parallelize_llama(
             loss_parallel=config.parallelism.enable_loss_parallel,
             enable_async_tp=config.parallelism.enable_async_tensor_parallel,
         )
-    schedule = config.parallelism.pipeline_parallel_schedule
-    if parallel_dims.pp_enabled and schedule in ZERO_BUBBLE_SCHEDULES:
-        # These schedules split backward into input- and weight-gradient passes, which a compiled
-        # backward does not support and FSDP's reshard/re-gather breaks (None or wrong gradients).
-        if config.compile.enable:
-            raise ConfigError(f"compile.enable: not supported with the {schedule} pipeline schedule")
-        if config.parallelism.fsdp_reshard_after_forward == "always":
-            raise ConfigError(
-                f"parallelism.fsdp_reshard_after_forward: 'always' gives wrong gradients with the {schedule} "
-                "pipeline schedule; use default or never"
-            )
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"

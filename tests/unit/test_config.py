@@ -72,11 +72,6 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--checkpoint.load_step", "5"], "checkpoint.load_step needs checkpoint.enable"),
         (["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
         (["--debug.failure", "explode"], "debug.failure: 'explode' is not one of"),
-        (
-            ["--parallelism.data_parallel_impl", "simple_fsdp", "--parallelism.tensor_parallel_degree", "2",
-             "--compile.enable"],
-            "compile.bucketing: 'manual' is not supported yet for SimpleFSDP with tensor parallelism",
-        ),
         (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
         (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto"),
         (["--training.steps"], "--training.steps needs a value"),
