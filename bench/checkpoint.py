@@ -5,8 +5,9 @@
 Every flavor is one ``torchrun --nproc-per-node 2`` launch of ``bench/checkpoint_worker.py`` (gloo,
 ``OMP_NUM_THREADS=1`` per rank, FSDP2 as the trainer defaults to) after one training step, so the
 checkpoint holds model, AdamW state, LR schedule, data position and step. Measured per repetition:
-synchronous save; async save, blocked (until ``save()`` returns: state staged) and total (until
-``wait()`` returns: written); resume at the same layout; resume at TP 2 (resharded). Reported:
+synchronous save; async save, blocked (``save()`` plus the wait for the state copy that is left
+after the next forward and backward, before the update) and total (from ``save()`` until written,
+that forward and backward included); resume at the same layout; resume at TP 2 (resharded). Reported:
 medians of the times and of the per-repetition ratios; on a shared machine the ratios are what
 to compare, absolute seconds are noise.
 Writes ``bench/results/checkpoint.json``. Exits 1 if a flavor failed.
@@ -144,8 +145,9 @@ def main(argv: list[str]) -> int:
     print(format_table(results))
     print(
         "\nMedians over the repetitions (ratios: of the per-repetition ratios); each time is the slowest rank's.\n"
-        "blocked = async save() until staged, total = until written. TP2 load: the 2-rank FSDP2 checkpoint\n"
-        f"resumed at tensor parallel degree 2 (no FSDP). Results in {os.path.relpath(args.out, REPO)}"
+        "blocked = async save() + the copy's remainder after a forward/backward; total = save() until written,\n"
+        "the forward/backward included. TP2 load: the 2-rank FSDP2 checkpoint resumed at tensor parallel\n"
+        f"degree 2 (no FSDP). Results in {os.path.relpath(args.out, REPO)}"
     )
     return 1 if any("error" in r for r in results.values()) else 0
 

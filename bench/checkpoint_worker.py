@@ -5,11 +5,11 @@
 
 Builds a ``Trainer`` from ``configs/debug_model.toml`` plus the overrides (FSDP2 by default), runs
 one training step so that the optimizer state exists, then per repetition, each in a folder of its
-own: a synchronous save, an async save (blocked until staged, then until written), a resume of the
-synchronous checkpoint into a freshly built trainer at the same layout, and one into a freshly
-built trainer at a tensor-parallel layout (TP 2 instead of FSDP 2: every tensor is resharded).
-Each time is the slowest rank's, since the next collective waits for it (async total = blocked +
-the wait after it). Rank 0 writes the JSON.
+own: a synchronous save; an async save (blocked: ``save()``, then the wait for the state copy left
+after the next forward and backward; total: from ``save()`` until written, that forward and
+backward included); a resume of the synchronous checkpoint into a freshly built trainer at the
+same layout, and one at a tensor-parallel layout (TP 2 instead of FSDP 2: every tensor resharded).
+Each time is the slowest rank's, since the next collective waits for it. Rank 0 writes the JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
         *overrides,
     ]
     trainer = Trainer(load_config(config_args))
-    trainer.train_step(trainer._next_microbatches(iter(trainer.dataloader)))
+    batches = iter(trainer.dataloader)
+    trainer.train_step(trainer._next_microbatches(batches))
+    inputs, labels = next(batches)
     trainer.step = 1
     norm = weight_norm(trainer)
     sync = trainer.checkpointer
@@ -104,8 +106,12 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
         times["sync_save"].append(slowest(lambda: sync.save(1)))
         background.folder = os.path.join(root, f"async-{i}")
         blocked = slowest(lambda: background.save(1))
+        # Training goes on with the next forward and backward while the state is copied; only the
+        # update after them waits for the copy. (Gradients only: the weights stay those saved.)
+        compute = slowest(lambda: trainer.forward_backward(inputs, labels))
+        blocked += slowest(background.wait_for_staging)
         times["async_blocked"].append(blocked)
-        times["async_total"].append(blocked + slowest(background.wait))
+        times["async_total"].append(blocked + compute + slowest(background.wait))
         times["load"].append(timed_resume(config_args, sync.folder, norm))
         times["load_tp2"].append(timed_resume([*config_args, *TP2], sync.folder, norm))
 

@@ -217,6 +217,7 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo")
         self.fail_during_save_at_step: int | None = None
         self._pending: tuple[int, str, concurrent.futures.Future] | None = None
+        self._staging: concurrent.futures.Future | None = None
         self._purger = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-purge")
         self._stager = self._build_stager() if config.async_mode != "disabled" else None
 
@@ -225,7 +226,13 @@ class CheckpointManager:
         if pinned and not torch.accelerator.is_available():
             logger.info("checkpoint.async_mode=async_with_pinned_mem: no accelerator, staging in ordinary memory")
             pinned = False
-        return DefaultStager(StagingOptions(pinned, False, pinned, pinned))
+        # The copy into the staging buffers runs in a thread too, overlapping the next forward and
+        # backward; wait_for_staging() holds the optimizer update until it is done.
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=pinned
+            )
+        )
 
     # ------------------------------------------------------------------ saving
 
@@ -233,7 +240,8 @@ class CheckpointManager:
         return self.config.enable and (step % self.config.interval == 0 or step == last_step)
 
     def save(self, step: int, parts: Iterable[str] = CHECKPOINT_PARTS) -> None:
-        """Saves ``parts`` as step-``step``; returns once the state is staged (async) or written."""
+        """Saves ``parts`` as step-``step``: written when it returns (sync), or copied and written
+        in the background (async; call ``wait_for_staging`` before changing the saved tensors)."""
         self.wait()
         path = os.path.join(self.folder, f"step-{step}")
         if self.rank == 0:
@@ -248,10 +256,16 @@ class CheckpointManager:
             self._finish(step, path)
             return
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager)
-        future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        if isinstance(response, AsyncSaveResponse):
-            response.staging_completion.result()  # training may change the tensors once staged
-        self._pending = (step, path, future)
+        assert isinstance(response, AsyncSaveResponse)  # given by the asynchronous stager
+        self._staging = response.staging_completion
+        self._pending = (step, path, response.upload_completion)
+
+    def wait_for_staging(self) -> None:
+        """Returns once the save in flight has copied the state: from then on the model and
+        optimizer may change."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
 
     def poll(self) -> None:
         """Completes a finished background save (marker, purge) without waiting for one in flight."""
@@ -260,6 +274,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Waits for the save in flight, if any, and completes it."""
+        self.wait_for_staging()
         if self._pending is None:
             return
         step, path, future = self._pending

@@ -306,6 +306,8 @@ class Trainer:
         step_metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
         # Both values are global (all-reduced), so every rank takes the same branch.
         if math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"]):
+            if self.checkpointer is not None:
+                self.checkpointer.wait_for_staging()  # a background save may still be copying the state
             self.optimizer.step()
             self.lr_scheduler.step()
         return step_metrics

@@ -1,5 +1,5 @@
 """Checkpoints across layouts and formats: a chain of resumes through four layouts against one
-process, a seed checkpoint loaded at another layout, the Hugging Face export loaded back, and the
+process, the Hugging Face export loaded back, a seed checkpoint loaded at another layout, and the
 non-finite policies."""
 
 from __future__ import annotations
@@ -36,18 +36,38 @@ def assert_close(actual: dict[int, float], expected: dict[int, float], rel: floa
         assert abs(actual[step] - expected[step]) <= rel * abs(expected[step]), (step, actual[step], expected[step])
 
 
-def test_resume_through_four_layouts_matches_one_process(tmp_path, one_process):
+@pytest.fixture(scope="module")
+def layout_chain(tmp_path_factory) -> str:
     """dp4 -> SimpleFSDP dp2 x tp2 -> tp4 -> pp2 x dp2, two steps each, every run resuming the
-    previous one's checkpoint (model, optimizer and the global data position, resharded). The
-    losses follow the uninterrupted single-process run within 1e-5 relative (reduction orders
-    differ); a lost or repeated sample would change them far more."""
-    dump = str(tmp_path / "chain")
+    previous one's checkpoint; the last one also exports to Hugging Face's layout. Returns the
+    dump folder."""
+    dump = str(tmp_path_factory.mktemp("chain"))
     for i, layout in enumerate(LAYOUT_CHAIN):
+        last = i == len(LAYOUT_CHAIN) - 1
         run_train(
             dump, 4, "--training.steps", str(2 * (i + 1)), *CONSTANT_LR,
-            "--checkpoint.enable", "--checkpoint.interval", "2", *layout,
+            "--checkpoint.enable", "--checkpoint.interval", "2", *layout, *(["--checkpoint.export_hf"] if last else []),
         )
-    assert_close(losses_by_step(read_metrics(dump)), one_process, 1e-5)
+    return dump
+
+
+def test_resume_through_four_layouts_matches_one_process(layout_chain, one_process):
+    """Model, optimizer and the global data position are resharded at every resume: the losses
+    follow the uninterrupted single-process run within 1e-5 relative (reduction orders differ);
+    a lost or repeated sample would change them far more."""
+    assert_close(losses_by_step(read_metrics(layout_chain)), one_process, 1e-5)
+
+
+def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path, layout_chain):
+    """The export written by the pipelined run (each rank holding some blocks) and that run's own
+    DCP checkpoint, each loaded as initial weights, train identically (fp32 export: bitwise)."""
+    hf = os.path.join(layout_chain, "checkpoint", "hf")
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(hf))
+    after = ["--training.steps", "2", *CONSTANT_LR, "--checkpoint.initial_load_path"]
+    from_hf = losses_by_step(run_train(str(tmp_path / "from_hf"), 1, *after, hf))
+    dcp_folder = os.path.join(layout_chain, "checkpoint", f"step-{2 * len(LAYOUT_CHAIN)}")
+    from_dcp = losses_by_step(run_train(str(tmp_path / "from_dcp"), 1, *after, dcp_folder))
+    assert from_hf == from_dcp
 
 
 def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
@@ -61,19 +81,6 @@ def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
     one = losses_by_step(run_train(str(tmp_path / "one"), 1, *common))
     assert_close(at_tp2, one, 1e-5)
     assert one_process[1] != one[1]  # the weights did come from the seed-7 checkpoint
-
-
-def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path):
-    """Export at the end of a tp2 run; the exported folder and the run's own DCP checkpoint, each
-    loaded as initial weights, train identically (fp32 export: bitwise)."""
-    trained = str(tmp_path / "trained")
-    run_train(trained, 2, "--training.steps", "2", *CONSTANT_LR, *TP2, "--checkpoint.enable", "--checkpoint.export_hf")
-    hf = os.path.join(trained, "checkpoint", "hf")
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(hf))
-    after = ["--training.steps", "2", *CONSTANT_LR, "--checkpoint.initial_load_path"]
-    from_hf = losses_by_step(run_train(str(tmp_path / "from_hf"), 1, *after, hf))
-    from_dcp = losses_by_step(run_train(str(tmp_path / "from_dcp"), 1, *after, os.path.join(trained, "checkpoint", "step-2")))
-    assert from_hf == from_dcp
 
 
 def test_nonfinite_policies(tmp_path, one_process):
