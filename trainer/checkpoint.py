@@ -158,15 +158,19 @@ def _write_marker(path: str, step: int) -> None:
     os.replace(tmp, os.path.join(path, COMPLETE_MARKER))
 
 
-def verify_checkpoint(path: str) -> set[str]:
+def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
     """Checks a complete checkpoint's files against its marker and reads its metadata; returns the
-    top-level parts it holds (model, optimizer, ...). Raises CheckpointError naming the bad file."""
+    top-level parts it holds (model, optimizer, ...). Raises CheckpointError naming the bad file.
+    Without ``require_marker``, a DCP folder written elsewhere (no marker) is checked by its
+    metadata alone."""
     marker = os.path.join(path, COMPLETE_MARKER)
     try:
         with open(marker) as f:
             expected = json.load(f)["files"]
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})") from None
+        if require_marker or not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})") from None
+        expected = {}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{marker} is unreadable: {e}") from None
     for name, size in expected.items():
@@ -344,19 +348,20 @@ class CheckpointManager:
         raise CheckpointError(f"no complete checkpoint to roll back to in {self.folder}")
 
     def load_model_only(self, path: str) -> None:
-        """Loads only the model weights of the DCP checkpoint at ``path`` (e.g. a seed checkpoint)."""
-        self._load_checked(path, ["model"])
+        """Loads only the model weights of the DCP checkpoint at ``path`` (e.g. a seed checkpoint,
+        or one written by another program)."""
+        self._load_checked(path, ["model"], require_marker=False)
 
     def _wanted_parts(self) -> list[str]:
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
-    def _load_checked(self, path: str, parts: list[str]) -> None:
+    def _load_checked(self, path: str, parts: list[str], require_marker: bool = True) -> None:
         """Verifies on rank 0, shares the verdict, then loads the parts of ``parts`` that the
         checkpoint holds (a seed checkpoint holds only the model)."""
         verdict: list[Any] = [None]
         if self.rank == 0:
             try:
-                verdict[0] = sorted(verify_checkpoint(path))
+                verdict[0] = sorted(verify_checkpoint(path, require_marker))
             except CheckpointError as e:
                 verdict[0] = str(e)
         dist.broadcast_object_list(verdict, src=0, group=self.group)

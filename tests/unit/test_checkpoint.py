@@ -190,6 +190,13 @@ def test_exclude_from_loading_and_model_only(tmp_path):
     fresh.manager.load_model_only(str(tmp_path / "checkpoint" / "step-2"))
     assert fresh.step == 0 and all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), saved["params"]))
 
+    # A DCP folder without our marker (written by another program) loads as initial weights, but
+    # is never resumed from.
+    os.remove(tmp_path / "checkpoint" / "step-2" / COMPLETE_MARKER)
+    elsewhere = Run(str(tmp_path / "elsewhere"), seed=1)
+    elsewhere.manager.load_model_only(str(tmp_path / "checkpoint" / "step-2"))
+    assert all(torch.equal(p, q) for p, q in zip(elsewhere.model.parameters(), saved["params"]))
+
 
 def test_rollback_keeps_the_dataloader_position(tmp_path):
     run = Run(str(tmp_path))
