@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -144,6 +144,13 @@ def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
             block.compile(backend="inductor", fullgraph=True, options={"custom_partitioner_fn": PARTITIONER})
         else:
             block.compile(backend=_shared_aot_eager(), fullgraph=True)
+
+
+def apply_compile_loss(loss_fn: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` compiled as one graph: the fp32 upcast of the logits fuses with the log-softmax
+    (Inductor) instead of materializing a second copy of the logits."""
+    _check_backend(backend)
+    return torch.compile(loss_fn, backend=backend, fullgraph=True)
 
 
 def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: BucketingPass) -> None:

@@ -188,7 +188,8 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile the model (per transformer block for fsdp2, whole model for simple_fsdp)."""
+    """torch.compile the model (per transformer block for fsdp2, whole model for simple_fsdp) and,
+    without tensor parallelism, the loss."""
     backend: str = "inductor"
     """torch.compile backend: inductor or aot_eager."""
     bucketing: str = "manual"

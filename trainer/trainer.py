@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from models.registry import ModelSpec, get_flavor, get_model_spec
-from parallelisms.compile import log_graph_breaks
+from parallelisms.compile import apply_compile_loss, log_graph_breaks
 from parallelisms.pipeline import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineLayout, Schedule, build_schedule, plan_pipeline, split_stage
 from parallelisms.tensor_parallel import is_vocab_sharded
 from trainer.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
@@ -100,6 +100,10 @@ class Trainer:
         self.dp_rank, self.dp_size = self.parallel_dims.dp_rank_and_size(self.mesh)
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.dp_size)
         self.global_tokens_per_step = self.global_batch_size * config.training.seq_len
+        self._cross_entropy = _summed_cross_entropy
+        if config.compile.enable and not self.parallel_dims.tp_enabled:
+            # Under tensor parallelism the logits are DTensors handled by loss_parallel: left eager.
+            self._cross_entropy = apply_compile_loss(_summed_cross_entropy, config.compile.backend)
 
         os.makedirs(config.job.dump_folder, exist_ok=True)
         if self.rank == 0:
@@ -259,7 +263,7 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What backward starts from, per microbatch (and per pipeline microbatch on the last
         stage): summed cross-entropy over the global batch's token count."""
-        return _summed_cross_entropy(logits, labels) / self.global_tokens_per_step
+        return self._cross_entropy(logits, labels) / self.global_tokens_per_step
 
     def _pipeline_loss_context(self) -> contextlib.AbstractContextManager:
         # The schedule computes the loss and its backward inside step(): cover the whole step.
@@ -459,7 +463,7 @@ class Trainer:
             else:
                 logits = self.model(inputs.to(self.device))
                 with _loss_context(logits):
-                    total += _local_value(_summed_cross_entropy(logits, labels.to(self.device)))
+                    total += _local_value(self._cross_entropy(logits, labels.to(self.device)))
             tokens += labels.numel()
         for part in self.model_parts:
             part.train()
