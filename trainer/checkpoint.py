@@ -145,6 +145,11 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
+def complete_checkpoints(folder: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint, newest first."""
+    return [(step, path) for step, path in checkpoint_folders(folder) if is_complete(path)]
+
+
 def _write_marker(path: str, step: int) -> None:
     files = {}
     for name in sorted(os.listdir(path)):
@@ -298,8 +303,7 @@ class CheckpointManager:
             self._purger.submit(self._purge, self.config.keep_latest_k)
 
     def _purge(self, keep: int) -> None:
-        complete = [path for _, path in checkpoint_folders(self.folder) if is_complete(path)]
-        for path in complete[keep:]:
+        for _, path in complete_checkpoints(self.folder)[keep:]:
             # The marker goes first: a deletion cut short leaves an incomplete folder, never a
             # complete-looking one with files missing.
             os.remove(os.path.join(path, COMPLETE_MARKER))
@@ -315,7 +319,7 @@ class CheckpointManager:
         """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one
         that verifies and loads (older ones are tried after a bad one). Returns its step, or None
         when there is none."""
-        candidates = [(step, path) for step, path in checkpoint_folders(self.folder) if is_complete(path)]
+        candidates = complete_checkpoints(self.folder)
         if self.config.load_step >= 0:
             chosen = [(step, path) for step, path in candidates if step == self.config.load_step]
             if not chosen:
@@ -338,7 +342,7 @@ class CheckpointManager:
         """Reloads the newest complete checkpoint except its dataloader state, so that training goes
         on past the batches read since; returns its step."""
         self.wait()
-        for step, path in [(s, p) for s, p in checkpoint_folders(self.folder) if is_complete(p)]:
+        for step, path in complete_checkpoints(self.folder):
             try:
                 self._load_checked(path, [p for p in self._wanted_parts() if p != "dataloader"])
             except CheckpointError as e:

@@ -43,14 +43,18 @@ def hf_weights(folder: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def build_and_export(tmp_path_factory: pytest.TempPathFactory, args, seed: int) -> tuple[Transformer, str]:
+    model = build(args, seed=seed)
+    folder = str(tmp_path_factory.mktemp("hf") / "export")
+    export_hf([model], args, folder, torch.float32)
+    return model, folder
+
+
 # Initialization dominates the run time: models are built once per module and copied.
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, str]:
     """A debugmodel and its float32 export."""
-    model = build(DEBUG_ARGS, seed=1)
-    folder = str(tmp_path_factory.mktemp("hf") / "export")
-    export_hf([model], DEBUG_ARGS, folder, torch.float32)
-    return model, folder
+    return build_and_export(tmp_path_factory, DEBUG_ARGS, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +65,8 @@ def fresh_model() -> Transformer:
 
 @pytest.fixture(scope="module")
 def gqa_exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, str]:
-    model = build(GQA_SCALED_ARGS, seed=3)
-    folder = str(tmp_path_factory.mktemp("hf_gqa") / "export")
-    export_hf([model], GQA_SCALED_ARGS, folder, torch.float32)
-    return model, folder
+    """A model with grouped-query attention and llama3 RoPE scaling, and its float32 export."""
+    return build_and_export(tmp_path_factory, GQA_SCALED_ARGS, seed=3)
 
 
 # ---------------------------------------------------------------------------
