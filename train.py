@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-from trainer.config import ConfigError, help_text, load_config
+from config.job_config import ConfigError
+from config.manager import help_text, load_config
 
 
 def main(argv: list[str]) -> int:

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from trainer.checkpoint import CheckpointManager  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from config.manager import load_config  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")
@@ -50,7 +50,7 @@ def slowest(fn: Callable[[], object]) -> float:
 @torch.no_grad()
 def weight_norm(trainer: Trainer) -> float:
     """Global norm of the model's weights, the same at any layout: checks that a load happened."""
-    total = sum(p.full_tensor().double().pow(2).sum() for p in trainer.model.parameters())
+    total = sum(p.full_tensor().double().pow(2).sum() for part in trainer.model.parts for p in part.parameters())
     return float(total) ** 0.5
 
 
@@ -85,27 +85,36 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
     ]
     trainer = Trainer(load_config(config_args))
     batches = iter(trainer.dataloader)
-    trainer.train_step(trainer._next_microbatches(batches))
+    trainer.train_step([next(batches) for _ in range(trainer.grad_accum_steps)])
     inputs, labels = next(batches)
     trainer.step = 1
     norm = weight_norm(trainer)
     sync = trainer.checkpointer
     # A second manager over the same states, saving in the background.
     async_config = dataclasses.replace(trainer.config.checkpoint, async_mode="async")
-    background = CheckpointManager(async_config, trainer.config.job.dump_folder, sync.states, sync.resolved_config)
+    background = CheckpointManager(
+        async_config,
+        trainer.config.job.dump_folder,
+        sync.resolved_config,
+        model_parts=trainer.model.parts,
+        optimizer=trainer.optimizer,
+        lr_scheduler=trainer.lr_scheduler,
+        dataloader=trainer.dataloader,
+        train_state=sync.states["train_state"],
+    )
 
     # Untimed first saves: one-time costs (the stager allocates its staging copy on the first one).
     for name, manager in (("warmup-sync", sync), ("warmup-async", background)):
         manager.folder = os.path.join(root, name)
-        manager.save(1)
+        manager.write(1)
         manager.wait()
 
     times: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_blocked", "async_total", "load", "load_tp2")}
     for i in range(repeats):
         sync.folder = os.path.join(root, f"sync-{i}")
-        times["sync_save"].append(slowest(lambda: sync.save(1)))
+        times["sync_save"].append(slowest(lambda: sync.write(1)))
         background.folder = os.path.join(root, f"async-{i}")
-        blocked = slowest(lambda: background.save(1))
+        blocked = slowest(lambda: background.write(1))
         # Training goes on with the next forward and backward while the state is copied; only the
         # update after them waits for the copy. (Gradients only: the weights stay those saved.)
         compute = slowest(lambda: trainer.forward_backward(inputs, labels))
@@ -120,7 +129,7 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
-            "params": sum(p.numel() for p in trainer.model.parameters()),
+            "params": sum(p.numel() for part in trainer.model.parts for p in part.parameters()),
             "checkpoint_bytes": folder_bytes(os.path.join(root, "sync-0", "step-1")),
             "times_s": times,
         }

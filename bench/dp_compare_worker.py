@@ -34,9 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import models.llama3.parallelize as llama_parallelize  # noqa: E402
-from parallelisms.bucketing import BucketingPass  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from config.manager import load_config  # noqa: E402
 from trainer.distributed import set_collective_timeout  # noqa: E402
 from trainer.metrics import peak_memory_gib, reset_peak_memory  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -148,19 +146,6 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def _capture_bucketing_pass() -> list[BucketingPass]:
-    """Records the BucketingPass that parallelize_llama hands to torch.compile, to read its reports."""
-    captured: list[BucketingPass] = []
-    original = llama_parallelize.apply_compile_whole_model
-
-    def capturing(model: torch.nn.Module, backend: str, graph_pass: BucketingPass) -> None:
-        captured.append(graph_pass)
-        original(model, backend, graph_pass)
-
-    llama_parallelize.apply_compile_whole_model = capturing
-    return captured
-
-
 def profiled_step(trainer: Trainer, batch: list, trace_dir: str) -> tuple[CollectiveStats, int, int, float]:
     """One step under the profiler: (collectives, live bytes at start, transient peak bytes, loss)."""
     # Gradients of the previous step would be counted at start and freed (untracked) in the step.
@@ -177,28 +162,12 @@ def profiled_step(trainer: Trainer, batch: list, trace_dir: str) -> tuple[Collec
     return parse_collectives(events), baseline, transient_peak_bytes(events), loss
 
 
-def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
-    captured = _capture_bucketing_pass()
-    setup_start = time.perf_counter()
-    config = load_config(
-        [
-            "--job.config_file", BASE_CONFIG,
-            "--training.steps", str(warmup + steps + 1),
-            "--metrics.enable_tensorboard", "false",
-            "--metrics.peak_flops", "1e12",  # no MFU here: skips the matmul benchmark
-            "--job.dump_folder", os.path.dirname(os.path.abspath(out)),
-            *overrides,
-        ]
-    )
-    trainer = Trainer(config)
-    setup_s = time.perf_counter() - setup_start
-    rank, world = dist.get_rank(), dist.get_world_size()
-
+def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
+    """Trains ``warmup`` untimed then ``steps`` timed steps and profiles one more; this rank's
+    step times, losses, collectives and memory."""
     # All batches up front: the timed steps measure training, not data loading.
     data_iter = iter(trainer.dataloader)
-    batches = [trainer._next_microbatches(data_iter) for _ in range(warmup + steps + 1)]
-    tokens_per_rank = sum(x.numel() for x, _ in batches[0])
-
+    batches = [[next(data_iter) for _ in range(trainer.grad_accum_steps)] for _ in range(warmup + steps + 1)]
     step_times: list[float] = []
     losses: list[float] = []
     for i, batch in enumerate(batches[:-1]):
@@ -211,61 +180,58 @@ def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
         losses.append(trainer.train_step(batch)["loss"])
         step_times.append(time.perf_counter() - start)
         if i == 0:
-            set_collective_timeout(config.comm.train_timeout_seconds, trainer.mesh)
+            set_collective_timeout(trainer.config.comm.train_timeout_seconds, trainer.parallel_dims.mesh)
     peak_rss_gib = peak_memory_gib(trainer.device)
     gc.enable()
-
     with tempfile.TemporaryDirectory() as trace_dir:
         collectives, baseline, transient, profiled_loss = profiled_step(trainer, batches[-1], trace_dir)
-
-    per_rank = {
+    return {
         "step_times_s": step_times,
+        "losses": losses,
+        "profiled_loss": profiled_loss,
+        "tokens": sum(x.numel() for x, _ in batches[0]),
         "collectives": asdict(collectives),
         "baseline_bytes": baseline,
         "transient_peak_bytes": transient,
         "peak_rss_gib": peak_rss_gib,
     }
-    gathered: list[dict[str, Any]] = [{}] * world
-    dist.all_gather_object(gathered, per_rank)
-    trainer.close()
-    if rank != 0:
-        return
 
+
+def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, setup_s: float) -> dict[str, Any]:
+    """The result JSON from every rank's measurements."""
+    config, world, mine = trainer.config, len(gathered), gathered[0]
     # A step lasts until its slowest rank finishes it.
-    times = [max(r["step_times_s"][i] for r in gathered) for i in range(len(step_times))]
+    times = [max(r["step_times_s"][i] for r in gathered) for i in range(len(mine["step_times_s"]))]
     timed = times[warmup:]
-    steady = statistics.median(timed)
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    n_params = sum(p.numel() for part in trainer.model.parts for p in part.parameters())
     param_bytes = n_params * getattr(torch, config.training.mixed_precision_param).itemsize
-    stats = gathered[0]["collectives"]
-    payload = sum(stats["payload_bytes"].values())
-    wire = sum(stats["payload_bytes"][k] * WIRE_FACTOR[k] * (world - 1) / world for k in KINDS)
-    graph_pass = captured[0] if captured else None
-    result = {
+    stats = mine["collectives"]
+    graph_pass = trainer.model.graph_passes[0] if trainer.model.graph_passes else None
+    return {
         "world_size": world,
         "params": n_params,
         "param_bytes": param_bytes,
         "seq_len": config.training.seq_len,
         "local_batch_size": config.training.local_batch_size,
         "global_batch_size": trainer.global_batch_size,
-        "tokens_per_rank_per_step": tokens_per_rank,
+        "tokens_per_rank_per_step": mine["tokens"],
         "warmup_steps": warmup,
-        "timed_steps": steps,
+        "timed_steps": len(timed),
         "setup_s": setup_s,
         "step_times_s": times,
         "first_step_s": times[0],
-        "steady_step_s": steady,
-        "compile_s": times[0] - steady,
+        "steady_step_s": statistics.median(timed),
+        "compile_s": times[0] - statistics.median(timed),
         # Rate over the whole timed window (sum of step times), like the trainer's tokens/s.
-        "tps_per_rank": tokens_per_rank * len(timed) / sum(timed),
-        "tps_total": tokens_per_rank * world * len(timed) / sum(timed),
-        "losses": losses,
-        "final_loss": losses[-1],
-        "profiled_step_loss": profiled_loss,
+        "tps_per_rank": mine["tokens"] * len(timed) / sum(timed),
+        "tps_total": mine["tokens"] * world * len(timed) / sum(timed),
+        "losses": mine["losses"],
+        "final_loss": mine["losses"][-1],
+        "profiled_step_loss": mine["profiled_loss"],
         "collectives_per_rank": [r["collectives"] for r in gathered],
         "collectives": stats["count"],
-        "payload_bytes": payload,
-        "wire_bytes_estimate": wire,
+        "payload_bytes": sum(stats["payload_bytes"].values()),
+        "wire_bytes_estimate": sum(stats["payload_bytes"][k] * WIRE_FACTOR[k] * (world - 1) / world for k in KINDS),
         "theory_bytes": 3 * param_bytes * (world - 1) / world,
         "memory": {
             "tracked_peak_bytes": max(r["baseline_bytes"] + r["transient_peak_bytes"] for r in gathered),
@@ -279,8 +245,28 @@ def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
         "buckets": None if graph_pass is None else graph_pass.buckets,
         "dynamo_frames_compiled": len(torch._dynamo.utils.get_compilation_metrics()),
     }
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+
+
+def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
+    setup_start = time.perf_counter()
+    config = load_config(
+        [
+            "--job.config_file", BASE_CONFIG,
+            "--training.steps", str(warmup + steps + 1),
+            "--metrics.enable_tensorboard", "false",
+            "--metrics.peak_flops", "1e12",  # no MFU here: skips the matmul benchmark
+            "--job.dump_folder", os.path.dirname(os.path.abspath(out)),
+            *overrides,
+        ]
+    )
+    trainer = Trainer(config)
+    setup_s = time.perf_counter() - setup_start
+    gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(gathered, timed_steps(trainer, warmup, steps))
+    trainer.close()
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(summarize(trainer, gathered, warmup, setup_s), f, indent=1)
 
 
 def main() -> None:

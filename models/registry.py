@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from trainer.config import ConfigError
+from config.job_config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -17,20 +17,29 @@ class ModelSpec:
     name: str
     model_cls: type[nn.Module]
     flavors: dict[str, Any]
-    parallelize_fn: Callable[..., None]
-    """Applies the configured parallelisms to a model built on the meta device."""
+    parallelize_fn: Callable[..., Any]
+    """(model on the meta device, parallel dims, config) -> the compile graph pass it built or None."""
+    pipelining_fn: Callable[..., Any]
+    """(model, parallel dims, config, device, materialize, loss fn) -> (schedule, stages, has first
+    stage, has last stage): this rank's pipeline stages and the schedule running them."""
+    check_layout_fn: Callable[..., None]
+    """(model args, parallel dims, config): raises the one-line ConfigError that parallelizing or
+    pipelining would raise, without building the model's weights."""
     flops_per_token_fn: Callable[[Any, nn.Module, int], float]
     """Training FLOPs per token of (model args, model, sequence length), for MFU."""
 
 
 def _llama3_spec() -> ModelSpec:
     from models.llama3 import Transformer, flops_per_token, llama3_flavors, num_params
-    from models.llama3.parallelize import parallelize_llama
+    from models.llama3.parallelize import check_llama_layout, parallelize_llama
+    from models.llama3.pipeline import pipeline_llama
 
     def llama_flops(args: Any, model: nn.Module, seq_len: int) -> float:
         return flops_per_token(args, num_params(model, exclude_embedding=True), seq_len)
 
-    return ModelSpec("llama3", Transformer, llama3_flavors, parallelize_llama, llama_flops)
+    return ModelSpec(
+        "llama3", Transformer, llama3_flavors, parallelize_llama, pipeline_llama, check_llama_layout, llama_flops
+    )
 
 
 _REGISTRY: dict[str, Callable[[], ModelSpec]] = {"llama3": _llama3_spec}

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.metrics import device_peak_flops
+from parallelisms.device import device_peak_flops, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -135,29 +135,16 @@ class ComputeModel:
     def from_config(
         cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype
     ) -> ComputeModel:
-        """The configured rate, or when unset the one ``measure_flops_per_second`` finds."""
+        """The configured rate, or when unset ``device_peak_flops``: measured once per process on
+        CPUs and unknown GPUs (shared with the MFU metric), the datasheet peak on known GPUs (an
+        optimistic compute time, so the planner errs towards smaller buckets)."""
         if compute_flops is None:
-            return cls(measure_flops_per_second(device, dtype))
+            return cls(device_peak_flops(torch.device(device), dtype))
         return cls(float(compute_flops))
 
     def time(self, flops: float) -> float:
         """Seconds to run ``flops`` floating-point operations."""
         return flops / self.flops_per_second
-
-
-def measure_flops_per_second(device: torch.device | str, dtype: torch.dtype) -> float:
-    """Matmul FLOP/s of ``device`` in ``dtype``.
-
-    Shares ``trainer.metrics.device_peak_flops`` with the MFU metric, so the matmul benchmark
-    runs at most once per process: a measured rate on CPUs and unknown GPUs, the datasheet peak
-    on known GPUs (an optimistic compute time, so the planner errs towards smaller buckets).
-    """
-    return device_peak_flops(torch.device(device), dtype)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 class _AllGatherTimer:
@@ -175,10 +162,10 @@ class _AllGatherTimer:
             output = torch.empty(full_bytes, dtype=torch.uint8, device=self._device)
             self._buffers[full_bytes] = (shard, output)
         shard, output = self._buffers[full_bytes]
-        _synchronize(self._device)
+        synchronize(self._device)
         start = time.perf_counter()
         dist.all_gather_single(output, shard, group=self._group)  # all_gather_into_tensor's new name
-        _synchronize(self._device)
+        synchronize(self._device)
         return time.perf_counter() - start
 
 
@@ -409,33 +396,6 @@ def _predict(groups: list[list[PlanUnit]], costs: _Costs) -> BucketPlan:
     return BucketPlan(buckets)
 
 
-def predict_plan(
-    units: Sequence[PlanUnit],
-    bucket_units: Sequence[Sequence[str]],
-    comm: CommModel,
-    compute: ComputeModel,
-    world_size: int,
-    *,
-    reduce_scatter_bytes_factor: float = 1.0,
-    reshard_after_forward: bool = True,
-) -> BucketPlan:
-    """The plan with the given buckets (unit names, in execution order) and its predicted exposed comm.
-
-    Use it to compare a manual plan with the auto one: ``predict_plan(units, [b.units for b in
-    plan_manual(units, patterns).buckets], ...)``. The buckets must list every unit once, in order.
-    """
-    _check_units(units)
-    costs = _Costs(comm, compute, world_size, reduce_scatter_bytes_factor, reshard_after_forward)
-    by_name = {unit.name: unit for unit in units}
-    flattened = [name for names in bucket_units for name in names]
-    if flattened != [unit.name for unit in units] or any(not names for names in bucket_units):
-        raise ValueError(
-            f"Buckets {[list(names) for names in bucket_units]} must be non-empty and list every unit once "
-            f"in execution order: {[unit.name for unit in units]}"
-        )
-    return _predict([[by_name[name] for name in names] for names in bucket_units], costs)
-
-
 def plan_auto(
     units: Sequence[PlanUnit],
     comm: CommModel,
@@ -513,7 +473,7 @@ def _parse_spec(spec: str) -> list[str]:
 
 
 def plan_manual(units: Sequence[PlanUnit], patterns: Sequence[str]) -> BucketPlan:
-    """Buckets named by the user, without cost predictions (see ``predict_plan`` for those).
+    """Buckets named by the user, without cost predictions.
 
     Each spec in ``patterns`` is one bucket: ``+``-joined fnmatch patterns over unit names
     (``"norm+output"``; ``"layers.*"`` puts every layer in ONE bucket). Units no spec matches

@@ -41,6 +41,8 @@ from torch._inductor.fx_passes.bucketing import (
     merge_reduce_scatter_bucket,
 )
 
+from parallelisms.names import clean_name
+
 c10d = torch.ops._c10d_functional
 ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
 REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
@@ -158,7 +160,7 @@ def module_path(node: fx.Node) -> str | None:
     path = list(stack.values())[-1][0]
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)  # layers['0'] -> layers.0
     path = re.sub(r"^L\.self\.?|^L\['self'\]\.?|^self\.?", "", path)
-    return re.sub(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module)(?=\.|$)", "", path).strip(".")
+    return clean_name(path)
 
 
 def unit_of(path: str | None, units: list[str]) -> str | None:

@@ -33,8 +33,6 @@ from parallelisms.bucketing import BucketingPass
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("inductor", "aot_eager")
-
 
 # ---------------------------------------------------------------------------
 # Partitioner
@@ -126,11 +124,6 @@ def _shared_aot_eager():
     return _SHARED_AOT_EAGER
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"compile.backend: unsupported backend '{backend}' (inductor or aot_eager)")
-
-
 # ---------------------------------------------------------------------------
 # Compile
 # ---------------------------------------------------------------------------
@@ -138,7 +131,6 @@ def _check_backend(backend: str) -> None:
 
 def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
     """Compiles each block in place (parameter names unchanged), as one graph per block."""
-    _check_backend(backend)
     for block in blocks.values():
         if backend == "inductor":
             block.compile(backend="inductor", fullgraph=True, options={"custom_partitioner_fn": PARTITIONER})
@@ -149,7 +141,6 @@ def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
 def apply_compile_loss(loss_fn: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
     """``loss_fn`` compiled as one graph: the fp32 upcast of the logits fuses with the log-softmax
     (Inductor) instead of materializing a second copy of the logits."""
-    _check_backend(backend)
     return torch.compile(loss_fn, backend=backend, fullgraph=True)
 
 
@@ -159,7 +150,6 @@ def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: Bucket
 
     The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers (the default
     partitioner would save the gathered weights)."""
-    _check_backend(backend)
     if backend == "inductor":
         model.compile(
             backend="inductor",

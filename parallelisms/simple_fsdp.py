@@ -35,9 +35,8 @@ TP mesh, so the TP styles see the DTensor they expect.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,7 +77,6 @@ class _GatherConfig:
     reduce_dtype: torch.dtype
     region_contexts: Callable[[], tuple[Any, Any]]
     """``context_fn`` of the checkpoint region around each gather."""
-    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -176,8 +174,6 @@ def _block_region_policy(dp_group_names: frozenset[str]) -> Callable[..., Checkp
 def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
     config: _GatherConfig = module._simple_fsdp_config
-    if not config.enabled:
-        return param
     return checkpoint(
         _gather,
         param,
@@ -357,17 +353,3 @@ def apply_simple_fsdp(
         if not isinstance(block, CheckpointWrapper):
             block._simple_fsdp_block_contexts = block_contexts
             block.__class__ = _resharding_class(type(block))
-
-
-@contextlib.contextmanager
-def disable_gathering(model: nn.Module) -> Iterator[None]:
-    """Within this context, ``module.weight`` returns the stored (sharded) parameter, not a gathered copy."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "_simple_fsdp_config", None)) is not None}
-    previous = {key: config.enabled for key, config in configs.items()}
-    for config in configs.values():
-        config.enabled = False
-    try:
-        yield
-    finally:
-        for key, config in configs.items():
-            config.enabled = previous[key]

@@ -25,8 +25,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.config import ConfigError
-
 # Residual-stream layout between blocks: [batch, seq, dim] sharded on the sequence.
 _SEQUENCE_SHARD = Shard(1)
 
@@ -88,10 +86,10 @@ def _dims_split_by_tp(model: nn.Module) -> dict[str, int]:
 
 
 def validate_tp(model: nn.Module, tp_degree: int) -> None:
-    """Raises a one-line ConfigError when ``tp_degree`` does not divide a dim the plan splits evenly."""
+    """Raises a one-line ValueError when ``tp_degree`` does not divide a dim the plan splits evenly."""
     not_divided = [f"{name} {size}" for name, size in _dims_split_by_tp(model).items() if size % tp_degree]
     if not_divided:
-        raise ConfigError(
+        raise ValueError(
             f"parallelism.tensor_parallel_degree {tp_degree} must divide the model's n_heads, n_kv_heads and "
             f"FFN hidden dim, and training.seq_len; it does not divide {', '.join(not_divided)}"
         )
@@ -106,7 +104,7 @@ def _clone_async_collective_output(module: nn.Module, args: tuple, output: torch
 
 def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
     if tp_mesh.device_type != "cuda":
-        raise ConfigError(
+        raise ValueError(
             "parallelism.enable_async_tensor_parallel needs CUDA (symmetric-memory collectives fused "
             f"with matmuls by the compiler); this run is on {tp_mesh.device_type}: turn it off"
         )
@@ -141,6 +139,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
         model.tok_embeddings.register_forward_hook(_clone_async_collective_output)
 
 
-def is_vocab_sharded(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` is a DTensor sharded on its last (vocabulary) dim, the input of loss parallel."""
-    return isinstance(logits, DTensor) and any(p.is_shard(logits.ndim - 1) for p in logits.placements)
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: loss parallel returns it as a replicated DTensor."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.config import CHECKPOINT_PARTS, Checkpoint, ConfigError
+from config.job_config import CHECKPOINT_PARTS, DTYPES, Checkpoint, ConfigError, user_input
+from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +77,8 @@ def whole_model(model_parts: list[nn.Module]) -> nn.Module:
 
 
 class ModelState(Stateful):
-    def __init__(self, model_parts: list[nn.Module]):
-        self.model = whole_model(model_parts)
+    def __init__(self, model: nn.Module):
+        self.model = model
 
     def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
@@ -93,8 +92,8 @@ class OptimizerState(Stateful):
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
-        self.model = whole_model(model_parts)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
@@ -192,39 +191,47 @@ def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Failure injection (tests): a writer that kills its rank once its shard is on disk.
-
-
-class _DyingWriter(FileSystemWriter):
-    def write_data(self, plan: SavePlan, planner: SavePlanner):
-        result = super().write_data(plan, planner)
-        result.wait()
-        logger.warning("debug.failure=kill_during_save: killing this rank in the middle of the save")
-        os.kill(os.getpid(), signal.SIGKILL)
-        return result
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 class CheckpointManager:
-    """Saves (synchronously or in the background) and restores a run's state.
+    """Saves (synchronously or in the background) and restores a run's state: the model parts,
+    the optimizer, the LR scheduler, the dataloader and ``train_state`` (step and RNG).
 
-    ``states`` maps each part in CHECKPOINT_PARTS to an object with ``state_dict`` and
-    ``load_state_dict``. Only rank 0 touches folders as a whole (markers, deletion); at most one
-    save is in flight, and the next save, a load or ``close`` waits for it.
+    Only rank 0 touches folders as a whole (markers, deletion); at most one save is in flight, and
+    the next save, a load or ``close`` waits for it. ``storage_writer(step, path)`` makes the
+    writer of each save.
     """
 
-    def __init__(self, config: Checkpoint, dump_folder: str, states: dict[str, Stateful], resolved_config: str):
+    def __init__(
+        self,
+        config: Checkpoint,
+        dump_folder: str,
+        resolved_config: str,
+        *,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Stateful,
+        dataloader: Stateful,
+        train_state: TrainState,
+        storage_writer: Callable[[int, str], FileSystemWriter] = lambda step, path: FileSystemWriter(path),
+    ):
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)
-        self.states = states
+        self.model_parts = model_parts
+        model = whole_model(model_parts)  # one view for the model and the optimizer state
+        self.states: dict[str, Stateful] = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        }
         self.resolved_config = resolved_config
+        self.storage_writer = storage_writer
         self.rank = dist.get_rank()
         # Background saves run collectives from another thread: a group of their own keeps them
         # from interleaving with training's collectives.
         self.group = dist.new_group(backend="gloo")
-        self.fail_during_save_at_step: int | None = None
         self._pending: tuple[int, str, concurrent.futures.Future] | None = None
         self._staging: concurrent.futures.Future | None = None
         self._purger = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-purge")
@@ -245,10 +252,15 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
-    def should_save(self, step: int, last_step: int) -> bool:
-        return self.config.enable and (step % self.config.interval == 0 or step == last_step)
+    def save(self, step: int, last_step: int) -> None:
+        """After training step ``step``: saves every ``checkpoint.interval`` steps and at
+        ``last_step``; otherwise completes a background save that has finished."""
+        if self.config.enable and (step % self.config.interval == 0 or step == last_step):
+            self.write(step)
+        else:
+            self.poll()
 
-    def save(self, step: int, parts: Iterable[str] = CHECKPOINT_PARTS) -> None:
+    def write(self, step: int, parts: Iterable[str] = CHECKPOINT_PARTS) -> None:
         """Saves ``parts`` as step-``step``: written when it returns (sync), or copied and written
         in the background (async; call ``wait_for_staging`` before changing the saved tensors)."""
         self.wait()
@@ -258,8 +270,7 @@ class CheckpointManager:
             with open(os.path.join(path, "config.toml"), "w") as f:
                 f.write(self.resolved_config)
         state = {part: self.states[part] for part in parts}
-        writer_cls = _DyingWriter if step == self.fail_during_save_at_step and self._is_last_rank() else FileSystemWriter
-        writer = writer_cls(path)
+        writer = self.storage_writer(step, path)
         if self._stager is None:
             dcp.save(state, storage_writer=writer, process_group=self.group)
             self._finish(step, path)
@@ -310,10 +321,40 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
             logger.info("checkpoint deleted (keep_latest_k=%d): %s", keep, path)
 
-    def _is_last_rank(self) -> bool:
-        return self.rank == dist.get_world_size() - 1
-
     # ------------------------------------------------------------------ loading
+
+    def load_at_start(self) -> None:
+        """Restores the newest complete checkpoint, or else loads ``checkpoint.initial_load_path``'s
+        model weights (a DCP checkpoint folder or a Hugging Face folder)."""
+        if self.config.enable and (step := self.resume()) is not None:
+            logger.info("resumed from step %d", step)
+            return
+        path = self.config.initial_load_path
+        if not path:
+            return
+        if not os.path.isdir(path):
+            raise ConfigError(f"checkpoint.initial_load_path: {path} is not a folder")
+        if is_hf_folder(path):
+            with user_input("checkpoint.initial_load_path"):
+                load_hf_weights(self.model_parts, path)
+        else:
+            self._load_checked(path, ["model"], require_marker=False)
+        logger.info("initial weights loaded from %s", path)
+
+    def write_seed_checkpoint(self) -> None:
+        """Writes the initialized model as step-0, loadable at any layout."""
+        if dist.get_world_size() != 1:
+            raise ConfigError(
+                f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {dist.get_world_size()}"
+            )
+        self.write(0, parts=["model"])
+        logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
+
+    def export_hf(self, model_args: Any) -> None:
+        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)."""
+        folder = os.path.join(self.folder, "hf")
+        export_hf(self.model_parts, model_args, folder, DTYPES[self.config.export_dtype])
+        logger.info("Hugging Face export (%s) written to %s", self.config.export_dtype, folder)
 
     def resume(self) -> int | None:
         """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one
@@ -350,11 +391,6 @@ class CheckpointManager:
                 continue
             return step
         raise CheckpointError(f"no complete checkpoint to roll back to in {self.folder}")
-
-    def load_model_only(self, path: str) -> None:
-        """Loads only the model weights of the DCP checkpoint at ``path`` (e.g. a seed checkpoint,
-        or one written by another program)."""
-        self._load_checked(path, ["model"], require_marker=False)
 
     def _wanted_parts(self) -> list[str]:
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]

@@ -1,4 +1,4 @@
-"""Text corpora, token packing and the sharded, resumable training data stream.
+"""Token streams, packing, and the sharded, resumable training data stream.
 
 The packed windows of a corpus form one infinite *global stream*: epoch ``e``
 is the permutation of all window indices drawn from a generator seeded with
@@ -11,17 +11,11 @@ different DP layout (same global batch) without losing or repeating samples.
 
 from __future__ import annotations
 
-import ast
-import functools
 import hashlib
-import importlib
 import json
 import os
-import sys
-import sysconfig
 import warnings
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,136 +23,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.tokenizer import Tokenizer, create_file_once
-
-DEFAULT_DATASET = "python_docs"
-CORPUS_SUFFIXES = (".txt", ".jsonl")
+from config.job_config import JobConfig, user_input
+from parallelisms.parallel_dims import ParallelDims
+from trainer.corpus import corpus_identity, corpus_texts, create_file_once
+from trainer.tokenizer import Tokenizer
 
 # Bump when the corpus extraction or the token file layout changes, so stale
 # cached token streams are not reused.
 _TOKEN_CACHE_VERSION = 1
-# Folders of the standard library that hold tests, test data or third-party code.
-_SKIPPED_STDLIB_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
-_DOCUMENTED_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-def default_corpus_texts() -> Iterator[str]:
-    """Documents of the default corpus, available wherever Python is installed.
-
-    First the interpreter's help topics (``pydoc_data.topics``, one document
-    per topic, sorted by name), then one document per standard-library module
-    (its docstrings in source order; folders walked in sorted order). Modules are
-    parsed with ``ast``, never imported, since some have import side effects.
-    """
-    return iter(_default_corpus_documents())
-
-
-@functools.cache
-def _default_corpus_documents() -> tuple[str, ...]:
-    # Parsing the stdlib takes seconds and both the default tokenizer and the
-    # token stream need it on first use; the text is only a few MB.
-    return tuple(_python_docs())
-
-
-def _python_docs() -> Iterator[str]:
-    try:
-        topics: dict[str, str] = importlib.import_module("pydoc_data.topics").topics
-    except ImportError:  # some distributions package pydoc_data separately
-        topics = {}
-    for name in sorted(topics):
-        yield topics[name]
-    yield from _stdlib_docstrings(Path(sysconfig.get_path("stdlib")))
-
-
-def _stdlib_docstrings(stdlib_root: Path) -> Iterator[str]:
-    for directory, subdirectories, file_names in os.walk(stdlib_root):
-        # Pruning and sorting in place steers os.walk: deterministic order.
-        subdirectories[:] = sorted(d for d in subdirectories if d not in _SKIPPED_STDLIB_DIRS)
-        for file_name in sorted(file_names):
-            if not file_name.endswith(".py") or file_name.startswith("test_"):
-                continue
-            source = Path(directory, file_name).read_bytes()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # invalid escape sequences in old modules
-                    tree = ast.parse(source)
-            except (SyntaxError, ValueError):
-                continue  # templates and data files that are not valid Python
-            docstrings = list(_docstrings_in_source_order(tree))
-            if docstrings:
-                yield "\n\n".join(docstrings)
-
-
-def _docstrings_in_source_order(node: ast.AST) -> Iterator[str]:
-    if isinstance(node, _DOCUMENTED_NODES):
-        docstring = ast.get_docstring(node)
-        if docstring:
-            yield docstring
-    for child in ast.iter_child_nodes(node):
-        yield from _docstrings_in_source_order(child)
-
-
-def local_corpus_texts(path: str) -> Iterator[str]:
-    """Documents of a local corpus: a ``.txt`` file (one document), a ``.jsonl``
-    file (one document per line, from its ``text`` field) or a folder of such
-    files (recursively, in sorted order)."""
-    for file_path in local_corpus_files(path):
-        if file_path.suffix == ".txt":
-            yield _read_text(file_path)
-        else:
-            yield from _jsonl_texts(file_path)
-
-
-def local_corpus_files(path: str) -> list[Path]:
-    """The ``.txt``/``.jsonl`` files that make up the corpus at ``path``."""
-    root = Path(path)
-    if not root.exists():
-        raise FileNotFoundError(f"dataset path not found: {path}")
-    if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file())
-        if not files:
-            raise ValueError(f"dataset folder {path} contains no .txt or .jsonl files")
-        return files
-    if root.suffix not in CORPUS_SUFFIXES:
-        raise ValueError(f"dataset file {path} is neither .txt nor .jsonl")
-    return [root]
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-
-
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{line_number}: expected an object with a string 'text' field")
-        yield record["text"]
-
-
-def corpus_texts(dataset: str) -> Iterator[str]:
-    """Documents of ``dataset``: ``"python_docs"`` or a local corpus path."""
-    if dataset == DEFAULT_DATASET:
-        return default_corpus_texts()
-    return local_corpus_texts(dataset)
-
-
-def _corpus_identity(dataset: str) -> dict[str, Any]:
-    """What the corpus content depends on, cheap to compute (no reading)."""
-    if dataset == DEFAULT_DATASET:
-        return {"name": dataset, "python": sys.version, "stdlib": sysconfig.get_path("stdlib")}
-    files = local_corpus_files(dataset)
-    return {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
 def tokenize_corpus(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
@@ -180,7 +52,7 @@ def load_token_stream(dataset: str, tokenizer: Tokenizer, cache_dir: str) -> np.
     key = json.dumps(
         {
             "version": _TOKEN_CACHE_VERSION,
-            "corpus": _corpus_identity(dataset),
+            "corpus": corpus_identity(dataset),
             "tokenizer": tokenizer.fingerprint,
         },
         sort_keys=True,
@@ -207,8 +79,7 @@ class PackedTokenDataset(IterableDataset):
     """This DP rank's share of the infinite global stream of packed windows.
 
     Window ``w`` is ``tokens[w * (seq_len + 1) : (w + 1) * (seq_len + 1)]``;
-    a sample is ``(window[:-1], window[1:])`` as int64 tensors, plus the window
-    index when ``return_window_ids`` is set.
+    a sample is ``(window[:-1], window[1:])`` as int64 tensors.
 
     Implements ``state_dict``/``load_state_dict`` (torchdata's Stateful
     protocol). With DataLoader workers, worker ``k`` of ``K`` reads every
@@ -225,7 +96,6 @@ class PackedTokenDataset(IterableDataset):
         dp_rank: int,
         dp_world_size: int,
         seed: int,
-        return_window_ids: bool = False,
     ) -> None:
         _check_positive("seq_len", seq_len)
         _check_positive("local_batch_size", local_batch_size)
@@ -245,7 +115,6 @@ class PackedTokenDataset(IterableDataset):
         self.dp_world_size = dp_world_size
         self.global_batch_size = local_batch_size * dp_world_size
         self.seed = seed
-        self.return_window_ids = return_window_ids
         # Position of this iterator: global-stream index where its current chunk
         # starts, samples of this rank's slice of it already yielded, and the
         # distance to its next chunk in chunks (K for a DataLoader worker's
@@ -293,10 +162,7 @@ class PackedTokenDataset(IterableDataset):
                 self._index_in_slice = 0
                 self._chunk_start += self._chunk_stride * self.global_batch_size
             window = self.window(window_id)
-            if self.return_window_ids:
-                yield window[:-1], window[1:], torch.tensor(window_id)
-            else:
-                yield window[:-1], window[1:]
+            yield window[:-1], window[1:]
 
     def state_dict(self) -> dict[str, int]:
         """Exact position in the global stream, plus what validates it on load."""
@@ -349,7 +215,6 @@ def build_dataset(
     dp_world_size: int,
     seed: int,
     cache_dir: str,
-    return_window_ids: bool = False,
 ) -> PackedTokenDataset:
     """This DP rank's dataset of ``dataset`` (``"python_docs"`` or a local path)."""
     tokens = load_token_stream(dataset, tokenizer, cache_dir)
@@ -361,7 +226,6 @@ def build_dataset(
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
             seed=seed,
-            return_window_ids=return_window_ids,
         )
     except ValueError as error:
         raise ValueError(f"dataset {dataset}: {error}") from None
@@ -370,10 +234,29 @@ def build_dataset(
 def build_dataloader(
     dataset: str, tokenizer: Tokenizer, *, num_workers: int = 0, **dataset_options: Any
 ) -> StatefulDataLoader:
-    """Resumable loader of ``(inputs, labels)`` int64 batches ``[local_batch_size, seq_len]``
-    (plus ``window_ids [local_batch_size]`` when ``return_window_ids``); ``dataset_options`` are
-    ``build_dataset``'s."""
+    """Resumable loader of ``(inputs, labels)`` int64 batches ``[local_batch_size, seq_len]``;
+    ``dataset_options`` are ``build_dataset``'s."""
     return packed_dataloader(build_dataset(dataset, tokenizer, **dataset_options), num_workers=num_workers)
+
+
+def config_dataloader(
+    config: JobConfig, option: str, tokenizer: Tokenizer, parallel_dims: ParallelDims, seed: int
+) -> StatefulDataLoader:
+    """This data-parallel rank's loader of the corpus that ``option`` (``training.dataset`` or
+    ``validation.dataset``) names; a one-line ConfigError naming ``option`` for a bad corpus."""
+    section, _, name = option.partition(".")
+    with user_input(option):
+        return build_dataloader(
+            getattr(getattr(config, section), name),
+            tokenizer,
+            seq_len=config.training.seq_len,
+            local_batch_size=config.training.local_batch_size,
+            dp_rank=parallel_dims.dp_rank,
+            dp_world_size=parallel_dims.dp_degree,
+            seed=seed,
+            cache_dir=config.job.cache_dir,
+            num_workers=config.training.dataloader_num_workers,
+        )
 
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:

@@ -30,21 +30,12 @@ from models.llama3.hf_adapter import (
     to_hf_state_dict,
 )
 from models.llama3.model import TransformerModelArgs
+from parallelisms.names import clean_name
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default "5GB"
-# Path segments inserted by activation checkpointing and torch.compile wrappers.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -69,7 +60,7 @@ def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
         for name, tensor in part.state_dict().items():
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            out[_clean(name)] = tensor.detach().cpu()
+            out[clean_name(name)] = tensor.detach().cpu()
     return out
 
 
@@ -294,7 +285,7 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
 
     for part in model_parts:
         targets = part.state_dict()
-        wanted = {_clean(name) for name in targets}
+        wanted = {clean_name(name) for name in targets}
         hf_keys = [k for k in expected if from_hf_key(k) in wanted]
         if tied and "output.weight" in wanted:
             hf_keys.append("model.embed_tokens.weight")
@@ -302,7 +293,7 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
         if tied and "output.weight" in wanted:
             hf_tensors["lm_head.weight"] = hf_tensors["model.embed_tokens.weight"]
         ours = from_hf_state_dict(hf_tensors, args)
-        new_state = {name: _like(ours[_clean(name)], target) for name, target in targets.items()}
+        new_state = {name: _like(ours[clean_name(name)], target) for name, target in targets.items()}
         part.load_state_dict(new_state, strict=True)
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from trainer.config import Profiling
+from config.job_config import Profiling
 
 logger = logging.getLogger(__name__)
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-import fcntl
 import hashlib
 import io
 import os
 import re
 import sys
-import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import sentencepiece as spm
 import tiktoken
+
+from trainer.corpus import create_file_once, default_corpus_texts
 
 # Pre-tokenizer regex of the Llama 3 tokenizer.
 LLAMA3_PATTERN = (
@@ -203,34 +203,6 @@ def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokeni
     return load_tokenizer(path)
 
 
-def create_file_once(path: str, write: Callable[[str], None]) -> None:
-    """Create ``path`` by calling ``write(tmp_path)`` unless it already exists.
-
-    Safe for concurrent processes: an exclusive lock on ``path + ".lock"`` lets
-    one process build the file while the others wait, and the file appears
-    atomically (``os.replace``) so nobody reads a partial one.
-    """
-    if os.path.exists(path):
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # The lock file is never deleted: removing it would let two processes hold
-    # locks on different inodes.
-    with open(path + ".lock", "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            return  # built by another process while we waited
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp_path)
-            os.chmod(tmp_path, 0o644)  # mkstemp creates owner-only files
-            os.replace(tmp_path, path)
-        finally:
-            if os.path.exists(tmp_path):
-                os.unlink(tmp_path)
-
-
 def _read_model_file(path: str) -> bytes:
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer file not found: {path}")
@@ -314,9 +286,6 @@ def _bounded_chunks(text: str) -> Iterator[str]:
 
 
 def _train_default_model(output_path: str, vocab_size: int) -> None:
-    # data.py imports this module, so import its corpus lazily.
-    from trainer.data import default_corpus_texts
-
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from parallelisms.names import clean_name
+
 INIT_STD = 0.02
 """Standard deviation of the attention/FFN input projections at initialisation."""
 
@@ -255,8 +257,7 @@ class Transformer(nn.Module):
         """
         self.rope_cache = precompute_rope_cache(self.args, buffer_device or self.rope_cache.device)
         for name, param in self.named_parameters():
-            # Wrappers (activation checkpointing, compile) insert path segments; the name is what counts.
-            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            name = clean_name(name)  # the model's own name, whatever wrappers were applied
             _init_param_(param, _init_fn(name, self.args), seed=seed, name=name)
 
 def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, torch.Generator], None]:

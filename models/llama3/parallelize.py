@@ -9,7 +9,6 @@ import logging
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
@@ -26,26 +25,28 @@ from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.simple_fsdp import apply_simple_fsdp
-from parallelisms.tensor_parallel import apply_tp
-from trainer.config import ConfigError, JobConfig, user_input
-from trainer.distributed import ParallelDims
+from parallelisms.tensor_parallel import apply_tp, validate_tp
+from config.job_config import DTYPES, JobConfig, user_input
+from parallelisms.parallel_dims import ParallelDims
+
+from .model import Transformer, TransformerModelArgs
+from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig
-) -> None:
-    """Applies the configured parallelisms to ``model`` (built on the meta device) in place."""
+def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketingPass | None:
+    """Applies the configured parallelisms to ``model`` (built on the meta device) in place, on
+    ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
+    reports tell what each compiled graph holds), else None."""
     if parallel_dims.tp_enabled:
-        apply_tp(
-            model,
-            mesh["tp"],
-            loss_parallel=config.parallelism.enable_loss_parallel,
-            enable_async_tp=config.parallelism.enable_async_tensor_parallel,
-        )
+        with user_input():
+            apply_tp(
+                model,
+                parallel_dims.tp_mesh,
+                loss_parallel=config.parallelism.enable_loss_parallel,
+                enable_async_tp=config.parallelism.enable_async_tensor_parallel,
+            )
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"
@@ -53,14 +54,16 @@ def parallelize_llama(
         apply_compile_per_block(model.layers, config.compile.backend)
 
     if parallel_dims.dp_enabled:
-        (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, mesh, config)
+        (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
-    if config.compile.enable and simple_fsdp:
-        plan = _bucket_plan(model, parallel_dims, mesh, config)
-        if plan is not None:
-            logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
-        buckets = [bucket.units for bucket in plan.buckets] if plan is not None else None
-        apply_compile_whole_model(model, config.compile.backend, BucketingPass(buckets))
+    if not (config.compile.enable and simple_fsdp):
+        return None
+    plan = _bucket_plan(model, parallel_dims, config)
+    if plan is not None:
+        logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
+    graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
+    apply_compile_whole_model(model, config.compile.backend, graph_pass)
+    return graph_pass
 
 
 def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
@@ -69,21 +72,10 @@ def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bo
     return setting == "always" or (setting == "default" and not parallel_dims.pp_enabled)
 
 
-def _dp_dims(parallel_dims: ParallelDims) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, enabled in (
-            ("dp_replicate", parallel_dims.dp_replicate_enabled),
-            ("dp_shard", parallel_dims.fsdp_enabled),
-        )
-        if enabled
-    )
-
-
-def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> None:
+def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
-    dp_mesh = mesh[_dp_dims(parallel_dims)]
+    dp_mesh = parallel_dims.dp_param_mesh
     if parallel_dims.fsdp_enabled:
         apply_fsdp2(
             model,
@@ -97,14 +89,14 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh
         apply_ddp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> None:
+def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
     if not parallel_dims.fsdp_enabled:
         mode = "replicate"
     else:
         mode = "hybrid_shard" if parallel_dims.dp_replicate_enabled else "fully_shard"
     apply_simple_fsdp(
         model,
-        mesh[_dp_dims(parallel_dims)],
+        parallel_dims.dp_param_mesh,
         mode=mode,
         param_dtype=DTYPES[config.training.mixed_precision_param],
         reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
@@ -132,7 +124,7 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     return units
 
 
-def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh, config: JobConfig) -> BucketPlan | None:
+def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketPlan | None:
     """The bucket plan, or None when there is nothing to bucket (bucketing none, or no data parallelism)."""
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
@@ -142,20 +134,21 @@ def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh
         with user_input("compile.manual_buckets"):
             return plan_manual(units, config.compile.manual_buckets or default_manual_patterns([u.name for u in units]))
 
-    dp_group = parallel_dims.dp_mesh(mesh).get_group()
+    dp_group = parallel_dims.dp_mesh.get_group()
+    device_type = parallel_dims.mesh.device_type
     with user_input():
         if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
             comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
         else:
-            comm = calibrate_comm_model(dp_group, device=mesh.device_type)
+            comm = calibrate_comm_model(dp_group, device=device_type)
             logger.info(
                 "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
                 comm.alpha_s * 1e6,
                 comm.bandwidth_bytes_per_s / 1e9,
             )
-        compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(mesh.device_type), param_dtype)
+        compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(device_type), param_dtype)
         # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
-        rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=mesh.device_type)
+        rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device_type)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
         return plan_auto(
             units,
@@ -166,3 +159,15 @@ def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh
             reduce_scatter_bytes_factor=DTYPES[config.training.mixed_precision_reduce].itemsize / param_dtype.itemsize,
             reshard_after_forward=_reshard_after_forward(parallel_dims, config),
         )
+
+
+def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    """Raises the one-line ConfigError that ``parallelize_llama`` or ``pipeline_llama`` would raise
+    for this layout; builds the model on the meta device only."""
+    if parallel_dims.tp_enabled:
+        with torch.device("meta"):
+            model = Transformer(model_args)
+        with user_input():
+            validate_tp(model, parallel_dims.tp)
+    if parallel_dims.pp_enabled:
+        pipeline_layout(config, model_args.n_layers)

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node 2 tests/distributed/compile_composition_checks.py
 
-Each case builds a small Llama 3 through ``parallelize_llama`` (the trainer's path) from config
+Each case builds a small Llama 3 with ``build_model`` (the trainer's path) from config
 overrides, trains a few steps on fixed random tokens and prints, on rank 0, one line
 ``RESULT {json}`` with the case name, its losses, the graph breaks dynamo hit while compiling and
 running it, and the number of graphs it compiled. Layouts: FSDP2 (per-block compile), SimpleFSDP
@@ -12,24 +12,20 @@ ranks (per-block compile of DTensor parameters). Each layout also runs once eage
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
-from models.llama3 import Transformer, llama3_flavors
-from models.llama3.parallelize import parallelize_llama
+from config.manager import load_config
+from models.builder import BuiltModel, build_model
+from models.llama3 import llama3_flavors
 from parallelisms.compile import graph_break_count
-from parallelisms.tensor_parallel import is_vocab_sharded
-from trainer.config import load_config
-from trainer.distributed import ParallelDims
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import local_loss
+from trainer.loss import Loss
 
 # 2 blocks: every-2nd-block checkpointing wraps block 1 and leaves block 0 plain.
 ARGS = dataclasses.replace(
@@ -64,44 +60,30 @@ def case_name(layout: str, compiled: bool, ac: str) -> str:
     return f"{layout}-{'compiled' if compiled else 'eager'}-{ac}"
 
 
-def build(layout: str, compiled: bool, ac: str) -> tuple[torch.nn.Module, ParallelDims, DeviceMesh]:
+def build(layout: str, compiled: bool, ac: str) -> tuple[BuiltModel, ParallelDims, Loss]:
     tp, overrides = LAYOUTS[layout]
     config = load_config([*overrides, *AC[ac], *(COMPILE if compiled else [])])
     world = dist.get_world_size()
     dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, tp=tp, pp=1, world_size=world)
-    mesh = dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    parallelize_llama(model, dims, mesh, config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"), seed=0)
-    return model, dims, mesh
+    dims.build_mesh("cpu")
+    model = build_model(config, dims, torch.device("cpu"), ARGS)
+    return model, dims, Loss(config, dims, tokens_per_step=BATCH * SEQ * dims.dp_degree)
 
 
-def loss_context(logits: torch.Tensor):
-    return loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext()
-
-
-def train(model: torch.nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> list[float]:
-    """The trainer's loss: summed cross-entropy over the global token count, gradients summed."""
-    dp_rank, dp_size = dims.dp_rank_and_size(mesh)
-    dp_mesh = dims.dp_mesh(mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(dp_rank)
+def train(model: BuiltModel, dims: ParallelDims, loss_fn: Loss) -> list[float]:
+    """The trainer's loss and step: summed cross-entropy over the global token count, gradients summed."""
+    optimizer = torch.optim.AdamW(model.parts[0].parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(dims.dp_rank)
     losses = []
     for _ in range(STEPS):
         tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=generator)
-        logits = model(tokens[:, :-1])
-        with loss_context(logits):
-            if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
-                logits = logits.full_tensor()
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
-            loss = loss / (BATCH * SEQ * dp_size)
+        logits = model.parts[0](tokens[:, :-1])
+        with loss_fn.context():
+            loss = loss_fn(logits, tokens[:, 1:])
             loss.backward()
-        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        if dp_mesh is not None:
-            dist.all_reduce(value, group=dp_mesh.get_group())
+        value = local_loss(loss.detach())
+        if dims.dp_mesh is not None:
+            dist.all_reduce(value, group=dims.dp_mesh.get_group())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(value.item())
@@ -116,8 +98,7 @@ def main() -> None:
         torch._dynamo.reset()  # no graph reuse across cases: each compiles its own
         torch.manual_seed(0)
         breaks, graphs, start = graph_break_count(), stats["unique_graphs"], time.perf_counter()
-        model, dims, mesh = build(layout, compiled, ac)
-        losses = train(model, dims, mesh)
+        losses = train(*build(layout, compiled, ac))
         result = {
             "case": case_name(layout, compiled, ac),
             "losses": losses,

@@ -20,14 +20,12 @@ from trainer.checkpoint import (
     COMPLETE_MARKER,
     CheckpointError,
     CheckpointManager,
-    ModelState,
-    OptimizerState,
     TrainState,
     checkpoint_folders,
     verify_checkpoint,
     whole_model,
 )
-from trainer.config import Checkpoint, ConfigError
+from config.job_config import Checkpoint, ConfigError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,15 +58,16 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0 / (step + 1))
         self.data = Counter() if data is None else data
         self.step = 0
-        states = {
-            "model": ModelState([self.model]),
-            "optimizer": OptimizerState([self.model], self.optimizer),
-            "lr_scheduler": self.scheduler,
-            "dataloader": self.data,
-            "train_state": TrainState(lambda: self.step, self._set_step, torch.device("cpu")),
-        }
-        config = Checkpoint(enable=True, **checkpoint_options)
-        self.manager = CheckpointManager(config, dump_folder, states, "[job]\n")
+        self.manager = CheckpointManager(
+            Checkpoint(enable=True, **checkpoint_options),
+            dump_folder,
+            "[job]\n",
+            model_parts=[self.model],
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            dataloader=self.data,
+            train_state=TrainState(lambda: self.step, self._set_step, torch.device("cpu")),
+        )
 
     def _set_step(self, step: int) -> None:
         self.step = step
@@ -82,7 +81,7 @@ class Run:
             self.optimizer.step()
             self.scheduler.step()
             if self.step % save_every == 0:
-                self.manager.save(self.step)
+                self.manager.write(self.step)
         self.manager.close()
 
     def snapshot(self) -> dict:
@@ -186,15 +185,16 @@ def test_exclude_from_loading_and_model_only(tmp_path):
     assert partial.data.position == 0 and partial.step == 2 and not partial.optimizer.state
     assert all(torch.equal(p, q) for p, q in zip(partial.model.parameters(), saved["params"]))
 
-    fresh = Run(str(tmp_path / "other"), seed=1)
-    fresh.manager.load_model_only(str(tmp_path / "checkpoint" / "step-2"))
+    step_2 = str(tmp_path / "checkpoint" / "step-2")
+    fresh = Run(str(tmp_path / "other"), seed=1, initial_load_path=step_2)
+    fresh.manager.load_at_start()
     assert fresh.step == 0 and all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), saved["params"]))
 
     # A DCP folder without our marker (written by another program) loads as initial weights, but
     # is never resumed from.
     os.remove(tmp_path / "checkpoint" / "step-2" / COMPLETE_MARKER)
-    elsewhere = Run(str(tmp_path / "elsewhere"), seed=1)
-    elsewhere.manager.load_model_only(str(tmp_path / "checkpoint" / "step-2"))
+    elsewhere = Run(str(tmp_path / "elsewhere"), seed=1, initial_load_path=step_2)
+    elsewhere.manager.load_at_start()
     assert all(torch.equal(p, q) for p, q in zip(elsewhere.model.parameters(), saved["params"]))
 
 
@@ -234,7 +234,7 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path)
     batches = iter(single)
     consumed = sum(take_window_ids(batches, 3), [])
     run = Run(str(tmp_path), data=single)
-    run.manager.save(3)
+    run.manager.write(3)
     run.manager.close()
 
     ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
@@ -243,5 +243,5 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path)
     rank_batches = [iter(rank) for rank in ranks]
     for _ in range(4):
         for batch in rank_batches:
-            consumed += next(batch)[2].tolist()
+            consumed += take_window_ids(batch, 1)[0]
     assert consumed == global_order(28)

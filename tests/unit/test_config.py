@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from trainer.config import ConfigError, JobConfig, batch_layout, help_text, load_config, to_toml
+from config.job_config import ConfigError, JobConfig
+from config.manager import batch_layout, help_text, load_config, to_toml
 from trainer.preflight import check
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Tests of trainer.data."""
+"""Tests of trainer.data and trainer.corpus."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import trainer.data
+import trainer.corpus
 from tests.unit.conftest import CharTokenizer
+from trainer.corpus import default_corpus_texts, local_corpus_texts
 from trainer.data import (
     PackedTokenDataset,
     build_dataloader,
-    default_corpus_texts,
     epoch_permutation,
     load_token_stream,
-    local_corpus_texts,
     packed_dataloader,
 )
 from trainer.tokenizer import Tokenizer
@@ -39,7 +38,6 @@ def arange_dataset(*, local_batch_size: int, dp_rank: int = 0, dp_world_size: in
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         seed=SEED,
-        return_window_ids=True,
     )
 
 
@@ -62,7 +60,8 @@ def global_order(length: int) -> list[int]:
 
 
 def take_window_ids(batches, steps: int) -> list[list[int]]:
-    return [next(batches)[2].tolist() for _ in range(steps)]
+    """The window ids of the next ``steps`` batches of an ``arange_dataset`` loader."""
+    return [(next(batches)[0][:, 0] // (SEQ_LEN + 1)).tolist() for _ in range(steps)]
 
 
 def write_corpus(root: Path, files: dict[str, str]) -> Path:
@@ -98,14 +97,13 @@ def test_loader_yields_shifted_int64_batches(tmp_path: Path, char_tokenizer: Cha
     corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
     loader = build_dataloader(
         str(corpus / "c.txt"), char_tokenizer, seq_len=5, local_batch_size=2,
-        dp_rank=0, dp_world_size=1, seed=3, cache_dir=str(tmp_path / "cache"), return_window_ids=True,
+        dp_rank=0, dp_world_size=1, seed=3, cache_dir=str(tmp_path / "cache"),
     )
-    inputs, labels, window_ids = next(iter(loader))
+    inputs, labels = next(iter(loader))
     assert inputs.shape == labels.shape == (2, 5) and inputs.dtype == labels.dtype == torch.int64
     stream = [1, *range(97, 123), 2]  # 28 tokens -> 4 windows of 6
-    for row, window_id in enumerate(window_ids.tolist()):
-        window = stream[window_id * 6 : window_id * 6 + 6]
-        assert inputs[row].tolist() == window[:-1] and labels[row].tolist() == window[1:]
+    windows = [stream[w * 6 : w * 6 + 6] for w in epoch_permutation(4, 3, 0)[:2].tolist()]
+    assert inputs.tolist() == [w[:-1] for w in windows] and labels.tolist() == [w[1:] for w in windows]
 
 
 def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
@@ -150,10 +148,11 @@ def test_loader_follows_global_order_across_epochs() -> None:
     batches = iter(arange_loader(local_batch_size=3))
     ids = sum(take_window_ids(batches, 5), [])  # 15 samples span three epochs of 7
     assert ids == global_order(15)
-    # Window ids match the tokens: window w starts with token 4 * w.
-    inputs, labels, window_ids = next(batches)
-    assert inputs[:, 0].tolist() == [4 * w for w in window_ids.tolist()]
-    assert labels[:, 0].tolist() == [4 * w + 1 for w in window_ids.tolist()]
+    # Every sample is a whole window w: tokens 4 * w .. 4 * w + 3, shifted by one for the labels.
+    inputs, labels = next(batches)
+    window_ids = inputs[:, 0] // 4
+    assert inputs.tolist() == [[4 * w + i for i in range(SEQ_LEN)] for w in window_ids.tolist()]
+    assert labels.tolist() == [[4 * w + 1 + i for i in range(SEQ_LEN)] for w in window_ids.tolist()]
 
 
 def test_dp_ranks_concatenated_equal_single_rank_with_double_batch() -> None:
@@ -162,7 +161,7 @@ def test_dp_ranks_concatenated_equal_single_rank_with_double_batch() -> None:
     for _ in range(6):
         expected = next(single)
         per_rank = [next(rank) for rank in ranks]
-        for field in range(3):
+        for field in range(2):
             assert torch.equal(torch.cat([batch[field] for batch in per_rank]), expected[field])
 
 
@@ -201,7 +200,7 @@ def test_resume_with_different_dp_world_size_continues_global_order() -> None:
     rank_batches = [iter(rank) for rank in ranks]
     for _ in range(4):
         for batch in rank_batches:
-            consumed += next(batch)[2].tolist()
+            consumed += take_window_ids(batch, 1)[0]
 
     resumed_single = arange_loader(local_batch_size=4)
     resumed_single.load_state_dict(copy.deepcopy(ranks[1].state_dict()))
@@ -321,6 +320,6 @@ def test_python_docs_dataset_with_default_tokenizer(
     def fail() -> None:
         raise AssertionError("the cached token stream should be used")
 
-    monkeypatch.setattr(trainer.data, "default_corpus_texts", fail)
+    monkeypatch.setattr(trainer.corpus, "default_corpus_texts", fail)
     cached_inputs, _ = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
     assert torch.equal(cached_inputs, inputs)

@@ -13,7 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from config.manager import load_config
+from models.builder import build_model
 from models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
+from parallelisms.parallel_dims import ParallelDims
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     from_hf_key,
@@ -30,13 +33,9 @@ GQA_SCALED_ARGS = dataclasses.replace(DEBUG_ARGS, n_layers=2, n_kv_heads=4, use_
 
 
 def build(args: TransformerModelArgs, seed: int) -> Transformer:
-    """A materialized model initialized like the trainer does (meta, to_empty, init_weights)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"), seed=seed)
-    return model.eval()
+    """A one-process model of ``args``, built the way training builds it."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    return build_model(load_config(["--debug.seed", str(seed)]), dims, torch.device("cpu"), args).parts[0].eval()
 
 
 def hf_weights(folder: str) -> dict[str, torch.Tensor]:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import metrics
+from parallelisms import device
+from parallelisms.device import device_peak_flops
 from trainer.metrics import (
     MetricsLogger,
     ThroughputTracker,
-    device_peak_flops,
     peak_memory_gib,
     peak_memory_stats,
     reset_peak_memory,
@@ -49,7 +49,7 @@ def test_peak_flops_override_skips_lookup(monkeypatch: pytest.MonkeyPatch) -> No
     def fail(*args, **kwargs):
         raise AssertionError("override must not benchmark")
 
-    monkeypatch.setattr(metrics, "_benchmark_matmul_flops", fail)
+    monkeypatch.setattr(device, "_benchmark_matmul_flops", fail)
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16, override=123e12) == 123e12
     with pytest.raises(ValueError, match="override"):
         device_peak_flops(torch.device("cpu"), torch.bfloat16, override=0.0)
@@ -92,7 +92,7 @@ def test_gpu_fp32_peak_depends_on_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unknown_gpu_is_benchmarked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    monkeypatch.setattr(metrics, "_benchmark_matmul_flops", lambda device, dtype: 42.0)
+    monkeypatch.setattr(device, "_benchmark_matmul_flops", lambda device, dtype: 42.0)
     assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == 42.0
 
 

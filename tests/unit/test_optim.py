@@ -70,8 +70,6 @@ def test_fused_falls_back_to_foreach_with_warning(caplog: pytest.LogCaptureFixtu
 @pytest.mark.parametrize(
     ("kwargs", "option"),
     [
-        ({"name": "SGD"}, "optimizer.name"),
-        ({"implementation": "cuda-graph"}, "optimizer.implementation"),
         ({"lr": 0.0}, "optimizer.lr"),
         ({"betas": (0.9, 1.0)}, "optimizer.betas"),
         ({"eps": -1.0}, "optimizer.eps"),
@@ -182,7 +180,6 @@ def test_scheduler_state_dict_round_trip() -> None:
         ({"warmup_steps": -1}, "lr_scheduler.warmup_steps"),
         ({"warmup_steps": 11}, "lr_scheduler.warmup_steps"),
         ({"total_steps": 0, "warmup_steps": 0}, "lr_scheduler.total_steps"),
-        ({"decay_type": "exponential"}, "lr_scheduler.decay_type"),
         ({"decay_ratio": 1.5}, "lr_scheduler.decay_ratio"),
         ({"decay_ratio": 0.9}, "lr_scheduler.decay_ratio"),  # 2 warmup + 9 decay > 10
         ({"min_lr_factor": 1.5}, "lr_scheduler.min_lr_factor"),

@@ -98,12 +98,11 @@ def test_default_tokenizer_trained_once_across_processes(tmp_path: Path) -> None
     script = textwrap.dedent(
         f"""
         import os, sys, time
-        import trainer.data
         import trainer.tokenizer as tokenizer_module
         from pydoc_data.topics import topics
 
         # The help topics alone train quickly; the file locking is under test.
-        trainer.data.default_corpus_texts = lambda: iter(sorted(topics.values()))
+        tokenizer_module.default_corpus_texts = lambda: iter(sorted(topics.values()))
         train = tokenizer_module._train_default_model
 
         def slow_logged_train(path, vocab_size):

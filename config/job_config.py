@@ -1,0 +1,301 @@
+"""The job's configuration schema: one typed dataclass per section, the one user-error type.
+
+The string under each field is its documentation, shown by ``--help``. TOML tables and CLI flags
+use the field names: ``[training] steps = 20`` or ``--training.steps 20``. Fields typed
+``Literal[...]`` accept only those values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names options accept, and the torch dtypes they stand for."""
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+"""What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
+
+class ConfigError(ValueError):
+    """A user error in the configuration: reported as one line, without a traceback."""
+
+
+def _default_cache_dir() -> str:
+    return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tessera"
+    )
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file with the job's settings; command-line flags override it."""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, metrics, TensorBoard, checkpoints."""
+    description: str = ""
+    """Free text describing the job, logged at start."""
+    run_name: str = ""
+    """TensorBoard run sub-folder under <dump_folder>/tb; empty = a timestamp."""
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    """Where the default tokenizer and tokenized corpora are cached (env TESSERA_CACHE_DIR)."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family from the registry."""
+    flavor: str = "debugmodel"
+    """Size of the model within its family: debugmodel, debugmodel_wide, 8B, 70B, 405B."""
+    tokenizer_path: str = ""
+    """Sentencepiece .model or tiktoken BPE file; empty = a tokenizer trained on the default corpus."""
+    default_tokenizer_vocab_size: int = 2048
+    """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty."""
+
+
+@dataclass
+class Training:
+    dataset: str = "python_docs"
+    """'python_docs' (the interpreter's own documentation) or a .txt/.jsonl file or a folder of them."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    local_batch_size: int = 8
+    """Sequences per rank per microbatch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1 = local x data-parallel degree.
+    Larger multiples accumulate gradients over microbatches."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    max_norm: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping."""
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of parameters in forward/backward compute: float32 or bfloat16."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
+    dataloader_num_workers: int = 0
+    """Data-loading worker processes per rank."""
+    nonfinite_policy: Literal["error", "skip_step", "rollback"] = "error"
+    """On a non-finite loss or gradient norm: error (stop; the restart resumes from the last
+    checkpoint), skip_step (drop the update and the batch) or rollback (reload the last checkpoint
+    and go on past the batches since)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class: AdamW or Adam."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """Kernel choice: foreach, fused (where the device supports it) or for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    """Steps of linear warmup to the peak learning rate."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """Shape of the decay after warmup: linear, cosine or sqrt."""
+    decay_ratio: float | None = None
+    """Fraction of all steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Ranks holding full replicas (DDP, or the replicate dimension of HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """Ranks sharding the parameters (FSDP, or the shard dimension of HSDP); -1 = the rest."""
+    tensor_parallel_degree: int = 1
+    """Ranks splitting each layer's matmuls (tensor parallelism)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages."""
+    data_parallel_impl: Literal["fsdp2", "simple_fsdp"] = "fsdp2"
+    """Data-parallel implementation: fsdp2 (torch's fully_shard) or simple_fsdp."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: default (always, except under pipeline parallel),
+    always or never."""
+    enable_loss_parallel: bool = True
+    """Under tensor parallelism, compute the cross-entropy on the vocabulary-sharded logits."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with matmuls (GPU only; needs compile)."""
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
+    ] = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per (virtual) stage; unset = layers split evenly, one stage per rank
+    (two for the interleaved and V schedules)."""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Explicit stage boundaries, e.g. 'layers.2,layers.4': each named layer starts a stage."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch; the local batch is split into microbatches of this size."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save distributed checkpoints and resume from the newest complete one at start."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside the dump folder; each checkpoint is a step-N sub-folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled (training waits for the save), async (a background thread writes while training
+    continues) or async_with_pinned_mem (staging into pinned memory, on accelerators)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
+    load_step: int = -1
+    """Resume from step-N exactly instead of the newest complete checkpoint; -1 = the newest."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
+    initial_load_path: str = ""
+    """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
+    folder (e.g. a seed checkpoint's step-0) or Hugging Face safetensors folder (fine-tuning)."""
+    create_seed_checkpoint: bool = False
+    """On 1 rank: write the initialized model as <folder>/step-0 and exit; loadable at any layout."""
+    export_hf: bool = False
+    """At the last step, also write the model in Hugging Face's Llama safetensors layout to <folder>/hf."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the Hugging Face export: float32, bfloat16 or float16."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block) or selective."""
+    selective_ac_option: str = "op"
+    """For selective mode: 'op' (save compute-heavy ops) or N (checkpoint every N-th block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the model (per transformer block for fsdp2, whole model for simple_fsdp) and,
+    without tensor parallelism, the loss."""
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    """torch.compile backend: inductor or aot_eager."""
+    bucketing: Literal["none", "manual", "auto"] = "manual"
+    """SimpleFSDP collective bucketing in the compiled graph: none (one all-gather and one
+    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (the greedy planner)."""
+    manual_buckets: list[str] = field(default_factory=list)
+    """Buckets for manual bucketing, each a '+'-joined list of module-name patterns
+    (e.g. 'layers.0+layers.1', 'norm+output'); empty = one bucket per transformer block,
+    tok_embeddings, and norm+output."""
+    bucket_memory_cap_mb: float = 1024.0
+    """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
+    compute_flops: float | None = None
+    """Auto bucketing: FLOP/s one rank achieves; unset = measured by a matmul benchmark."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at the first and last step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files under <dump_folder>/<save_tb_folder>/<run_name>."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder inside the dump folder."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; unset = known GPU table or a CPU matmul benchmark."""
+
+
+@dataclass
+class Comm:
+    alpha_us: float | None = None
+    """Latency of one collective in microseconds for the auto bucket planner; unset (with
+    bandwidth_gbps) = calibrated at start by timing all-gathers on the data-parallel group."""
+    bandwidth_gbps: float | None = None
+    """Collective bandwidth in GB/s (bytes, not bits) for the auto bucket planner; unset = calibrated."""
+    init_timeout_seconds: int = 300
+    """Timeout of collectives during initialization (first step included)."""
+    train_timeout_seconds: int = 100
+    """Timeout of collectives once training runs; a hung rank ends the job with an error."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder inside the dump folder."""
+    profile_freq: int = 10
+    """Record a trace every this many steps."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on a held-out dataset."""
+    dataset: str = "python_docs"
+    """Validation corpus, same forms as training.dataset."""
+    freq: int = 10
+    """Validate every this many steps."""
+    steps: int = 4
+    """Batches per validation."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    """Seed of model initialization and data order."""
+    deterministic: bool = False
+    """Use deterministic algorithms so two runs give bitwise-equal losses."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic collection is off); 0 = leave gc alone."""
+    fail_at_step: int = -1
+    """Failure injection for tests, on the first attempt only (before any torchrun restart): at this
+    step the last rank does what debug.failure says; -1 = never."""
+    failure: Literal["kill", "hang", "kill_during_save", "nan"] = "kill"
+    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save (die
+    while writing that step's checkpoint) or nan (non-finite gradients)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@contextlib.contextmanager
+def user_input(option: str = "") -> Iterator[None]:
+    """Reports a ValueError or OSError raised while acting on ``option``'s value as a one-line
+    ConfigError (without a prefix when the message already names its option).
+
+    The one convention: code below the config raises ValueError/OSError naming what is wrong; the
+    code that hands it a config value wraps the call in this context."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{option}: {e}" if option else str(e)) from None

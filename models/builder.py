@@ -1,0 +1,94 @@
+"""Building a model the way training does: on the meta device, split into this rank's pipeline
+stages, parallelized, then allocated and initialized (so a model of any size only ever exists
+sharded). The trainer, the tests and the benchmarks all build through ``build_model``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from config.job_config import JobConfig
+from models.registry import get_flavor, get_model_spec
+from parallelisms.bucketing import BucketingPass
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import Schedule
+from parallelisms.tensor_parallel import local_loss
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltModel:
+    """A parallelized, initialized model: the whole model, or this rank's pipeline stages and the
+    schedule running them."""
+
+    parts: list[nn.Module]
+    args: Any
+    """The family's hyper-parameters (vocabulary and sequence length included)."""
+    flops_per_token: float
+    """Training FLOPs per token of the whole model, for MFU."""
+    graph_passes: list[BucketingPass] = field(default_factory=list)
+    """SimpleFSDP's compile passes, one per compiled part: what each compiled graph holds."""
+    schedule: Schedule | None = None
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+
+    def run_pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """Runs the schedule on one microbatch (split into pipeline microbatches), with backward
+        when ``train``. Returns the sum of the pipeline microbatches' losses on the rank holding
+        the last stage, zero on the others."""
+        losses: list[torch.Tensor] = []
+        stage_inputs = (inputs,) if self.has_first_stage else ()
+        targets = labels if self.has_last_stage else None
+        run = self.schedule.step if train else self.schedule.eval
+        run(*stage_inputs, target=targets, losses=losses, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()
+
+
+def model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
+    """The configured flavor's hyper-parameters for ``training.seq_len``, with the tokenizer's
+    ``vocab_size`` when given."""
+    args = get_flavor(get_model_spec(config.model.name), config.model.flavor)
+    args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
+    return dataclasses.replace(args, vocab_size=vocab_size) if vocab_size is not None else args
+
+
+def build_model(
+    config: JobConfig,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    args: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> BuiltModel:
+    """Builds the model of ``args`` on ``parallel_dims.mesh`` as ``config`` asks; ``loss_fn`` is
+    what the last pipeline stage computes (needed only under pipeline parallelism)."""
+    spec = get_model_spec(config.model.name)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    logger.info("%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6)
+    built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
+
+    def materialize(module: nn.Module) -> nn.Module:
+        graph_pass = spec.parallelize_fn(module, parallel_dims, config)
+        if graph_pass is not None:
+            built.graph_passes.append(graph_pass)
+        module.to_empty(device=device)
+        with torch.no_grad():
+            module.init_weights(buffer_device=device, seed=config.debug.seed)
+        return module.train()
+
+    if parallel_dims.pp_enabled:
+        built.schedule, built.parts, built.has_first_stage, built.has_last_stage = spec.pipelining_fn(
+            model, parallel_dims, config, device, materialize, loss_fn
+        )
+    else:
+        built.parts = [materialize(model)]
+    return built

@@ -1,0 +1,77 @@
+"""Maps a job config to a pipeline of Llama 3 stages: the stage layout, this rank's stages (each
+parallelized and materialized by the caller) and the schedule running them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from config.job_config import ConfigError, JobConfig, user_input
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import (
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineLayout,
+    Schedule,
+    build_schedule,
+    plan_pipeline,
+    split_stage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
+    """The pipeline stages and microbatch count that ``config`` asks for, for a model of
+    ``n_layers`` blocks; a one-line ConfigError when they are impossible."""
+    p = config.parallelism
+    schedule = p.pipeline_parallel_schedule
+    if config.validation.enable and schedule in V_SCHEDULES:
+        # torch's forward-only run (schedule.eval) of a V-shaped pipeline fails at its same-rank hand-over.
+        raise ConfigError(f"validation.enable: not supported with the {schedule} pipeline schedule")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        # These schedules split backward into input- and weight-gradient passes, which a compiled
+        # backward does not support and FSDP's reshard/re-gather breaks (None or wrong gradients).
+        if config.compile.enable:
+            raise ConfigError(f"compile.enable: not supported with the {schedule} pipeline schedule")
+        if p.fsdp_reshard_after_forward == "always":
+            raise ConfigError(
+                f"parallelism.fsdp_reshard_after_forward: 'always' gives wrong gradients with the {schedule} "
+                "pipeline schedule; use default or never"
+            )
+    with user_input():
+        return plan_pipeline(
+            n_layers=n_layers,
+            pp_degree=p.pipeline_parallel_degree,
+            schedule=schedule,
+            layers_per_stage=p.pipeline_parallel_layers_per_stage,
+            split_points=p.pipeline_parallel_split_points,
+            local_batch_size=config.training.local_batch_size,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+        )
+
+
+def pipeline_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    config: JobConfig,
+    device: torch.device,
+    materialize: Callable[[nn.Module], nn.Module],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[Schedule, list[nn.Module], bool, bool]:
+    """Splits ``model`` (meta device) into this rank's stages, each passed through ``materialize``
+    (parallelize, allocate, initialize), and builds the schedule with ``loss_fn`` on the last stage.
+
+    Returns the schedule, the stages, and whether this rank holds the first and the last stage."""
+    layout = pipeline_layout(config, model.args.n_layers)
+    logger.info("pipeline %s, %d microbatches per step:\n%s", layout.schedule, layout.n_microbatches, layout.describe())
+    pp_rank = parallel_dims.pp_mesh.get_local_rank()
+    stage_indices = layout.stage_indices(pp_rank)
+    stages = [materialize(split_stage(model, layout, i)) for i in stage_indices]
+    schedule = build_schedule(
+        layout, stages, pp_rank=pp_rank, pp_group=parallel_dims.pp_mesh.get_group(), device=device, loss_fn=loss_fn
+    )
+    return schedule, stages, 0 in stage_indices, layout.num_stages - 1 in stage_indices

@@ -1,0 +1,45 @@
+"""The training loss and its one rule for loss parallel.
+
+A microbatch's loss is its cross-entropy summed over its tokens, in fp32, divided by the token
+count of the whole global batch: gradients summed over microbatches and data-parallel ranks then
+equal the gradient of the global-batch mean, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
+
+from config.job_config import JobConfig
+from parallelisms.compile import apply_compile_loss
+from parallelisms.parallel_dims import ParallelDims
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the tokens, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+class Loss:
+    """``loss(logits, labels)``: what backward starts from, per microbatch (and per pipeline
+    microbatch on the last stage). Compute it, and its backward, inside ``context()``."""
+
+    def __init__(self, config: JobConfig, parallel_dims: ParallelDims, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        # Loss parallel: under tensor parallelism the output layer leaves the logits sharded on the
+        # vocabulary, and the cross-entropy runs on the shards.
+        self.loss_parallel = parallel_dims.tp_enabled and config.parallelism.enable_loss_parallel
+        self.summed = summed_cross_entropy
+        if config.compile.enable and not parallel_dims.tp_enabled:
+            # Under tensor parallelism the logits are DTensors that loss parallel handles: left eager.
+            self.summed = apply_compile_loss(summed_cross_entropy, config.compile.backend)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.summed(logits, labels) / self.tokens_per_step
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """``loss_parallel()`` when it is on, else no context."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()

@@ -1,0 +1,49 @@
+"""Validation: the mean loss over a few batches of a held-out corpus."""
+
+from __future__ import annotations
+
+import torch
+
+from config.job_config import JobConfig
+from models.builder import BuiltModel
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import local_loss
+from trainer.data import config_dataloader
+from trainer.loss import Loss
+from trainer.tokenizer import Tokenizer
+
+
+class Validator:
+    """Evaluates ``validation.steps`` batches of ``validation.dataset`` (with another seed than
+    training's, so it reads other windows of the same corpus)."""
+
+    def __init__(self, config: JobConfig, parallel_dims: ParallelDims, tokenizer: Tokenizer, loss: Loss):
+        self.config = config
+        self.parallel_dims = parallel_dims
+        self.tokenizer = tokenizer
+        self.loss = loss
+
+    @torch.no_grad()
+    def validate(self, model: BuiltModel, device: torch.device) -> torch.Tensor:
+        """The mean token loss, over all data-parallel ranks (a global value, the same on every rank)."""
+        loader = config_dataloader(
+            self.config, "validation.dataset", self.tokenizer, self.parallel_dims, self.config.debug.seed + 1
+        )
+        for part in model.parts:
+            part.eval()
+        total = torch.zeros((), device=device)
+        tokens = 0
+        for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
+            inputs, labels = inputs.to(device), labels.to(device)
+            if model.schedule is not None:
+                with self.loss.context():
+                    # The pipeline's loss is over the training batch's token count: back to a sum.
+                    total += model.run_pipeline(inputs, labels, train=False) * self.loss.tokens_per_step
+            else:
+                logits = model.parts[0](inputs)
+                with self.loss.context():
+                    total += local_loss(self.loss.summed(logits, labels))
+            tokens += labels.numel()
+        for part in model.parts:
+            part.train()
+        return total / (tokens * self.parallel_dims.dp_degree)
