@@ -15,7 +15,6 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,35 +24,14 @@ logger = logging.getLogger(__name__)
 _GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class PeakMemory:
-    """Peak memory since the last reset, in GiB."""
-
-    active_gib: float  # allocated by tensors (CUDA) / resident set size (CPU)
-    reserved_gib: float  # held by the caching allocator (CUDA) / same as active (CPU)
-
-
-def _cpu_peak_rss_bytes() -> int:
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux but in bytes on macOS.
-    return max_rss if sys.platform == "darwin" else max_rss * 1024
-
-
-def peak_memory_stats(device: torch.device) -> PeakMemory:
-    """Peak active and reserved memory of this process on ``device``."""
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory in GiB since the last reset: CUDA max allocated, CPU peak RSS of this process."""
     device = torch.device(device)
     if device.type == "cuda":
-        return PeakMemory(
-            active_gib=torch.cuda.max_memory_allocated(device) / _GIB,
-            reserved_gib=torch.cuda.max_memory_reserved(device) / _GIB,
-        )
-    rss_gib = _cpu_peak_rss_bytes() / _GIB
-    return PeakMemory(active_gib=rss_gib, reserved_gib=rss_gib)
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory in GiB: CUDA max allocated, CPU peak RSS of this process."""
-    return peak_memory_stats(device).active_gib
+        return torch.cuda.max_memory_allocated(device) / _GIB
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux but in bytes on macOS.
+    return (max_rss if sys.platform == "darwin" else max_rss * 1024) / _GIB
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -140,9 +118,6 @@ _TENSORBOARD_TAGS = {
     "memory_gib": "memory/peak_gib",
     "data_loading_pct": "time/data_loading_pct",
 }
-# Optional extra: shown on the console and in TensorBoard, not in the jsonl schema.
-_RESERVED_MEMORY_KEY = "memory_reserved_gib"
-_RESERVED_MEMORY_TAG = "memory/peak_reserved_gib"
 
 
 def _json_number(value: float) -> float | None:
@@ -157,8 +132,7 @@ class MetricsLogger:
     other ranks' instances do nothing (no console line, no file).
 
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
-    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent) and
-    optionally ``memory_reserved_gib``.
+    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent).
     """
 
     def __init__(
@@ -191,14 +165,9 @@ class MetricsLogger:
         if missing:
             raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
         values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
-        reserved_gib = metrics.get(_RESERVED_MEMORY_KEY)
-
-        memory = f"{values['memory_gib']:.2f}"
-        if reserved_gib is not None:
-            memory += f"/{reserved_gib:.2f} (active/reserved)"
         logger.info(
             "step %d | loss %.4f | grad_norm %.4f | lr %.3e | tps/rank %s | tflops/rank %.2f"
-            " | mfu %.2f%% | memory %s GiB | data loading %.1f%%",
+            " | mfu %.2f%% | memory %.2f GiB | data loading %.1f%%",
             step,
             values["loss"],
             values["grad_norm"],
@@ -206,7 +175,7 @@ class MetricsLogger:
             f"{values['tps']:,.0f}",
             values["tflops"],
             values["mfu"],
-            memory,
+            values["memory_gib"],
             values["data_loading_pct"],
         )
 
@@ -217,8 +186,6 @@ class MetricsLogger:
         if self._tensorboard is not None:
             for key, tag in _TENSORBOARD_TAGS.items():
                 self._tensorboard.add_scalar(tag, values[key], step)
-            if reserved_gib is not None:
-                self._tensorboard.add_scalar(_RESERVED_MEMORY_TAG, float(reserved_gib), step)
 
     def log_validation(self, step: int, loss: float) -> None:
         """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""

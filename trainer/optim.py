@@ -57,22 +57,9 @@ def build_optimizer(
     weight_decay: float = 0.1,
     implementation: str = "foreach",
 ) -> torch.optim.Optimizer:
-    """Build one optimizer over the trainable parameters of all model parts.
-
-    Args:
-        model_parts: modules whose parameters are optimized together (e.g. the
-            pipeline stages this rank owns). Parameters may be DTensors.
-        name: ``"Adam"`` or ``"AdamW"``.
-        lr: peak learning rate (the scheduler scales it).
-        betas, eps, weight_decay: usual Adam hyper-parameters.
-        implementation: ``"foreach"`` (multi-tensor kernels), ``"fused"`` (single
-            fused kernel; falls back to foreach with a warning where the
-            parameters' device or dtype has no fused kernel) or ``"for-loop"``.
-
-    Raises:
-        ValueError: on an unknown option or an invalid value, naming the
-            ``optimizer.*`` option, or when there is nothing to optimize.
-    """
+    """One optimizer over the trainable parameters of all model parts (e.g. this rank's pipeline
+    stages; DTensors welcome). ``fused`` falls back to ``foreach`` with a warning where the
+    parameters' device or dtype has no fused kernel. ValueError names a bad ``optimizer.*`` value."""
     if not lr > 0:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
     if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
@@ -98,24 +85,11 @@ def build_optimizer(
     use_foreach = implementation != "for-loop" and not use_fused
 
     optimizer = _OPTIMIZERS[name](
-        params,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        foreach=use_foreach,
-        fused=use_fused,
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=use_foreach, fused=use_fused
     )
-    logger.info(
-        "Built %s (%s) over %d parameter tensors, lr=%g, betas=%s, eps=%g, weight_decay=%g",
-        name,
-        "fused" if use_fused else "foreach" if use_foreach else "for-loop",
-        len(params),
-        lr,
-        betas,
-        eps,
-        weight_decay,
-    )
+    kernel = "fused" if use_fused else "foreach" if use_foreach else "for-loop"
+    settings = f"lr={lr:g}, betas={betas}, eps={eps:g}, weight_decay={weight_decay:g}"
+    logger.info("Built %s (%s) over %d parameter tensors, %s", name, kernel, len(params), settings)
     return optimizer
 
 
@@ -135,14 +109,7 @@ class WarmupStableDecay:
     checkpoint.
     """
 
-    def __init__(
-        self,
-        warmup_steps: int,
-        decay_start: int,
-        decay_steps: int,
-        decay_type: str,
-        min_lr_factor: float,
-    ) -> None:
+    def __init__(self, warmup_steps: int, decay_start: int, decay_steps: int, decay_type: str, min_lr_factor: float):
         self.warmup_steps = warmup_steps
         self.decay_start = decay_start
         self.decay_steps = decay_steps
@@ -173,25 +140,11 @@ def build_lr_scheduler(
     decay_ratio: float | None = None,
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """Linear warmup, optional stable phase, then decay to ``min_lr_factor * peak``.
-
-    Args:
-        optimizer: optimizer whose ``lr`` is the peak learning rate.
-        warmup_steps: steps of linear warmup; the first step uses
-            ``peak / warmup_steps``. 0 disables warmup.
-        total_steps: number of training steps; the last one uses the minimum lr.
-        decay_type: shape of the decay: ``"linear"``, ``"cosine"`` or ``"sqrt"``
-            (``1 - sqrt(progress)``).
-        decay_ratio: fraction of ``total_steps`` spent decaying, at the end of
-            training. ``None`` decays over all steps after warmup; a value < 1
-            gives warmup-stable-decay (WSD); 0 keeps the peak after warmup.
-        min_lr_factor: final lr as a fraction of the peak, in [0, 1].
-
-    Call ``scheduler.step()`` once after each ``optimizer.step()``.
-
-    Raises:
-        ValueError: naming the ``lr_scheduler.*`` option that is invalid.
-    """
+    """Linear warmup from ``peak / warmup_steps``, an optional stable phase, then a linear, cosine
+    or sqrt (``1 - sqrt(progress)``) decay to ``min_lr_factor * peak`` at the last step; the
+    optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
+    (WSD); None decays over all steps after warmup. Step it once after each ``optimizer.step()``.
+    ValueError names a bad ``lr_scheduler.*`` value."""
     if total_steps < 1:
         raise ValueError(f"lr_scheduler.total_steps must be >= 1, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
@@ -213,21 +166,10 @@ def build_lr_scheduler(
                 f"lr_scheduler.warmup_steps={warmup_steps} exceeds lr_scheduler.total_steps={total_steps}"
             )
 
-    schedule = WarmupStableDecay(
-        warmup_steps=warmup_steps,
-        decay_start=total_steps - decay_steps,
-        decay_steps=decay_steps,
-        decay_type=decay_type,
-        min_lr_factor=min_lr_factor,
-    )
-    logger.info(
-        "LR schedule: %d warmup, %d stable, %d %s decay steps to %g x peak",
-        warmup_steps,
-        total_steps - warmup_steps - decay_steps,
-        decay_steps,
-        decay_type,
-        min_lr_factor,
-    )
+    stable_steps = total_steps - warmup_steps - decay_steps
+    logger.info("LR schedule: %d warmup, %d stable, %d %s decay steps to %g x peak",
+                warmup_steps, stable_steps, decay_steps, decay_type, min_lr_factor)  # fmt: skip
+    schedule = WarmupStableDecay(warmup_steps, total_steps - decay_steps, decay_steps, decay_type, min_lr_factor)
     return LambdaLR(optimizer, lr_lambda=schedule)
 
 
@@ -239,30 +181,13 @@ def clip_grad_norm_(
     *,
     pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
-    """Clip gradients in place by their global norm and return that norm.
+    """Clips the gradients in place by their global ``norm_type``-norm and returns that norm as a
+    float32 scalar (a non-finite norm is returned, not raised: checking would sync every step).
 
-    Gradients may be plain tensors or DTensors on any mix of meshes and
-    placements. ``torch.nn.utils.get_total_norm`` and ``clip_grads_with_norm_``
-    stack/scale all gradients in single DTensor ops, which fail when the
-    DTensors live on different meshes; so gradients are grouped by mesh, each
-    group's norm is reduced over its own mesh, and the groups' norms combined.
-
-    Args:
-        parameters: parameters (or a single tensor) whose ``.grad`` is clipped;
-            those without a gradient are ignored.
-        max_norm: norm the gradients are scaled down to when they exceed it.
-        norm_type: p of the p-norm; ``math.inf`` for the max-norm.
-        pp_mesh: pipeline-parallel mesh when this rank holds only some stages;
-            the stages' norms are combined (sum of norm^p, or max for inf).
-            Every rank of ``pp_mesh`` must call this function.
-
-    Returns:
-        The total norm as a plain float32 scalar tensor. A non-finite norm is
-        returned as is without raising; the gradients are then scaled as torch
-        does (an inf norm zeroes them, a NaN norm makes them NaN), and deciding
-        whether to skip the step is the caller's business. Checking here would
-        cost a device-to-host sync on every step.
-    """
+    Gradients may be plain tensors or DTensors on any mix of meshes: torch's helpers stack all
+    gradients in one DTensor op, which fails across meshes, so each mesh's gradients get their own
+    norm, reduced over that mesh, and the norms are combined. With ``pp_mesh`` (this rank holds
+    only some pipeline stages) the stages' norms are combined too; every rank of it must call."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
