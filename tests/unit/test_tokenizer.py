@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -181,10 +180,8 @@ def test_tiktoken_round_trips_long_and_unicode_text(tiny_tiktoken_file: Path) ->
         "x" * 60_000,
         "hello world\n" * 80_000,  # longer than one 400k-char encode chunk
     ]
-    started = time.perf_counter()
     for text in texts:
         assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert time.perf_counter() - started < 10
 
 
 def test_long_texts_are_cut_into_bounded_pieces() -> None:
