@@ -11,6 +11,8 @@ import pytest
 
 from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 

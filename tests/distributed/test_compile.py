@@ -5,6 +5,8 @@ import pytest
 
 from tests.launch import run_worker
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 AOT_EAGER_CHECKS = [
     "none_counts", "none_losses", "manual_counts", "manual_losses", "manual_bucket_order",
     "manual_prefetch_order", "reshard_regathers", "reshard_frees_gathered",

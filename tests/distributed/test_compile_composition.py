@@ -23,6 +23,8 @@ import pytest
 
 from tests.launch import losses, run_train, run_worker
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2"]
 GLOBAL_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "8"]
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]

@@ -61,8 +61,19 @@ def layout_losses(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+# The fast tier keeps one 2-rank case (two launches: the reference and FSDP2 on 2 ranks); the
+# others are slow.
+FAST_CASE = ("fsdp_2", "fsdp2")
+CASES = [
+    pytest.param(
+        layout, impl, id=f"{impl}-{layout}", marks=() if (layout, impl) == FAST_CASE else pytest.mark.slow
+    )
+    for impl in IMPLEMENTATIONS
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("layout, impl", CASES)
 def test_losses_match(layout, impl, reference_losses, layout_losses):
     got = layout_losses(layout, impl)
     assert len(got) == len(reference_losses) == 10

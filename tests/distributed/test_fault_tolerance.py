@@ -16,6 +16,8 @@ import pytest
 
 from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 STEPS = 12
 # run_train.sh passes configs/debug_model.toml: the direct launches use it too.
 CHECKPOINTED = [

@@ -68,6 +68,7 @@ def reference(tmp_path_factory) -> tuple[list[float], list[float]]:
     return losses(records), _validation_losses(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_match_single_process(layout, reference, tmp_path):
     nproc, overrides = LAYOUTS[layout]
@@ -185,6 +186,7 @@ def test_zero_bubble_refuses_compile_and_reshard(schedule, option):
     assert message.startswith(f"{option[0][2:]}: ") and schedule in message
 
 
+@pytest.mark.slow  # torchrun on 2 ranks
 def test_preflight_and_train_py_report_impossible_layout(tmp_path):
     uneven = ["--parallelism.pipeline_parallel_layers_per_stage", "4"]  # 6 layers
     args = ["--parallelism.pipeline_parallel_degree", "2", *uneven]

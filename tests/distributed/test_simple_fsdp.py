@@ -13,6 +13,8 @@ import pytest
 
 from tests.launch import REPO
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simple_fsdp_checks.py")
 # A launch takes ~25 s (2 ranks) / ~45 s (4 ranks) on 2 idle CPU cores; a hang must not block the suite.
 TIMEOUT_SECONDS = 300

@@ -8,7 +8,11 @@ and 8 reduce-scatters instead of 57 each; a third launch costs a minute.)
 
 from __future__ import annotations
 
+import pytest
+
 from tests.launch import losses, run_train
+
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8"]
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.launch import REPO, TINY_RUN, losses, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # Exercises Trainer.validate on (vocab-sharded) TP logits too.

@@ -5,9 +5,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launch import REPO, losses, read_metrics
+
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
 

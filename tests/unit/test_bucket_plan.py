@@ -381,6 +381,7 @@ def _calibration_worker(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns 2 gloo ranks
 def test_calibration_on_two_gloo_ranks() -> None:
     results = multiprocessing.get_context("spawn").Array("d", [math.nan] * (_WORLD_SIZE * len(_RESULTS)))
     exit_codes = spawn_ranks(_calibration_worker, _WORLD_SIZE, results, timeout_s=_TIMEOUT_S)

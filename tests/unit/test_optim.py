@@ -380,6 +380,7 @@ def _distributed_worker(rank: int, port: int, passed: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_distributed_clipping_and_optimizer_on_dtensors() -> None:
     passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)  # 1 once a rank's checks passed
     exit_codes = spawn_ranks(_distributed_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)

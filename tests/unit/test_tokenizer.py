@@ -90,6 +90,7 @@ def test_default_tokenizer_with_too_small_vocab(
     assert not Path(default_tokenizer_path(str(tmp_path), 100)).exists()
 
 
+@pytest.mark.slow  # two Python processes racing for the cache lock
 def test_default_tokenizer_trained_once_across_processes(tmp_path: Path) -> None:
     cache_dir, ready_dir = tmp_path / "cache", tmp_path / "ready"
     ready_dir.mkdir()
