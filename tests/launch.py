@@ -32,16 +32,69 @@ def train_command(dump_folder: str, nproc: int, *overrides: str, max_restarts: i
     return [sys.executable, *args]
 
 
+def train_env() -> dict[str, str]:
+    """The environment of a launched train.py: one thread per rank (the ranks share the cores)."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def launch_train(
+    dump_folder: str,
+    nproc: int,
+    *overrides: str,
+    max_restarts: int = 0,
+    check: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Trains with ``nproc`` ranks (a plain process when 1) and torchrun restarting the group up to
+    ``max_restarts`` times; returns the finished process. With ``check``, a non-zero exit fails
+    with the tail of its output."""
+    command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts)
+    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{_tail(result)}")
+    return result
+
+
 def run_train(
     dump_folder: str, nproc: int, *overrides: str, max_restarts: int = 0, timeout: float = 600
 ) -> list[dict]:
     """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
-    command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    launch_train(dump_folder, nproc, *overrides, max_restarts=max_restarts, timeout=timeout)
     return read_metrics(dump_folder)
+
+
+def script_command(dump_folder: str, *overrides: str) -> list[str]:
+    """The command line of a ./run_train.sh run (which adds configs/debug_model.toml, not TINY_RUN)."""
+    return ["./run_train.sh", "--job.dump_folder", dump_folder, *overrides]
+
+
+def script_env(nproc: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """run_train.sh's environment: ``nproc`` ranks per node, this interpreter, then ``env``."""
+    return dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, **(env or {}))
+
+
+def run_script(
+    dump_folder: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
+    """Runs ./run_train.sh as users do, with ``nproc`` ranks (NGPU) and extra environment ``env``
+    (e.g. LOG_RANK, MAX_RESTARTS); returns the finished process. With ``check``, a non-zero exit
+    fails with the tail of its output."""
+    result = subprocess.run(
+        script_command(dump_folder, *overrides),
+        cwd=REPO, env=script_env(nproc, env), capture_output=True, text=True, timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"run_train.sh failed ({result.returncode}):\n{_tail(result)}")
+    return result
+
+
+def _tail(result: subprocess.CompletedProcess) -> str:
+    return f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
 def read_metrics(dump_folder: str) -> list[dict]:
