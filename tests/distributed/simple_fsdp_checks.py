@@ -447,11 +447,11 @@ def check_tensor_parallel() -> dict[str, Any]:
 
     steps = STEPS // 2  # the stretch goal's check, kept short
     losses, collectives = {}, {}
-    for impl, model in (("simple", model), ("fsdp2", build("fsdp2", dp_mesh=dp_mesh, tp_mesh=tp_mesh))):
-        optimizer = make_optimizer(model)
+    for impl, trained in (("simple", model), ("fsdp2", build("fsdp2", dp_mesh=dp_mesh, tp_mesh=tp_mesh))):
+        optimizer = make_optimizer(trained)
         with CollectiveRecorder() as collectives[impl]:
-            losses[impl] = train(model, optimizer, range(1), shard)
-        losses[impl] += train(model, optimizer, range(1, steps), shard)
+            losses[impl] = train(trained, optimizer, range(1), shard)
+        losses[impl] += train(trained, optimizer, range(1, steps), shard)
     simple, fsdp2 = losses["simple"], losses["fsdp2"]
     first_step = collectives["simple"].counts
     result = {
