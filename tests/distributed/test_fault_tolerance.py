@@ -32,8 +32,15 @@ pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.s
 STEPS = 12
 # run_train.sh passes configs/debug_model.toml: the direct launches use it too.
 CHECKPOINTED = [
-    "--job.config_file", "configs/debug_model.toml", "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2",
-    "--checkpoint.enable", "--checkpoint.interval", "4",
+    "--job.config_file",
+    "configs/debug_model.toml",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "4",
 ]
 
 
@@ -57,8 +64,17 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
 
 def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
     result = launch_train(
-        str(tmp_path), 2, *CHECKPOINTED, "--checkpoint.async_mode", "async", "--debug.fail_at_step", "8",
-        "--debug.failure", "kill_during_save", max_restarts=1, timeout=900,
+        str(tmp_path),
+        2,
+        *CHECKPOINTED,
+        "--checkpoint.async_mode",
+        "async",
+        "--debug.fail_at_step",
+        "8",
+        "--debug.failure",
+        "kill_during_save",
+        max_restarts=1,
+        timeout=900,
     )
     output = result.stdout + result.stderr
     assert "killing this rank in the middle of the save" in output
@@ -69,8 +85,17 @@ def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
 
 def test_hung_rank_times_out_and_restarts(tmp_path, reference):
     result = launch_train(
-        str(tmp_path), 2, *CHECKPOINTED, "--debug.fail_at_step", "6", "--debug.failure", "hang",
-        "--comm.train_timeout_seconds", "5", max_restarts=1, timeout=900,
+        str(tmp_path),
+        2,
+        *CHECKPOINTED,
+        "--debug.fail_at_step",
+        "6",
+        "--debug.failure",
+        "hang",
+        "--comm.train_timeout_seconds",
+        "5",
+        max_restarts=1,
+        timeout=900,
     )
     output = result.stdout + result.stderr
     assert "error: a collective failed at step 6" in output
@@ -89,8 +114,16 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
     rng = random.Random(1234)
     dump = str(tmp_path)
     command = train_command(
-        dump, 2, *CHECKPOINTED, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
-        "--checkpoint.keep_latest_k", "2", max_restarts=5,
+        dump,
+        2,
+        *CHECKPOINTED,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        "2",
+        max_restarts=5,
     )
     log = open(tmp_path / "agent.log", "w")
     agent = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=log, stderr=log)
@@ -150,7 +183,11 @@ def test_two_nodes_on_localhost(tmp_path, reference):
     nodes = [
         subprocess.Popen(
             script_command(dump, *TINY_RUN, *CHECKPOINTED),
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for _ in range(2)
     ]

@@ -21,11 +21,20 @@ def test_manual_buckets_match_single_process(tmp_path):
     reference = losses(run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8"))
     bucketed = losses(
         run_train(
-            str(tmp_path / "bucketed"), 4, *STEPS,
-            "--training.local_batch_size", "4",
-            "--parallelism.data_parallel_impl", "simple_fsdp",
-            "--parallelism.tensor_parallel_degree", "2",
-            "--compile.enable", "--compile.backend", "aot_eager", "--compile.bucketing", "manual",
+            str(tmp_path / "bucketed"),
+            4,
+            *STEPS,
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.data_parallel_impl",
+            "simple_fsdp",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--compile.enable",
+            "--compile.backend",
+            "aot_eager",
+            "--compile.bucketing",
+            "manual",
         )
     )
     assert len(bucketed) == len(reference) == 5

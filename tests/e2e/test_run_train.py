@@ -49,9 +49,11 @@ def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
     simple = run_script(
         str(tmp_path / "simple"),
         *common,
-        "--parallelism.data_parallel_impl", "simple_fsdp",
+        "--parallelism.data_parallel_impl",
+        "simple_fsdp",
         "--compile.enable",
-        "--compile.bucketing", "auto",
+        "--compile.bucketing",
+        "auto",
         timeout=TIMEOUT,
     )
     assert "SimpleFSDP auto bucket plan" in simple.stdout + simple.stderr

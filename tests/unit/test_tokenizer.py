@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import DEFAULT_VOCAB_SIZE
 from trainer.tokenizer import (
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -21,7 +22,6 @@ from trainer.tokenizer import (
     default_tokenizer_path,
     load_tokenizer,
 )
-from tests.unit.conftest import DEFAULT_VOCAB_SIZE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,8 @@ def test_build_tokenizer_default_reuses_cached_model(
 
 
 def test_default_tokenizer_with_too_small_vocab(
-    tmp_path: Path, session_default_tokenizer: Tokenizer  # corpus already parsed in this process
+    tmp_path: Path,
+    session_default_tokenizer: Tokenizer,  # corpus already parsed in this process
 ) -> None:
     with pytest.raises(ValueError, match="vocab_size=100: Vocabulary size is smaller"):
         default_tokenizer(str(tmp_path), 100)
@@ -198,9 +199,7 @@ def test_long_texts_are_cut_into_bounded_pieces() -> None:
 # --- format detection and errors -------------------------------------------
 
 
-def test_load_tokenizer_detects_format(
-    tiny_tiktoken_file: Path, default_tokenizer_cache: str
-) -> None:
+def test_load_tokenizer_detects_format(tiny_tiktoken_file: Path, default_tokenizer_cache: str) -> None:
     assert isinstance(load_tokenizer(str(tiny_tiktoken_file)), TiktokenTokenizer)
     sentencepiece_path = default_tokenizer_path(default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
     assert isinstance(load_tokenizer(sentencepiece_path), SentencePieceTokenizer)
