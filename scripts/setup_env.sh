@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 modules="torch torchdata tensorboard safetensors sentencepiece tiktoken"
-[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest"
+[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest ruff"
 
 has_deps() {
   "$1" - "$modules" <<'PY' >/dev/null 2>&1

@@ -11,12 +11,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Small and quick: what every launched test run shares unless it overrides it.
 TINY_RUN = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "64",
-    "--training.steps", "10",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-    "--metrics.peak_flops", "1e12",
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "10",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.peak_flops",
+    "1e12",
     "--debug.deterministic",
 ]
 
@@ -26,22 +32,81 @@ def train_command(dump_folder: str, nproc: int, *overrides: str, max_restarts: i
     args = ["train.py", *TINY_RUN, "--job.dump_folder", dump_folder, *overrides]
     if nproc > 1:
         args = [
-            "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", *args,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            *args,
         ]
     return [sys.executable, *args]
 
 
-def run_train(
-    dump_folder: str, nproc: int, *overrides: str, max_restarts: int = 0, timeout: float = 600
-) -> list[dict]:
-    """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
+def train_env() -> dict[str, str]:
+    """The environment of a launched train.py: one thread per rank (the ranks share the cores)."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def launch_train(
+    dump_folder: str,
+    nproc: int,
+    *overrides: str,
+    max_restarts: int = 0,
+    check: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Trains with ``nproc`` ranks (a plain process when 1) and torchrun restarting the group up to
+    ``max_restarts`` times; returns the finished process. With ``check``, a non-zero exit fails
+    with the tail of its output."""
     command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{_tail(result)}")
+    return result
+
+
+def run_train(dump_folder: str, nproc: int, *overrides: str, max_restarts: int = 0, timeout: float = 600) -> list[dict]:
+    """Trains with ``nproc`` ranks (a plain process when 1) and returns the metrics.jsonl records."""
+    launch_train(dump_folder, nproc, *overrides, max_restarts=max_restarts, timeout=timeout)
     return read_metrics(dump_folder)
+
+
+def script_command(dump_folder: str, *overrides: str) -> list[str]:
+    """The command line of a ./run_train.sh run (which adds configs/debug_model.toml, not TINY_RUN)."""
+    return ["./run_train.sh", "--job.dump_folder", dump_folder, *overrides]
+
+
+def script_env(nproc: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """run_train.sh's environment: ``nproc`` ranks per node, this interpreter, then ``env``."""
+    return dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, **(env or {}))
+
+
+def run_script(
+    dump_folder: str,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
+    """Runs ./run_train.sh as users do, with ``nproc`` ranks (NGPU) and extra environment ``env``
+    (e.g. LOG_RANK, MAX_RESTARTS); returns the finished process. With ``check``, a non-zero exit
+    fails with the tail of its output."""
+    result = subprocess.run(
+        script_command(dump_folder, *overrides),
+        cwd=REPO,
+        env=script_env(nproc, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"run_train.sh failed ({result.returncode}):\n{_tail(result)}")
+    return result
+
+
+def _tail(result: subprocess.CompletedProcess) -> str:
+    return f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
 def read_metrics(dump_folder: str) -> list[dict]:
@@ -62,11 +127,18 @@ def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, tim
     """Runs a torchrun worker script from tests/distributed and returns its stdout; fails with
     the workers' stderr when it exits non-zero."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        os.path.join(REPO, "tests", "distributed", script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(REPO, "tests", "distributed", script),
+        *args,
     ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(env or {}))
     result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
-        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{script} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}"
+        )
     return result.stdout

@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:

@@ -22,9 +22,7 @@ from parallelisms.bucketing import WAIT, BucketingPass, collective_kind, is_view
 from parallelisms.compile import apply_compile_whole_model
 from parallelisms.simple_fsdp import apply_simple_fsdp
 
-ARGS = dataclasses.replace(
-    llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=3, vocab_size=256, max_seq_len=32
-)
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=3, vocab_size=256, max_seq_len=32)
 BATCH, SEQ, STEPS = 2, 32, 4
 
 
@@ -32,8 +30,12 @@ def build(mesh, reshard: bool) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ARGS)
     apply_simple_fsdp(
-        model, mesh, mode="fully_shard", reshard_after_forward=reshard,
-        reshard_blocks=list(model.layers.values()), compiled=True,
+        model,
+        mesh,
+        mode="fully_shard",
+        reshard_after_forward=reshard,
+        reshard_blocks=list(model.layers.values()),
+        compiled=True,
     )
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -131,8 +133,11 @@ def main(backend: str) -> None:
     # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
     losses, none_pass = compiled_run(mesh, backend, None)
     forward, backward = none_pass.reports
-    check("none_counts", forward.collectives["all_gather"] == n_params
-          and backward.collectives["reduce_scatter"] == n_params, (forward, backward, n_params))
+    check(
+        "none_counts",
+        forward.collectives["all_gather"] == n_params and backward.collectives["reduce_scatter"] == n_params,
+        (forward, backward, n_params),
+    )
     tolerance = 0.0 if backend == "aot_eager" else 1e-4
     check("none_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
 
@@ -140,8 +145,12 @@ def main(backend: str) -> None:
     manual = plan_manual(units, default_manual_patterns([u.name for u in units]))
     losses, manual_pass = compiled_run(mesh, backend, [b.units for b in manual.buckets])
     forward, backward = manual_pass.reports
-    check("manual_counts", forward.collectives["all_gather"] == len(manual.buckets)
-          and backward.collectives["reduce_scatter"] == len(manual.buckets), (forward, backward))
+    check(
+        "manual_counts",
+        forward.collectives["all_gather"] == len(manual.buckets)
+        and backward.collectives["reduce_scatter"] == len(manual.buckets),
+        (forward, backward),
+    )
     check("manual_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
     check("manual_bucket_order", forward.all_gather_buckets == list(range(len(manual.buckets))), forward)
     if manual_pass.graphs:
@@ -152,13 +161,18 @@ def main(backend: str) -> None:
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (synthetic costs that force a multi-unit plan).
-        auto = plan_auto(units, CommModel(1e-4, 1e9), ComputeModel(1e9), world_size=dist.get_world_size(),
-                         memory_cap_bytes=2**20)
+        auto = plan_auto(
+            units, CommModel(1e-4, 1e9), ComputeModel(1e9), world_size=dist.get_world_size(), memory_cap_bytes=2**20
+        )
         losses, auto_pass = compiled_run(mesh, backend, [b.units for b in auto.buckets])
         forward, backward = auto_pass.reports
         check("auto_plan_has_multi_unit_bucket", any(len(b.units) > 1 for b in auto.buckets), auto.describe())
-        check("auto_counts", forward.collectives["all_gather"] == len(auto.buckets)
-              and backward.collectives["reduce_scatter"] == len(auto.buckets), (forward, backward, auto.describe()))
+        check(
+            "auto_counts",
+            forward.collectives["all_gather"] == len(auto.buckets)
+            and backward.collectives["reduce_scatter"] == len(auto.buckets),
+            (forward, backward, auto.describe()),
+        )
         check("auto_losses", losses == eager, (losses, eager))
 
         # Never reshard: the forward keeps the gathered weights for backward, which gathers nothing.

@@ -28,9 +28,7 @@ from parallelisms.tensor_parallel import local_loss
 from trainer.loss import Loss
 
 # 2 blocks: every-2nd-block checkpointing wraps block 1 and leaves block 0 plain.
-ARGS = dataclasses.replace(
-    llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=32
-)
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=32)
 BATCH, SEQ, STEPS = 2, 32, 5
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
 

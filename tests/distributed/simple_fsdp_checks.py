@@ -44,9 +44,7 @@ from trainer.optim import clip_grad_norm_
 
 # Narrower than debugmodel to keep each launch short; vocab 255: the embedding and output rows
 # split unevenly on 2 and 4 ranks.
-ARGS = dataclasses.replace(
-    llama3_flavors["debugmodel"], dim=128, n_heads=8, n_layers=2, vocab_size=255, max_seq_len=32
-)
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=128, n_heads=8, n_layers=2, vocab_size=255, max_seq_len=32)
 GLOBAL_BATCH, SEQ_LEN, STEPS = 8, 32, 10
 GLOBAL_TOKENS = GLOBAL_BATCH * SEQ_LEN
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -447,11 +445,11 @@ def check_tensor_parallel() -> dict[str, Any]:
 
     steps = STEPS // 2  # the stretch goal's check, kept short
     losses, collectives = {}, {}
-    for impl, model in (("simple", model), ("fsdp2", build("fsdp2", dp_mesh=dp_mesh, tp_mesh=tp_mesh))):
-        optimizer = make_optimizer(model)
+    for impl, trained in (("simple", model), ("fsdp2", build("fsdp2", dp_mesh=dp_mesh, tp_mesh=tp_mesh))):
+        optimizer = make_optimizer(trained)
         with CollectiveRecorder() as collectives[impl]:
-            losses[impl] = train(model, optimizer, range(1), shard)
-        losses[impl] += train(model, optimizer, range(1, steps), shard)
+            losses[impl] = train(trained, optimizer, range(1), shard)
+        losses[impl] += train(trained, optimizer, range(1, steps), shard)
     simple, fsdp2 = losses["simple"], losses["fsdp2"]
     first_step = collectives["simple"].counts
     result = {

@@ -11,6 +11,8 @@ import pytest
 
 from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
@@ -45,8 +47,16 @@ def layout_chain(tmp_path_factory) -> str:
     for i, layout in enumerate(LAYOUT_CHAIN):
         last = i == len(LAYOUT_CHAIN) - 1
         run_train(
-            dump, 4, "--training.steps", str(2 * (i + 1)), *CONSTANT_LR,
-            "--checkpoint.enable", "--checkpoint.interval", "2", *layout, *(["--checkpoint.export_hf"] if last else []),
+            dump,
+            4,
+            "--training.steps",
+            str(2 * (i + 1)),
+            *CONSTANT_LR,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            *layout,
+            *(["--checkpoint.export_hf"] if last else []),
         )
     return dump
 
@@ -91,8 +101,16 @@ def test_nonfinite_policies(tmp_path, one_process):
     clean = one_process  # a constant learning rate: the run's length does not matter
     skipped = losses_by_step(run_train(str(tmp_path / "skip"), 1, *common, "--training.nonfinite_policy", "skip_step"))
     rolled = losses_by_step(
-        run_train(str(tmp_path / "rollback"), 1, *common, "--training.nonfinite_policy", "rollback",
-                  "--checkpoint.enable", "--checkpoint.interval", "2")
+        run_train(
+            str(tmp_path / "rollback"),
+            1,
+            *common,
+            "--training.nonfinite_policy",
+            "rollback",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+        )
     )
     assert skipped == rolled
     assert [skipped[s] for s in (1, 2)] == [clean[s] for s in (1, 2)] and skipped[3] != clean[3]

@@ -5,15 +5,33 @@ import pytest
 
 from tests.launch import run_worker
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 AOT_EAGER_CHECKS = [
-    "none_counts", "none_losses", "manual_counts", "manual_losses", "manual_bucket_order",
-    "manual_prefetch_order", "reshard_regathers", "reshard_frees_gathered",
-    "auto_plan_has_multi_unit_bucket", "auto_counts", "auto_losses",
-    "never_no_regather", "never_keeps_gathered", "never_losses",
+    "none_counts",
+    "none_losses",
+    "manual_counts",
+    "manual_losses",
+    "manual_bucket_order",
+    "manual_prefetch_order",
+    "reshard_regathers",
+    "reshard_frees_gathered",
+    "auto_plan_has_multi_unit_bucket",
+    "auto_counts",
+    "auto_losses",
+    "never_no_regather",
+    "never_keeps_gathered",
+    "never_losses",
 ]
 INDUCTOR_CHECKS = [
-    "none_counts", "none_losses", "manual_counts", "manual_losses", "manual_bucket_order",
-    "manual_prefetch_order", "reshard_regathers", "reshard_frees_gathered",
+    "none_counts",
+    "none_losses",
+    "manual_counts",
+    "manual_losses",
+    "manual_bucket_order",
+    "manual_prefetch_order",
+    "reshard_regathers",
+    "reshard_frees_gathered",
 ]
 
 

@@ -23,6 +23,8 @@ import pytest
 
 from tests.launch import losses, run_train, run_worker
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2"]
 GLOBAL_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "8"]
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
@@ -31,9 +33,12 @@ COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
 def pp(schedule: str, *more: str) -> list[str]:
     # Microbatches of 2 sequences: 4 per step.
     return [
-        "--parallelism.pipeline_parallel_degree", "2",
-        "--parallelism.pipeline_parallel_schedule", schedule,
-        "--parallelism.pipeline_parallel_microbatch_size", "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
         *more,
     ]
 
@@ -42,11 +47,17 @@ PIPELINED = {
     # name: overrides (2 ranks, one pipeline of 2 ranks; no data parallelism)
     # 6 stages of one block, three per rank: every stage a separately compiled block.
     "pp2_interleaved_per_block": [
-        *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"), *COMPILE,
+        *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"),
+        *COMPILE,
     ],
     # Each stage compiled whole (fullgraph), as simple_fsdp does (unsharded: no data parallelism).
     "pp2_1f1b_simple_fsdp_whole": [
-        *pp("1F1B"), *COMPILE, "--parallelism.data_parallel_impl", "simple_fsdp", "--compile.bucketing", "manual",
+        *pp("1F1B"),
+        *COMPILE,
+        "--parallelism.data_parallel_impl",
+        "simple_fsdp",
+        "--compile.bucketing",
+        "manual",
     ],
 }
 
@@ -70,7 +81,7 @@ def test_pipelined_compile_matches_single_process(layout, reference, tmp_path):
 def composition() -> dict[str, dict]:
     """compile_composition_checks.py's results by case name (``layout-compiled|eager-ac``)."""
     output = run_worker("compile_composition_checks.py", 2)
-    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
     return {r["case"]: r for r in results}
 
 

@@ -17,9 +17,12 @@ LAYOUTS = {
     "ddp_4": (
         4,
         [
-            "--training.local_batch_size", "2",
-            "--parallelism.data_parallel_replicate_degree", "4",
-            "--parallelism.data_parallel_shard_degree", "1",
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "4",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
         ],
     ),
 }
@@ -28,8 +31,13 @@ IMPLEMENTATIONS = {
     "fsdp2": ["--parallelism.data_parallel_impl", "fsdp2"],
     "simple_fsdp": ["--parallelism.data_parallel_impl", "simple_fsdp"],
     "simple_fsdp_aot_eager": [
-        "--parallelism.data_parallel_impl", "simple_fsdp",
-        "--compile.enable", "--compile.backend", "aot_eager", "--compile.bucketing", "manual",
+        "--parallelism.data_parallel_impl",
+        "simple_fsdp",
+        "--compile.enable",
+        "--compile.backend",
+        "aot_eager",
+        "--compile.bucketing",
+        "manual",
     ],
 }
 
@@ -61,8 +69,17 @@ def layout_losses(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+# The fast tier keeps one 2-rank case (two launches: the reference and FSDP2 on 2 ranks); the
+# others are slow.
+FAST_CASE = ("fsdp_2", "fsdp2")
+CASES = [
+    pytest.param(layout, impl, id=f"{impl}-{layout}", marks=() if (layout, impl) == FAST_CASE else pytest.mark.slow)
+    for impl in IMPLEMENTATIONS
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("layout, impl", CASES)
 def test_losses_match(layout, impl, reference_losses, layout_losses):
     got = layout_losses(layout, impl)
     assert len(got) == len(reference_losses) == 10

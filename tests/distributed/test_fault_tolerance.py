@@ -9,18 +9,38 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
+from tests.launch import (
+    REPO,
+    TINY_RUN,
+    launch_train,
+    losses_by_step,
+    read_metrics,
+    run_script,
+    run_train,
+    script_command,
+    script_env,
+    train_command,
+    train_env,
+)
+
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 STEPS = 12
 # run_train.sh passes configs/debug_model.toml: the direct launches use it too.
 CHECKPOINTED = [
-    "--job.config_file", "configs/debug_model.toml", "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2",
-    "--checkpoint.enable", "--checkpoint.interval", "4",
+    "--job.config_file",
+    "configs/debug_model.toml",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "4",
 ]
 
 
@@ -31,31 +51,11 @@ def reference(tmp_path_factory) -> tuple[str, dict[int, float]]:
     return dump, losses_by_step(run_train(dump, 2, *CHECKPOINTED))
 
 
-def run_script(dump: str, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """run_train.sh on 2 ranks with the checkpointed tiny settings."""
-    from tests.launch import TINY_RUN
-
-    full_env = dict(os.environ, NGPU="2", LOG_RANK="0,1", PYTHON=sys.executable, **(env or {}))
-    return subprocess.run(
-        ["./run_train.sh", *TINY_RUN, "--job.dump_folder", dump, *CHECKPOINTED, *overrides],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=900,
-    )
-
-
-def restarted_run(dump: str, *overrides: str) -> tuple[dict[int, float], str]:
-    """A 2-rank torchrun with one restart allowed; returns its losses and combined output."""
-    command = train_command(dump, 2, *CHECKPOINTED, *overrides, max_restarts=1)
-    result = subprocess.run(
-        command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    return losses_by_step(read_metrics(dump)), output
-
-
 def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
     # The acceptance scenario through run_train.sh (its --max-restarts default).
-    result = run_script(str(tmp_path), "--debug.fail_at_step", "7")
+    result = run_script(
+        str(tmp_path), *TINY_RUN, *CHECKPOINTED, "--debug.fail_at_step", "7", env={"LOG_RANK": "0,1"}, check=False
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "injecting 'kill'" in output and "resumed from step 4" in output
@@ -63,23 +63,44 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
 
 
 def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
-    losses, output = restarted_run(
-        str(tmp_path), "--checkpoint.async_mode", "async", "--debug.fail_at_step", "8",
-        "--debug.failure", "kill_during_save",
+    result = launch_train(
+        str(tmp_path),
+        2,
+        *CHECKPOINTED,
+        "--checkpoint.async_mode",
+        "async",
+        "--debug.fail_at_step",
+        "8",
+        "--debug.failure",
+        "kill_during_save",
+        max_restarts=1,
+        timeout=900,
     )
+    output = result.stdout + result.stderr
     assert "killing this rank in the middle of the save" in output
     # The half-written step-8 is not loaded: the restart goes back to step 4 and drops it.
     assert "resumed from step 4" in output and "removing incomplete checkpoint" in output
-    assert losses == reference[1]
+    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
 
 
 def test_hung_rank_times_out_and_restarts(tmp_path, reference):
-    losses, output = restarted_run(
-        str(tmp_path), "--debug.fail_at_step", "6", "--debug.failure", "hang", "--comm.train_timeout_seconds", "5"
+    result = launch_train(
+        str(tmp_path),
+        2,
+        *CHECKPOINTED,
+        "--debug.fail_at_step",
+        "6",
+        "--debug.failure",
+        "hang",
+        "--comm.train_timeout_seconds",
+        "5",
+        max_restarts=1,
+        timeout=900,
     )
+    output = result.stdout + result.stderr
     assert "error: a collective failed at step 6" in output
     assert "resumed from step 4" in output
-    assert losses == reference[1]
+    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -93,11 +114,19 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
     rng = random.Random(1234)
     dump = str(tmp_path)
     command = train_command(
-        dump, 2, *CHECKPOINTED, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
-        "--checkpoint.keep_latest_k", "2", max_restarts=5,
+        dump,
+        2,
+        *CHECKPOINTED,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        "2",
+        max_restarts=5,
     )
     log = open(tmp_path / "agent.log", "w")
-    agent = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=log)
+    agent = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=log, stderr=log)
     metrics = os.path.join(dump, "metrics.jsonl")
 
     def logged() -> int:
@@ -131,10 +160,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
     with open(shard, "r+b") as f:
         f.truncate(1000)
     # Asked for explicitly: a one-line error naming the file.
-    result = subprocess.run(
-        train_command(dump, 2, *CHECKPOINTED, "--checkpoint.load_step", "12"),
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
-    )
+    result = launch_train(dump, 2, *CHECKPOINTED, "--checkpoint.load_step", "12", check=False)
     assert result.returncode != 0
     assert f"error: {shard} is truncated or changed" in result.stderr
     # Auto-resume: step 8 instead, then the same losses.
@@ -152,17 +178,16 @@ def _free_port() -> int:
 def test_two_nodes_on_localhost(tmp_path, reference):
     """Two torchrun agents with one rank each, joined by the c10d rendezvous, train as the
     reference's two ranks do."""
-    from tests.launch import TINY_RUN
-
-    env = dict(
-        os.environ, NGPU="1", NNODES="2", RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", RDZV_ID="two-nodes",
-        PYTHON=sys.executable,
-    )
+    env = script_env(1, {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": "two-nodes"})
     dump = str(tmp_path)
     nodes = [
         subprocess.Popen(
-            ["./run_train.sh", *TINY_RUN, "--job.dump_folder", dump, *CHECKPOINTED],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            script_command(dump, *TINY_RUN, *CHECKPOINTED),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for _ in range(2)
     ]

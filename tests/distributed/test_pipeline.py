@@ -20,9 +20,12 @@ VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.ste
 
 def pp(schedule: str, microbatch_size: int, *more: str) -> list[str]:
     return [
-        "--parallelism.pipeline_parallel_degree", "2",
-        "--parallelism.pipeline_parallel_schedule", schedule,
-        "--parallelism.pipeline_parallel_microbatch_size", str(microbatch_size),
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(microbatch_size),
         *more,
     ]
 
@@ -51,7 +54,8 @@ LAYOUTS = {
     "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *FOUR_STAGES)]),
     "pp2_simple_fsdp": (4, [*DP2_ACCUMULATE, *pp("1F1B", 1), "--parallelism.data_parallel_impl", "simple_fsdp"]),
     "pp2_dp2_tp2": (
-        8, ["--training.local_batch_size", "4", *pp("1F1B", 2), "--parallelism.tensor_parallel_degree", "2"]
+        8,
+        ["--training.local_batch_size", "4", *pp("1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
     ),
 }
 
@@ -69,6 +73,7 @@ def reference(tmp_path_factory) -> tuple[list[float], list[float]]:
     return losses(records), _validation_losses(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_match_single_process(layout, reference, tmp_path):
     nproc, overrides = LAYOUTS[layout]
@@ -102,8 +107,7 @@ def _layout_error(*overrides: str) -> str:
         ),
         (
             ["--parallelism.pipeline_parallel_split_points", "layers.3,layers.6"],
-            "parallelism.pipeline_parallel_split_points: 'layers.6' is not a split point; "
-            "use layers.N with 0 < N < 6",
+            "parallelism.pipeline_parallel_split_points: 'layers.6' is not a split point; use layers.N with 0 < N < 6",
         ),
         (
             ["--parallelism.pipeline_parallel_split_points", "layers.4,layers.2"],
@@ -120,8 +124,12 @@ def _layout_error(*overrides: str) -> str:
             "(parallelism.pipeline_parallel_degree 2)",
         ),
         (
-            ["--parallelism.pipeline_parallel_schedule", "LoopedBFS",
-             "--parallelism.pipeline_parallel_layers_per_stage", "3"],
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "LoopedBFS",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "3",
+            ],
             "parallelism.pipeline_parallel_layers_per_stage 3 gives 2 stages, but LoopedBFS needs a multiple of "
             "parallelism.pipeline_parallel_degree 2 with at least two stages per rank",
         ),
@@ -145,8 +153,13 @@ def _layout_error(*overrides: str) -> str:
             "but 1F1B needs at least one per stage (2)",
         ),
         (
-            ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *SIX_STAGES,
-             "--training.local_batch_size", "5"],
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                *SIX_STAGES,
+                "--training.local_batch_size",
+                "5",
+            ],
             "training.local_batch_size 5 / parallelism.pipeline_parallel_microbatch_size 1 = 5 microbatches, but "
             "Interleaved1F1B needs them to divide into rounds of equal size (2 rounds for "
             "parallelism.pipeline_parallel_degree 2)",
@@ -186,20 +199,37 @@ def test_zero_bubble_refuses_compile_and_reshard(schedule, option):
     assert message.startswith(f"{option[0][2:]}: ") and schedule in message
 
 
+@pytest.mark.slow  # torchrun on 2 ranks
 def test_preflight_and_train_py_report_impossible_layout(tmp_path):
     uneven = ["--parallelism.pipeline_parallel_layers_per_stage", "4"]  # 6 layers
     args = ["--parallelism.pipeline_parallel_degree", "2", *uneven]
     expected = _layout_error(*uneven)
     preflight = subprocess.run(
         [sys.executable, "-m", "trainer.preflight", "--world-size", "2", *args],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert (preflight.returncode, preflight.stderr) == (2, f"error: {expected}\n")
 
     launch = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-         *TINY_RUN, "--job.dump_folder", str(tmp_path), *args],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "train.py",
+            *TINY_RUN,
+            "--job.dump_folder",
+            str(tmp_path),
+            *args,
+        ],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     # Ranks print the one line and exit 2 (torchrun itself then exits 1, and may stop a rank
     # that has not printed yet).

@@ -13,12 +13,20 @@ import pytest
 
 from tests.launch import REPO
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "simple_fsdp_checks.py")
 # A launch takes ~25 s (2 ranks) / ~45 s (4 ranks) on 2 idle CPU cores; a hang must not block the suite.
 TIMEOUT_SECONDS = 300
 
 COMMON_CHECKS = [
-    "parity_replicate", "parity_fully_shard", "state_dict", "materialized", "reshard_memory", "dcp", "bf16",
+    "parity_replicate",
+    "parity_fully_shard",
+    "state_dict",
+    "materialized",
+    "reshard_memory",
+    "dcp",
+    "bf16",
 ]
 CHECKS = {2: COMMON_CHECKS, 4: [*COMMON_CHECKS, "parity_hybrid_shard", "tensor_parallel"]}
 
@@ -26,8 +34,13 @@ CHECKS = {2: COMMON_CHECKS, 4: [*COMMON_CHECKS, "parity_hybrid_shard", "tensor_p
 def _launch(nproc: int, out_dir: Path) -> dict:
     """Runs the worker on ``nproc`` ranks; returns its results, or raises with its output."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        WORKER, str(out_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        WORKER,
+        str(out_dir),
     ]
     python_path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)

@@ -18,6 +18,8 @@ import pytest
 
 from tests.launch import REPO, TINY_RUN, losses, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
+
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # Exercises Trainer.validate on (vocab-sharded) TP logits too.
@@ -33,9 +35,7 @@ LAYOUTS = {
     ),
     "fsdp2_x_tp2": (4, FSDP2_X_TP2),
     "simple_fsdp_x_tp2": (4, [*FSDP2_X_TP2, "--parallelism.data_parallel_impl", "simple_fsdp"]),
-    "hsdp_x_tp2": (
-        8, ["--training.local_batch_size", "2", *TP2, "--parallelism.data_parallel_replicate_degree", "2"]
-    ),
+    "hsdp_x_tp2": (8, ["--training.local_batch_size", "2", *TP2, "--parallelism.data_parallel_replicate_degree", "2"]),
     # Per-block compile: the embedding's output reaches block 0 as an AsyncCollectiveTensor.
     "fsdp2_x_tp2_compiled": (4, [*FSDP2_X_TP2, "--compile.enable", "--compile.backend", "aot_eager"]),
 }
@@ -105,8 +105,16 @@ def test_per_block_compile_matches_eager(layout_run):
 def _train_stderr(tmp_path, nproc: int, *overrides: str) -> tuple[int, str]:
     """Launches train.py expecting it to fail; returns torchrun's exit code and stderr."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "train.py", *TINY_RUN, "--job.dump_folder", str(tmp_path), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        *TINY_RUN,
+        "--job.dump_folder",
+        str(tmp_path),
+        *overrides,
     ]
     result = subprocess.run(
         command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
@@ -121,8 +129,12 @@ def _train_stderr(tmp_path, nproc: int, *overrides: str) -> tuple[int, str]:
             3,
             # debugmodel: 16 heads, FFN hidden dim 768; a sequence of 66 splits evenly over 3.
             [
-                "--training.local_batch_size", "2", "--training.seq_len", "66",
-                "--parallelism.tensor_parallel_degree", "3",
+                "--training.local_batch_size",
+                "2",
+                "--training.seq_len",
+                "66",
+                "--parallelism.tensor_parallel_degree",
+                "3",
             ],
             "error: parallelism.tensor_parallel_degree 3 must divide the model's n_heads, n_kv_heads and "
             "FFN hidden dim, and training.seq_len; it does not divide n_heads 16, n_kv_heads 16",

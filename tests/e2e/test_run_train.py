@@ -1,30 +1,27 @@
 """run_train.sh end to end: 2 CPU ranks, the default corpus and tokenizer, real output files."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import REPO, losses, read_metrics
+from tests.launch import losses, read_metrics, run_script
+
+pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
 
 
-def run_script(dump: str, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU="2", PYTHON=sys.executable)
-    result = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", dump, *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
+# Generous: full run_train.sh launches (the default corpus, and Inductor in the second test).
+TIMEOUT = 1500
 
 
 def test_run_train_30_steps(tmp_path):
     dump = str(tmp_path / "run")
-    result = run_script(dump, "--training.steps", "30", "--training.seq_len", "128", "--job.run_name", "e2e")
+    result = run_script(
+        dump, "--training.steps", "30", "--training.seq_len", "128", "--job.run_name", "e2e", timeout=TIMEOUT
+    )
 
     records = read_metrics(dump)
     assert [r["step"] for r in records] == [1, 10, 20, 30]
@@ -48,13 +45,16 @@ def test_run_train_30_steps(tmp_path):
 def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
     """The SimpleFSDP acceptance run: inductor, auto bucketing, 20 steps, against FSDP2 eager."""
     common = ["--training.steps", "20", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
-    run_script(str(tmp_path / "fsdp2"), *common)
+    run_script(str(tmp_path / "fsdp2"), *common, timeout=TIMEOUT)
     simple = run_script(
         str(tmp_path / "simple"),
         *common,
-        "--parallelism.data_parallel_impl", "simple_fsdp",
+        "--parallelism.data_parallel_impl",
+        "simple_fsdp",
         "--compile.enable",
-        "--compile.bucketing", "auto",
+        "--compile.bucketing",
+        "auto",
+        timeout=TIMEOUT,
     )
     assert "SimpleFSDP auto bucket plan" in simple.stdout + simple.stderr
     expected = losses(read_metrics(str(tmp_path / "fsdp2")))

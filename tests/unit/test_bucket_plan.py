@@ -137,9 +137,7 @@ def test_mixed_case_without_the_memory_cap_merges_the_tail() -> None:
 
 
 def test_mixed_case_without_resharding_has_no_backward_regathers() -> None:
-    plan = plan_auto(
-        _MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3, reshard_after_forward=False
-    )
+    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3, reshard_after_forward=False)
     # u2 + u3: RS 3 <= G(u1) 5 now; + u4: bytes 1 + 3 > 3. Then [u4] + u5: bytes 2 + 2 > 3.
     assert _boundaries(plan) == [["u0"], ["u1"], ["u2", "u3"], ["u4"], ["u5"]]
 
@@ -384,6 +382,7 @@ def _calibration_worker(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns 2 gloo ranks
 def test_calibration_on_two_gloo_ranks() -> None:
     results = multiprocessing.get_context("spawn").Array("d", [math.nan] * (_WORLD_SIZE * len(_RESULTS)))
     exit_codes = spawn_ranks(_calibration_worker, _WORLD_SIZE, results, timeout_s=_TIMEOUT_S)

@@ -214,8 +214,13 @@ def test_pipeline_stages_save_under_the_full_models_names():
     with torch.device("meta"):
         model = Transformer(args)
     layout = plan_pipeline(
-        n_layers=4, pp_degree=2, schedule="Interleaved1F1B", layers_per_stage=None, split_points=[],
-        local_batch_size=2, microbatch_size=1,
+        n_layers=4,
+        pp_degree=2,
+        schedule="Interleaved1F1B",
+        layers_per_stage=None,
+        split_points=[],
+        local_batch_size=2,
+        microbatch_size=1,
     )
     for pp_rank in range(2):
         stages = [split_stage(model, layout, i) for i in layout.stage_indices(pp_rank)]

@@ -24,14 +24,20 @@ def test_defaults_without_arguments():
 def test_cli_forms_and_types():
     config = load_config(
         [
-            "--training.steps", "20",
-            "--lr_scheduler.warmup_steps", "2",
+            "--training.steps",
+            "20",
+            "--lr_scheduler.warmup_steps",
+            "2",
             "--optimizer.lr=3e-4",
             "--profiling.enable_profiling",
-            "--compile.manual_buckets", "layers.0+layers.1, norm+output",
-            "--metrics.enable_tensorboard", "false",
-            "--training.global_batch_size", "-1",
-            "--lr_scheduler.decay_ratio", "0.2",
+            "--compile.manual_buckets",
+            "layers.0+layers.1, norm+output",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--training.global_batch_size",
+            "-1",
+            "--lr_scheduler.decay_ratio",
+            "0.2",
         ]
     )
     assert config.training.steps == 20
@@ -44,7 +50,9 @@ def test_cli_forms_and_types():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 2\n")
+    path = write(
+        tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.01\n[lr_scheduler]\nwarmup_steps = 2\n"
+    )
     config = load_config(["--job.config_file", path, "--training.steps", "9"])
     assert config.training.steps == 9  # CLI wins
     assert config.training.seq_len == 64  # TOML wins over the default
@@ -138,7 +146,15 @@ def test_help_lists_every_field_with_doc_and_default():
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
     config = load_config(
-        ["--training.steps", "5", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--debug.deterministic"]
+        [
+            "--training.steps",
+            "5",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--lr_scheduler.decay_ratio",
+            "0.5",
+            "--debug.deterministic",
+        ]
     )
     path = write(tmp_path, to_toml(config))
     config.job.config_file = path
@@ -155,7 +171,15 @@ def test_train_py_reports_bad_input_in_one_line():
 
 def test_preflight_catches_world_size_mismatch():
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.preflight", "--world-size", "3", "--parallelism.data_parallel_replicate_degree", "2"],
+        [
+            sys.executable,
+            "-m",
+            "trainer.preflight",
+            "--world-size",
+            "3",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -79,9 +79,7 @@ def test_packing_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTo
     tokens = load_token_stream(str(corpus), char_tokenizer, str(tmp_path / "cache"))
     # [bos a b eos] [bos c d e eos] concatenated.
     assert tokens.tolist() == [1, 97, 98, 2, 1, 99, 100, 101, 2]
-    dataset = PackedTokenDataset(
-        tokens, seq_len=3, local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0
-    )
+    dataset = PackedTokenDataset(tokens, seq_len=3, local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0)
     assert dataset.num_windows == 2  # 9 tokens -> two windows of 4, the final EOS is dropped
     assert dataset.window(0).tolist() == [1, 97, 98, 2]
     assert dataset.window(1).tolist() == [1, 99, 100, 101]
@@ -110,8 +108,14 @@ def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharToke
     corpus = write_corpus(tmp_path, {"tiny.txt": "abc"})
     with pytest.raises(ValueError, match=r"tiny.txt.*5 tokens.*seq_len \+ 1 = 9"):
         build_dataloader(
-            str(corpus / "tiny.txt"), char_tokenizer, seq_len=8, local_batch_size=1,
-            dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path / "cache"),
+            str(corpus / "tiny.txt"),
+            char_tokenizer,
+            seq_len=8,
+            local_batch_size=1,
+            dp_rank=0,
+            dp_world_size=1,
+            seed=0,
+            cache_dir=str(tmp_path / "cache"),
         )
 
 
@@ -125,9 +129,7 @@ def test_bad_loader_options_are_named(
     corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
     options = {"seq_len": 4, "local_batch_size": 1, "dp_rank": 0, "dp_world_size": 2, **kwargs}
     with pytest.raises(ValueError, match=option):
-        build_dataloader(
-            str(corpus / "c.txt"), char_tokenizer, seed=0, cache_dir=str(tmp_path / "cache"), **options
-        )
+        build_dataloader(str(corpus / "c.txt"), char_tokenizer, seed=0, cache_dir=str(tmp_path / "cache"), **options)
 
 
 # --- global order ----------------------------------------------------------
@@ -262,8 +264,14 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
         list(local_corpus_texts(str(tmp_path / "missing_corpus")))
     with pytest.raises(FileNotFoundError, match="missing_corpus"):
         build_dataloader(
-            str(tmp_path / "missing_corpus"), char_tokenizer, seq_len=4, local_batch_size=1,
-            dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path / "cache"),
+            str(tmp_path / "missing_corpus"),
+            char_tokenizer,
+            seq_len=4,
+            local_batch_size=1,
+            dp_rank=0,
+            dp_world_size=1,
+            seed=0,
+            cache_dir=str(tmp_path / "cache"),
         )
     empty = write_corpus(tmp_path / "empty", {"readme.md": "no corpus here"})
     with pytest.raises(ValueError, match="empty contains no .txt or .jsonl"):
@@ -278,9 +286,7 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
 # --- token stream cache ----------------------------------------------------
 
 
-def test_token_stream_is_cached_and_invalidated_by_changes(
-    tmp_path: Path, char_tokenizer: CharTokenizer
-) -> None:
+def test_token_stream_is_cached_and_invalidated_by_changes(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path / "corpus", {"a.txt": "abc"})
     cache_dir = str(tmp_path / "cache")
     assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
@@ -310,9 +316,7 @@ def test_default_corpus_is_python_documentation() -> None:
 def test_python_docs_dataset_with_default_tokenizer(
     tmp_path: Path, session_default_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    options = dict(
-        seq_len=64, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path)
-    )
+    options = dict(seq_len=64, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path))
     inputs, labels = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
     assert inputs.shape == (2, 64) and torch.equal(inputs[:, 1:], labels[:, :-1])
     assert int(inputs.max()) < session_default_tokenizer.vocab_size

@@ -167,9 +167,7 @@ def _step_metrics(step: int) -> dict[str, float]:
     }
 
 
-def test_metrics_logger_writes_console_jsonl_and_tensorboard(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_metrics_logger_writes_console_jsonl_and_tensorboard(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tensorboard_dir = tmp_path / "tb"
     metrics_logger = MetricsLogger(
         str(tmp_path / "dump"), enable=True, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)

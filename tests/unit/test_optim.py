@@ -131,9 +131,7 @@ def test_sqrt_decay() -> None:
 
 def test_wsd_warmup_stable_decay_with_decay_ratio() -> None:
     # 10 steps, decay_ratio 0.4 -> 4 decay steps starting at step 6.
-    lrs = _lr_trace(
-        12, warmup_steps=2, total_steps=10, decay_type="linear", decay_ratio=0.4, min_lr_factor=0.2
-    )
+    lrs = _lr_trace(12, warmup_steps=2, total_steps=10, decay_type="linear", decay_ratio=0.4, min_lr_factor=0.2)
     expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
     expected += [0.2 + 0.8 * (1 - k / 4) for k in range(1, 5)]
     expected += [0.2, 0.2]  # past total_steps the lr stays at the minimum
@@ -348,9 +346,7 @@ def _check_optimizer_on_dtensors() -> None:
 
         distribute_module(model, mesh, shard_params)
         optimizer = build_optimizer([model], lr=0.1, implementation=implementation)
-        reference_optimizer = torch.optim.AdamW(
-            reference.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1
-        )
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
         for _ in range(2):
             for module, opt in ((model, optimizer), (reference, reference_optimizer)):
                 for param in module.parameters():
@@ -364,9 +360,7 @@ def _check_optimizer_on_dtensors() -> None:
 
 
 def _distributed_worker(rank: int, port: int, passed: Any) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
     _check_mixed_mesh_clipping()
     _check_pipeline_clipping(rank)
     _check_optimizer_on_dtensors()
@@ -377,10 +371,10 @@ def _distributed_worker(rank: int, port: int, passed: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns gloo ranks
 def test_distributed_clipping_and_optimizer_on_dtensors() -> None:
     passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)  # 1 once a rank's checks passed
     exit_codes = spawn_ranks(_distributed_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
     assert list(passed) == [1] * _WORLD_SIZE, (
-        f"passed per rank {list(passed)}, exit codes {exit_codes}; "
-        "see the worker tracebacks above"
+        f"passed per rank {list(passed)}, exit codes {exit_codes}; see the worker tracebacks above"
     )
