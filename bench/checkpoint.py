@@ -47,10 +47,9 @@ def run_flavor(flavor: str, args: argparse.Namespace) -> dict[str, Any]:
     overrides = ["--model.flavor", flavor, "--training.seq_len", str(args.seq_len), "--training.local_batch_size", "2"]
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", WORKER,
-            "--root", tmp, "--out", out, "--repeats", str(args.repeats), "--", *overrides,
-        ]
+        torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={NPROC} {WORKER}"
+        worker_args = f"--root {tmp} --out {out} --repeats {args.repeats} --"
+        command = [sys.executable, *torchrun.split(), *worker_args.split(), *overrides]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
         log_path = os.path.join(tmp, "log.txt")
         with open(log_path, "w") as log:
@@ -76,8 +75,7 @@ def summarize(result: dict[str, Any]) -> None:
     result["median_s"] = {m: statistics.median(times[m]) for m in MEASURES}
     # Measures of one repetition run seconds apart and share the machine's load: median of their ratios.
     result["ratios"] = {
-        name: statistics.median([a / b for a, b in zip(times[num], times[den])])
-        for name, (num, den) in RATIOS.items()
+        name: statistics.median([a / b for a, b in zip(times[num], times[den])]) for name, (num, den) in RATIOS.items()
     }
 
 

@@ -29,12 +29,12 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from trainer.checkpoint import CheckpointManager  # noqa: E402
-from config.manager import load_config  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+from config.manager import load_config
+from trainer.checkpoint import CheckpointManager
+from trainer.trainer import Trainer
 
 BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")
-TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+TP2 = "--parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1".split()
 
 
 def slowest(fn: Callable[[], object]) -> float:
@@ -75,14 +75,9 @@ def timed_resume(config_args: list[str], folder: str, expected_norm: float) -> f
 
 
 def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
-    config_args = [
-        "--job.config_file", BASE_CONFIG,
-        "--job.dump_folder", os.path.join(root, "dump"),
-        "--checkpoint.enable",
-        "--metrics.enable_tensorboard", "false",
-        "--metrics.peak_flops", "1e12",  # no MFU here: skips the matmul benchmark
-        *overrides,
-    ]
+    # --metrics.peak_flops: no MFU here, which skips the matmul benchmark.
+    flags = f"--job.config_file {BASE_CONFIG} --job.dump_folder {os.path.join(root, 'dump')} --checkpoint.enable"
+    config_args = [*flags.split(), *"--metrics.enable_tensorboard false --metrics.peak_flops 1e12".split(), *overrides]
     trainer = Trainer(load_config(config_args))
     batches = iter(trainer.dataloader)
     trainer.train_step([next(batches) for _ in range(trainer.grad_accum_steps)])

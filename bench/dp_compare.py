@@ -34,23 +34,26 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
+import torch
 
-from models.llama3 import llama3_flavors  # noqa: E402
+from models.llama3 import llama3_flavors
 
 WORKER = os.path.join(REPO, "bench", "dp_compare_worker.py")
 RESULTS_DIR = os.path.join(REPO, "bench", "results")
 NPROC = 2
 MIB = 2**20
 
-SIMPLE_FSDP_COMPILED = ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.backend", "inductor"]
+SIMPLE_FSDP_COMPILED = "--parallelism.data_parallel_impl simple_fsdp --compile.enable --compile.backend inductor"
 VARIANTS: dict[str, list[str]] = {
-    "fsdp2_eager": ["--parallelism.data_parallel_impl", "fsdp2"],
-    "fsdp2_compile": ["--parallelism.data_parallel_impl", "fsdp2", "--compile.enable", "--compile.backend", "inductor"],
-    "simplefsdp_eager": ["--parallelism.data_parallel_impl", "simple_fsdp"],
-    "simplefsdp_none": [*SIMPLE_FSDP_COMPILED, "--compile.bucketing", "none"],
-    "simplefsdp_manual": [*SIMPLE_FSDP_COMPILED, "--compile.bucketing", "manual"],
-    "simplefsdp_auto": [*SIMPLE_FSDP_COMPILED, "--compile.bucketing", "auto"],
+    name: flags.split()
+    for name, flags in {
+        "fsdp2_eager": "--parallelism.data_parallel_impl fsdp2",
+        "fsdp2_compile": "--parallelism.data_parallel_impl fsdp2 --compile.enable --compile.backend inductor",
+        "simplefsdp_eager": "--parallelism.data_parallel_impl simple_fsdp",
+        "simplefsdp_none": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing none",
+        "simplefsdp_manual": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual",
+        "simplefsdp_auto": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing auto",
+    }.items()
 }
 BASELINE = "fsdp2_eager"
 
@@ -157,12 +160,10 @@ def stop_launch(process: subprocess.Popen) -> None:
 def run_variant(model: str, variant: str, shape: Shape, args: argparse.Namespace, log_path: str) -> dict[str, Any]:
     """Launches one variant and returns the worker's result. Raises RuntimeError when the launch
     fails and subprocess.TimeoutExpired after ``--timeout`` seconds (the launch is killed)."""
+    # The warm-up stays within the shortest run's step count (the base config warms up over 6 steps).
     overrides = [
-        "--model.flavor", model,
-        "--training.seq_len", str(shape.seq_len),
-        "--training.local_batch_size", str(shape.batch_size),
-        # Within the shortest run's step count (the base config warms the LR up over 6 steps).
-        "--lr_scheduler.warmup_steps", str(min(6, args.warmup + args.steps)),
+        *f"--model.flavor {model} --training.seq_len {shape.seq_len} --training.local_batch_size {shape.batch_size}"
+        f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}".split(),
         *VARIANTS[variant],
     ]
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
@@ -179,10 +180,9 @@ def run_variant(model: str, variant: str, shape: Shape, args: argparse.Namespace
             # Compile in the rank's own process: both cores already run a rank.
             TORCHINDUCTOR_COMPILE_THREADS="1",
         )
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-            WORKER, "--out", out, "--warmup", str(args.warmup), "--steps", str(args.steps), "--", *overrides,
-        ]
+        torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={NPROC} {WORKER}"
+        worker_args = f"--out {out} --warmup {args.warmup} --steps {args.steps} --"
+        command = [sys.executable, *torchrun.split(), *worker_args.split(), *overrides]
         with open(log_path, "w") as log:
             log.write(" ".join(command) + "\n\n")
             log.flush()
@@ -239,7 +239,9 @@ def graph_note(r: dict[str, Any]) -> str | None:
     forward, backward = reports[-2]["collectives"], reports[-1]["collectives"]
     in_graphs = {k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
     runtime = r["collectives"]
-    agrees = in_graphs["all_gather"] == runtime["all_gather"] and in_graphs["reduce_scatter"] == runtime["reduce_scatter"]
+    agrees = (
+        in_graphs["all_gather"] == runtime["all_gather"] and in_graphs["reduce_scatter"] == runtime["reduce_scatter"]
+    )
     buckets = "per-parameter" if r["buckets"] is None else f"{len(r['buckets'])} buckets"
     note = (
         f"{r['model']} {r['variant']}: {buckets}; graphs fw AG {forward.get('all_gather', 0)}, "
@@ -304,13 +306,41 @@ def main(argv: list[str]) -> int:
         f"torch {info['torch']}, {info['usable_cores']} cores, load average {info['loadavg_start'][0]:.1f}",
         flush=True,
     )
-    results: list[dict[str, Any]] = []
     start = time.perf_counter()
+    results = run_all(runs, args, log_dir)
+    add_ratios(results)
+    info["loadavg_end"] = os.getloadavg()
+    info["total_wall_s"] = time.perf_counter() - start
+    write_results(args, info, results)
+    print()
+    print(format_table(results))
+    notes = [n for r in results if (n := graph_note(r))]
+    if notes:
+        print("\nCompiled SimpleFSDP graphs (BucketingPass reports):\n  " + "\n  ".join(notes))
+    print(f"\n{LEGEND}\nMemory: {MEMORY_METHOD}")
+    print(f"\nTotal {info['total_wall_s'] / 60:.1f} min; results in {os.path.relpath(args.out, REPO)}")
+
+    failed = [r for r in results if not r["ok"]]
+    for r in failed:
+        traceback = first_traceback(os.path.join(REPO, r["log"]))
+        print(f"\nFAILED {r['model']} {r['variant']}: {r['error']}\nfrom {r['log']}:\n{traceback}", file=sys.stderr)
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} runs failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_all(runs: list[tuple[str, str]], args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
+    """Every (model, variant) launch, one after the other; a failed one is recorded and skipped."""
+    results: list[dict[str, Any]] = []
     for i, (model, variant) in enumerate(runs, 1):
         shape = model_shape(model, args)
         log_path = os.path.join(log_dir, f"{model}_{variant}.log")
-        print(f"[{i}/{len(runs)}] {model} {variant} (seq_len {shape.seq_len}, batch {shape.batch_size}/rank) ... ",
-              end="", flush=True)
+        print(
+            f"[{i}/{len(runs)}] {model} {variant} (seq_len {shape.seq_len}, batch {shape.batch_size}/rank) ... ",
+            end="",
+            flush=True,
+        )
         run_start = time.perf_counter()
         entry: dict[str, Any] = {"model": model, "variant": variant, "log": os.path.relpath(log_path, REPO)}
         try:
@@ -325,10 +355,10 @@ def main(argv: list[str]) -> int:
             print(f"FAILED ({e}), see {entry['log']}", flush=True)
         entry["wall_s"] = time.perf_counter() - run_start
         results.append(entry)
-    add_ratios(results)
+    return results
 
-    info["loadavg_end"] = os.getloadavg()
-    info["total_wall_s"] = time.perf_counter() - start
+
+def write_results(args: argparse.Namespace, info: dict[str, Any], results: list[dict[str, Any]]) -> None:
     with open(args.out, "w") as f:
         json.dump(
             {
@@ -348,24 +378,6 @@ def main(argv: list[str]) -> int:
             f,
             indent=1,
         )
-
-    print()
-    print(format_table(results))
-    notes = [n for r in results if (n := graph_note(r))]
-    if notes:
-        print("\nCompiled SimpleFSDP graphs (BucketingPass reports):\n  " + "\n  ".join(notes))
-    print(f"\n{LEGEND}\nMemory: {MEMORY_METHOD}")
-    print(f"\nTotal {info['total_wall_s'] / 60:.1f} min; results in {os.path.relpath(args.out, REPO)}")
-
-    failed = [r for r in results if not r["ok"]]
-    for r in failed:
-        traceback = first_traceback(os.path.join(REPO, r["log"]))
-        print(f"\nFAILED {r['model']} {r['variant']}: {r['error']}\nfrom {r['log']}:\n{traceback}",
-              file=sys.stderr)
-    if failed:
-        print(f"error: {len(failed)} of {len(results)} runs failed", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

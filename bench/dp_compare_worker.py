@@ -34,10 +34,10 @@ from torch.profiler import ProfilerActivity, profile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from config.manager import load_config  # noqa: E402
-from trainer.distributed import set_collective_timeout  # noqa: E402
-from trainer.metrics import peak_memory_gib, reset_peak_memory  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+from config.manager import load_config
+from trainer.distributed import set_collective_timeout
+from trainer.metrics import peak_memory_gib, reset_peak_memory
+from trainer.trainer import Trainer
 
 BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")
 
@@ -241,7 +241,9 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
         },
         "graph_reports": None
         if graph_pass is None
-        else [{"collectives": dict(r.collectives), "all_gather_buckets": r.all_gather_buckets} for r in graph_pass.reports],
+        else [
+            {"collectives": dict(r.collectives), "all_gather_buckets": r.all_gather_buckets} for r in graph_pass.reports
+        ],
         "buckets": None if graph_pass is None else graph_pass.buckets,
         "dynamo_frames_compiled": len(torch._dynamo.utils.get_compilation_metrics()),
     }
@@ -251,11 +253,16 @@ def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
     setup_start = time.perf_counter()
     config = load_config(
         [
-            "--job.config_file", BASE_CONFIG,
-            "--training.steps", str(warmup + steps + 1),
-            "--metrics.enable_tensorboard", "false",
-            "--metrics.peak_flops", "1e12",  # no MFU here: skips the matmul benchmark
-            "--job.dump_folder", os.path.dirname(os.path.abspath(out)),
+            "--job.config_file",
+            BASE_CONFIG,
+            "--training.steps",
+            str(warmup + steps + 1),
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.peak_flops",
+            "1e12",  # no MFU here: skips the matmul benchmark
+            "--job.dump_folder",
+            os.path.dirname(os.path.abspath(out)),
             *overrides,
         ]
     )

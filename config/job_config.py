@@ -21,14 +21,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
 
+
 class ConfigError(ValueError):
     """A user error in the configuration: reported as one line, without a traceback."""
 
 
 def _default_cache_dir() -> str:
-    return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tessera"
-    )
+    return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
 
 
 @dataclass

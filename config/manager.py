@@ -133,11 +133,7 @@ def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
 
 
 def _all_keys() -> list[str]:
-    return [
-        f"{section}.{f.name}"
-        for section, cls in _sections().items()
-        for f in dataclasses.fields(cls)
-    ]
+    return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)]
 
 
 def _set(config: JobConfig, key: str, raw: typing.Any, origin: str = "") -> None:
@@ -219,13 +215,10 @@ def _apply_toml(config: JobConfig, path: str) -> None:
     for section_name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(
-                f"{path}: '{section_name}' must be a [section] table"
-                f"{_suggest(section_name, _sections())}"
+                f"{path}: '{section_name}' must be a [section] table{_suggest(section_name, _sections())}"
             )
         if section_name not in _sections():
-            raise ConfigError(
-                f"{path}: unknown section [{section_name}]{_suggest(section_name, _sections())}"
-            )
+            raise ConfigError(f"{path}: unknown section [{section_name}]{_suggest(section_name, _sections())}")
         for field_name, value in table.items():
             _set(config, f"{section_name}.{field_name}", value, origin=f" in {path}")
     config.job.config_file = path
@@ -265,9 +258,7 @@ def validate(config: JobConfig) -> None:
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     if lr.warmup_steps > config.training.steps:
-        raise ConfigError(
-            f"lr_scheduler.warmup_steps {lr.warmup_steps} exceeds training.steps {config.training.steps}"
-        )
+        raise ConfigError(f"lr_scheduler.warmup_steps {lr.warmup_steps} exceeds training.steps {config.training.steps}")
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
 

@@ -73,7 +73,9 @@ def build_model(
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    logger.info("%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6
+    )
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
 
     def materialize(module: nn.Module) -> nn.Module:

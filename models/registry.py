@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 
@@ -53,7 +54,5 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def get_flavor(spec: ModelSpec, flavor: str) -> Any:
     if flavor not in spec.flavors:
-        raise ConfigError(
-            f"model.flavor: '{flavor}' is not a {spec.name} flavor; known: {', '.join(spec.flavors)}"
-        )
+        raise ConfigError(f"model.flavor: '{flavor}' is not a {spec.name} flavor; known: {', '.join(spec.flavors)}")
     return spec.flavors[flavor]

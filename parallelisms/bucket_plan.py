@@ -127,14 +127,10 @@ class ComputeModel:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.flops_per_second) and self.flops_per_second > 0):
-            raise ValueError(
-                f"{COMPUTE_OPTION} must be a finite number > 0, got {self.flops_per_second} FLOP/s"
-            )
+            raise ValueError(f"{COMPUTE_OPTION} must be a finite number > 0, got {self.flops_per_second} FLOP/s")
 
     @classmethod
-    def from_config(
-        cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype
-    ) -> ComputeModel:
+    def from_config(cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype) -> ComputeModel:
         """The configured rate, or when unset ``device_peak_flops``: measured once per process on
         CPUs and unknown GPUs (shared with the MFU metric), the datasheet peak on known GPUs (an
         optimistic compute time, so the planner errs towards smaller buckets)."""
@@ -219,8 +215,7 @@ def calibrate_comm_model(
     small_s, large_s = slowest.tolist()
     model = _fit_alpha_beta(small_bytes, small_s, large_bytes, large_s, world_size)
     logger.info(
-        "Calibrated all-gather over %d ranks: %.1f us for %d B, %.1f us for %d B -> alpha %.1f us, "
-        "bandwidth %.3f GB/s",
+        "Calibrated all-gather over %d ranks: %.1f us for %d B, %.1f us for %d B -> alpha %.1f us, bandwidth %.3f GB/s",
         world_size,
         small_s * 1e6,
         small_bytes,
@@ -447,7 +442,11 @@ def plan_auto(
         closed.append(current)
         current = [unit]
     closed.append(current)
+    _warn_over_cap(closed, memory_cap_bytes)
+    return _predict(closed, costs)
 
+
+def _warn_over_cap(closed: list[list[PlanUnit]], memory_cap_bytes: int) -> None:
     for index, group in enumerate(closed):
         neighbour_bytes = sum(u.param_bytes for u in closed[index - 1]) if index > 0 else 0
         group_bytes = sum(u.param_bytes for u in group)
@@ -456,13 +455,8 @@ def plan_auto(
             logger.warning(
                 "Bucket %d (%s, %d B) with the bucket before it (%d B) exceeds the memory cap of %d B: "
                 "a single module cannot be split, so it gets its own bucket anyway",
-                index,
-                group[0].name,
-                group_bytes,
-                neighbour_bytes,
-                memory_cap_bytes,
+                *(index, group[0].name, group_bytes, neighbour_bytes, memory_cap_bytes),
             )
-    return _predict(closed, costs)
 
 
 def _parse_spec(spec: str) -> list[str]:

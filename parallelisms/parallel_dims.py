@@ -72,7 +72,12 @@ class ParallelDims:
         """Creates the mesh (a collective over the default group) and keeps it in ``self.mesh``."""
         dims = [
             (name, size)
-            for name, size in (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+            for name, size in (
+                ("pp", self.pp),
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+            )
             if size > 1
         ] or [("dp_shard", 1)]
         names, sizes = zip(*dims)

@@ -159,8 +159,7 @@ def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]
 def _check_stages_per_rank(num_stages: int, pp_degree: int, schedule: str, single_stage: bool, source: str) -> None:
     if single_stage and num_stages != pp_degree:
         raise ValueError(
-            f"{source} gives {num_stages} stages, but {schedule} runs one stage per rank "
-            f"({DEGREE_OPTION} {pp_degree})"
+            f"{source} gives {num_stages} stages, but {schedule} runs one stage per rank ({DEGREE_OPTION} {pp_degree})"
         )
     if num_stages % pp_degree or (not single_stage and num_stages < 2 * pp_degree):
         raise ValueError(

@@ -97,9 +97,7 @@ class _TensorParallelLayout:
 # ---------------------------------------------------------------------------
 
 
-def _replicate_to_local(
-    tensor: DTensor, forward_dtype: torch.dtype | None, reduce_dtype: torch.dtype
-) -> torch.Tensor:
+def _replicate_to_local(tensor: DTensor, forward_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> torch.Tensor:
     """All-gathers ``tensor`` into a plain local tensor; backward sums the gradient over the mesh."""
     # forward_dtype casts before the all-gather (bf16 on the wire); backward_dtype runs the
     # reduce-scatter / all-reduce in reduce_dtype, and the gradient lands in the input's dtype.

@@ -364,7 +364,9 @@ class CheckpointManager:
         if self.config.load_step >= 0:
             chosen = [(step, path) for step, path in candidates if step == self.config.load_step]
             if not chosen:
-                raise ConfigError(f"checkpoint.load_step: no complete checkpoint step-{self.config.load_step} in {self.folder}")
+                raise ConfigError(
+                    f"checkpoint.load_step: no complete checkpoint step-{self.config.load_step} in {self.folder}"
+                )
             self._load_checked(chosen[0][1], self._wanted_parts())
             self._tidy_after_resume(chosen[0][0])
             return chosen[0][0]

@@ -22,9 +22,7 @@ DEFAULT_DATASET = "python_docs"
 CORPUS_SUFFIXES = (".txt", ".jsonl")
 
 # Folders of the standard library that hold tests, test data or third-party code.
-_SKIPPED_STDLIB_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
+_SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 _DOCUMENTED_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -105,9 +104,7 @@ class PackedTokenDataset(IterableDataset):
         window_len = seq_len + 1
         self.num_windows = len(tokens) // window_len
         if self.num_windows == 0:
-            raise ValueError(
-                f"corpus has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window_len}"
-            )
+            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window_len}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -231,22 +228,15 @@ def build_dataset(
         raise ValueError(f"dataset {dataset}: {error}") from None
 
 
-def build_dataloader(
-    dataset: str, tokenizer: Tokenizer, *, num_workers: int = 0, **dataset_options: Any
-) -> StatefulDataLoader:
-    """Resumable loader of ``(inputs, labels)`` int64 batches ``[local_batch_size, seq_len]``;
-    ``dataset_options`` are ``build_dataset``'s."""
-    return packed_dataloader(build_dataset(dataset, tokenizer, **dataset_options), num_workers=num_workers)
-
-
 def config_dataloader(
     config: JobConfig, option: str, tokenizer: Tokenizer, parallel_dims: ParallelDims, seed: int
 ) -> StatefulDataLoader:
-    """This data-parallel rank's loader of the corpus that ``option`` (``training.dataset`` or
-    ``validation.dataset``) names; a one-line ConfigError naming ``option`` for a bad corpus."""
+    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus that
+    ``option`` (``training.dataset`` or ``validation.dataset``) names; a one-line ConfigError
+    naming ``option`` for a bad corpus."""
     section, _, name = option.partition(".")
     with user_input(option):
-        return build_dataloader(
+        dataset = build_dataset(
             getattr(getattr(config, section), name),
             tokenizer,
             seq_len=config.training.seq_len,
@@ -255,12 +245,13 @@ def config_dataloader(
             dp_world_size=parallel_dims.dp_degree,
             seed=seed,
             cache_dir=config.job.cache_dir,
-            num_workers=config.training.dataloader_num_workers,
         )
+        return packed_dataloader(dataset, num_workers=config.training.dataloader_num_workers)
 
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:
-    """Resumable loader batching ``packed`` by its ``local_batch_size``."""
+    """Resumable loader batching ``packed`` by its ``local_batch_size`` into int64
+    ``[local_batch_size, seq_len]`` inputs and labels."""
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be >= 0")
     with warnings.catch_warnings():

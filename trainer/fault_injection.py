@@ -54,7 +54,9 @@ class FailureInjector:
         if failure == "nan":
             self.poison_gradients = True
             return
-        logger.warning("debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, int(os.environ.get("RANK", 0)))
+        logger.warning(
+            "debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, int(os.environ.get("RANK", 0))
+        )
         if failure == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while failure == "hang":

@@ -36,6 +36,8 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default "5GB"
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -99,9 +101,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
     return shards
 
 
-def _write_folder(
-    folder: str, tensors: dict[str, torch.Tensor], config: dict, max_shard_bytes: int
-) -> None:
+def _write_folder(folder: str, tensors: dict[str, torch.Tensor], config: dict, max_shard_bytes: int) -> None:
     """Writes the export into a temporary sibling folder and renames it to ``folder``, so a crash
     never leaves a half-written export under the final name."""
     folder = os.path.abspath(folder)

@@ -148,9 +148,7 @@ def build_lr_scheduler(
     if total_steps < 1:
         raise ValueError(f"lr_scheduler.total_steps must be >= 1, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
-            f"lr_scheduler.warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}"
-        )
+        raise ValueError(f"lr_scheduler.warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}")
     if not 0.0 <= min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {min_lr_factor}")
 
@@ -167,8 +165,8 @@ def build_lr_scheduler(
             )
 
     stable_steps = total_steps - warmup_steps - decay_steps
-    logger.info("LR schedule: %d warmup, %d stable, %d %s decay steps to %g x peak",
-                warmup_steps, stable_steps, decay_steps, decay_type, min_lr_factor)  # fmt: skip
+    phases = f"{warmup_steps} warmup, {stable_steps} stable, {decay_steps} {decay_type} decay steps"
+    logger.info("LR schedule: %s to %g x peak", phases, min_lr_factor)
     schedule = WarmupStableDecay(warmup_steps, total_steps - decay_steps, decay_steps, decay_type, min_lr_factor)
     return LambdaLR(optimizer, lr_lambda=schedule)
 
@@ -208,9 +206,7 @@ def clip_grad_norm_(
 
     if group_norms:
         device = group_norms[0].device
-        total_norm = torch.linalg.vector_norm(
-            torch.stack([norm.to(device) for norm in group_norms]), norm_type
-        )
+        total_norm = torch.linalg.vector_norm(torch.stack([norm.to(device) for norm in group_norms]), norm_type)
     else:
         # A stage without gradients still has to join the pp all-reduce below.
         device = torch.device(pp_mesh.device_type) if pp_mesh is not None else torch.device("cpu")

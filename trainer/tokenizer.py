@@ -124,9 +124,7 @@ class TiktokenTokenizer(Tokenizer):
         model_bytes = _read_model_file(path)
         ranks = _parse_tiktoken_ranks(model_bytes, path)
         num_base_tokens = len(ranks)
-        special_tokens = {
-            name: num_base_tokens + offset for offset, name in enumerate(llama3_special_tokens())
-        }
+        special_tokens = {name: num_base_tokens + offset for offset, name in enumerate(llama3_special_tokens())}
         self._encoding = tiktoken.Encoding(
             name=f"tessera:{os.path.basename(path)}",
             pat_str=LLAMA3_PATTERN,
@@ -156,10 +154,7 @@ def llama3_special_tokens() -> list[str]:
     """The 256 Llama 3 special tokens in id order (offsets after the base vocab)."""
     num_reserved_left = LLAMA3_NUM_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIAL_TOKENS)
     first_unnamed = 5  # reserved tokens 0..4 are interleaved with the named ones
-    reserved = [
-        f"<|reserved_special_token_{i}|>"
-        for i in range(first_unnamed, first_unnamed + num_reserved_left)
-    ]
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(first_unnamed, first_unnamed + num_reserved_left)]
     return [*_LLAMA3_NAMED_SPECIAL_TOKENS, *reserved]
 
 
@@ -254,9 +249,7 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
     missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
     if missing_bytes:
         # Without all single bytes some texts have no encoding (tiktoken panics).
-        raise ValueError(
-            f"tiktoken file {path}: {len(missing_bytes)} of the 256 single-byte tokens are missing"
-        )
+        raise ValueError(f"tiktoken file {path}: {len(missing_bytes)} of the 256 single-byte tokens are missing")
     return ranks
 
 
@@ -314,9 +307,7 @@ def _train_default_model(output_path: str, vocab_size: int) -> None:
         )
     except RuntimeError as error:
         reason = str(error).rsplit("] ", 1)[-1]  # drop the C++ source location
-        raise ValueError(
-            f"cannot train the default tokenizer with vocab_size={vocab_size}: {reason}"
-        ) from None
+        raise ValueError(f"cannot train the default tokenizer with vocab_size={vocab_size}: {reason}") from None
     with open(output_path, "wb") as f:
         f.write(model.getvalue())
 

@@ -53,7 +53,9 @@ class Trainer:
             self.tokenizer = build_tokenizer(
                 config.model.tokenizer_path, config.job.cache_dir, config.model.default_tokenizer_vocab_size
             )
-        self.dataloader = config_dataloader(config, "training.dataset", self.tokenizer, self.parallel_dims, config.debug.seed)
+        self.dataloader = config_dataloader(
+            config, "training.dataset", self.tokenizer, self.parallel_dims, config.debug.seed
+        )
         args = model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self._build_optimizer()

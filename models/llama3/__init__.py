@@ -25,6 +25,9 @@ __all__ = [
     "rope_inv_freq",
 ]
 
+# What every published Llama 3.1 size shares.
+_LLAMA31 = dict(n_kv_heads=8, vocab_size=128256, norm_eps=1e-5, rope_theta=500000, use_rope_scaling=True)
+
 llama3_flavors: dict[str, TransformerModelArgs] = {
     # Small models for tests and smoke runs; vocab_size is replaced by the tokenizer's.
     "debugmodel": TransformerModelArgs(
@@ -34,40 +37,11 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
     # Published Llama 3.1 hyper-parameters.
-    "8B": TransformerModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        norm_eps=1e-5,
-        rope_theta=500000,
-        use_rope_scaling=True,
-    ),
+    "8B": TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31),
     "70B": TransformerModelArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        norm_eps=1e-5,
-        rope_theta=500000,
-        use_rope_scaling=True,
+        dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31
     ),
     "405B": TransformerModelArgs(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim_multiplier=1.2,
-        multiple_of=4096,
-        norm_eps=1e-5,
-        rope_theta=500000,
-        use_rope_scaling=True,
+        dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31
     ),
 }

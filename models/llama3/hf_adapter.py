@@ -150,6 +150,29 @@ def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def _rope_args(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """Our RoPE fields from an HF config; transformers >= 5 nests theta and scaling in
+    ``rope_parameters``, older files keep them at the top level."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default or llama3)")
+    rope_theta = rope.get("rope_theta", config.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(f"{source}: missing field 'rope_theta'")
+    fields = {"rope_theta": float(rope_theta), "use_rope_scaling": rope_type == "llama3"}
+    if rope_type == "llama3":
+        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        absent = [name for name in names if name not in rope]
+        if absent:
+            raise ValueError(f"{source}: llama3 rope scaling without '{absent[0]}'")
+        fields["rope_scaling_factor"] = float(rope["factor"])
+        fields["rope_low_freq_factor"] = float(rope["low_freq_factor"])
+        fields["rope_high_freq_factor"] = float(rope["high_freq_factor"])
+        fields["rope_original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    return fields
+
+
 def args_from_hf_config(
     config: dict[str, Any], base: TransformerModelArgs | None = None, source: str = "config.json"
 ) -> TransformerModelArgs:
@@ -169,15 +192,6 @@ def args_from_hf_config(
     for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(name, expected) != expected:
             raise ValueError(f"{source}: {name}={config[name]!r} is not supported (need {expected!r})")
-    # transformers >= 5 nests theta and scaling in rope_parameters; older files use the top level.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default or llama3)")
-    rope_theta = rope.get("rope_theta", config.get("rope_theta"))
-    if rope_theta is None:
-        raise ValueError(f"{source}: missing field 'rope_theta'")
-
     n_heads = field("num_attention_heads")
     n_kv_heads = config.get("num_key_value_heads") or n_heads
     args = dataclasses.replace(
@@ -188,21 +202,8 @@ def args_from_hf_config(
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,  # our flavors' spelling of MHA
         vocab_size=field("vocab_size"),
         norm_eps=field("rms_norm_eps"),
-        rope_theta=float(rope_theta),
-        use_rope_scaling=rope_type == "llama3",
+        **_rope_args(config, source),
     )
-    if args.use_rope_scaling:
-        names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        absent = [name for name in names if name not in rope]
-        if absent:
-            raise ValueError(f"{source}: llama3 rope scaling without '{absent[0]}'")
-        args = dataclasses.replace(
-            args,
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
     if config.get("head_dim", args.head_dim) != args.head_dim:
         raise ValueError(
             f"{source}: head_dim={config['head_dim']} but hidden_size / num_attention_heads = {args.head_dim}"

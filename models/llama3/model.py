@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -158,9 +158,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
 
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -259,6 +257,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             name = clean_name(name)  # the model's own name, whatever wrappers were applied
             _init_param_(param, _init_fn(name, self.args), seed=seed, name=name)
+
 
 def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, torch.Generator], None]:
     """The initialiser of the parameter called ``name`` (a full-model FQN)."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from config.job_config import DTYPES, JobConfig, user_input
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
     BucketPlan,
@@ -24,10 +25,9 @@ from parallelisms.bucket_plan import (
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
+from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
-from config.job_config import DTYPES, JobConfig, user_input
-from parallelisms.parallel_dims import ParallelDims
 
 from .model import Transformer, TransformerModelArgs
 from .pipeline import pipeline_layout
@@ -111,8 +111,12 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     ``tokens`` tokens per microbatch (backward = 2 x forward)."""
     args = model.args
     units = []
-    for name, module in [("tok_embeddings", model.tok_embeddings), *((f"layers.{i}", b) for i, b in model.layers.items()),
-                         ("norm", model.norm), ("output", model.output)]:
+    for name, module in [
+        ("tok_embeddings", model.tok_embeddings),
+        *((f"layers.{i}", b) for i, b in model.layers.items()),
+        ("norm", model.norm),
+        ("output", model.output),
+    ]:
         if module is None:
             continue
         numel = sum(p.numel() for p in module.parameters())
@@ -129,7 +133,9 @@ def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
     param_dtype = DTYPES[config.training.mixed_precision_param]
-    units = plan_units(model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype)
+    units = plan_units(
+        model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype
+    )
     if config.compile.bucketing == "manual":
         with user_input("compile.manual_buckets"):
             return plan_manual(units, config.compile.manual_buckets or default_manual_patterns([u.name for u in units]))

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, TINY_RUN, losses, run_train
 from config.job_config import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
+from tests.launch import REPO, TINY_RUN, losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]

@@ -19,17 +19,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallelisms.bucket_plan import (
+from parallelisms.bucket_plan import (  # the cost model plan_auto uses
     BucketPlan,
     CommModel,
     ComputeModel,
     PlanUnit,
+    _Costs,
+    _predict,
     calibrate_comm_model,
     default_manual_patterns,
     plan_auto,
     plan_manual,
 )
-from parallelisms.bucket_plan import _Costs, _predict  # the cost model plan_auto uses
 from parallelisms.device import device_peak_flops
 from tests.spawn import spawn_ranks
 
@@ -196,10 +197,13 @@ def test_bad_planner_inputs() -> None:
 # Predicted exposed communication
 # ---------------------------------------------------------------------------
 
+
 def predict_plan(units, bucket_units, comm, compute, world_size, **cost_options) -> BucketPlan:
     """The plan with the given buckets (unit names) and the exposed communication the auto
     planner's cost model predicts for it."""
-    costs = _Costs(comm, compute, world_size, **{"reduce_scatter_bytes_factor": 1.0, "reshard_after_forward": True, **cost_options})
+    costs = _Costs(
+        comm, compute, world_size, **{"reduce_scatter_bytes_factor": 1.0, "reshard_after_forward": True, **cost_options}
+    )
     by_name = {unit.name: unit for unit in units}
     return _predict([[by_name[name] for name in names] for names in bucket_units], costs)
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from config.job_config import Checkpoint, ConfigError
 from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
 from tests.unit.test_data import arange_loader, global_order, take_window_ids
@@ -25,7 +26,6 @@ from trainer.checkpoint import (
     verify_checkpoint,
     whole_model,
 )
-from config.job_config import Checkpoint, ConfigError
 
 
 @pytest.fixture(scope="module", autouse=True)

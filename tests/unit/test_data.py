@@ -17,7 +17,7 @@ from tests.unit.conftest import CharTokenizer
 from trainer.corpus import default_corpus_texts, local_corpus_texts
 from trainer.data import (
     PackedTokenDataset,
-    build_dataloader,
+    build_dataset,
     epoch_permutation,
     load_token_stream,
     packed_dataloader,
@@ -46,6 +46,10 @@ def arange_loader(
 ) -> StatefulDataLoader:
     dataset = arange_dataset(local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     return packed_dataloader(dataset, num_workers=num_workers)
+
+
+def build_dataloader(dataset: str, tokenizer: Tokenizer, **dataset_options) -> StatefulDataLoader:
+    return packed_dataloader(build_dataset(dataset, tokenizer, **dataset_options))
 
 
 def global_order(length: int) -> list[int]:
@@ -94,8 +98,14 @@ def test_packing_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTo
 def test_loader_yields_shifted_int64_batches(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
     loader = build_dataloader(
-        str(corpus / "c.txt"), char_tokenizer, seq_len=5, local_batch_size=2,
-        dp_rank=0, dp_world_size=1, seed=3, cache_dir=str(tmp_path / "cache"),
+        str(corpus / "c.txt"),
+        char_tokenizer,
+        seq_len=5,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_world_size=1,
+        seed=3,
+        cache_dir=str(tmp_path / "cache"),
     )
     inputs, labels = next(iter(loader))
     assert inputs.shape == labels.shape == (2, 5) and inputs.dtype == labels.dtype == torch.int64

@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from config.manager import load_config
 from models.builder import build_model
 from models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
-from parallelisms.parallel_dims import ParallelDims
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     from_hf_key,
@@ -25,6 +24,7 @@ from models.llama3.hf_adapter import (
     to_hf_key,
     unpermute_from_hf,
 )
+from parallelisms.parallel_dims import ParallelDims
 from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
 
 DEBUG_ARGS = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256, max_seq_len=32)
