@@ -39,6 +39,7 @@ class _DyingWriter(FileSystemWriter):
 class FailureInjector:
     def __init__(self, debug: Debug, rank: int, world_size: int):
         self.debug = debug
+        self.rank = rank
         self.on_this_rank = rank == world_size - 1
         self.pending = debug.fail_at_step >= 0 and is_first_attempt()
         self.poison_gradients = False
@@ -54,9 +55,7 @@ class FailureInjector:
         if failure == "nan":
             self.poison_gradients = True
             return
-        logger.warning(
-            "debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, int(os.environ.get("RANK", 0))
-        )
+        logger.warning("debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, self.rank)
         if failure == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while failure == "hang":
