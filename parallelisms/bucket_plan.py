@@ -143,6 +143,10 @@ class ComputeModel:
         return flops / self.flops_per_second
 
 
+FALLBACK_COMM_MODEL = CommModel(alpha_s=100e-6, bandwidth_bytes_per_s=1e9)
+"""What calibration falls back to when timing is too noisy to fit: 100 us, 1 GB/s (gloo on one host)."""
+
+
 class _AllGatherTimer:
     """Times one all-gather into a single tensor on the real group; buffers are kept per message size."""
 
@@ -185,10 +189,11 @@ def calibrate_comm_model(
         time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
             inject a fake one. Default: a real all-gather (``all_gather_single``) on ``group``.
 
+    When timing noise makes the large message no slower than the small one, the fit is
+    meaningless: one warning line, and ``FALLBACK_COMM_MODEL`` is returned.
+
     Raises:
         ValueError: fewer than 2 ranks (no traffic to time) or bad sizes/iterations.
-        RuntimeError: the large message was not slower than the small one; set
-            ``comm.alpha_us`` and ``comm.bandwidth_gbps`` instead.
     """
     world_size = dist.get_world_size(group)
     if world_size < 2:
@@ -230,11 +235,13 @@ def calibrate_comm_model(
 def _fit_alpha_beta(small_bytes: int, small_s: float, large_bytes: int, large_s: float, world_size: int) -> CommModel:
     """The alpha-beta model through two timed all-gathers."""
     if not large_s > small_s:
-        raise RuntimeError(
-            f"Communication calibration failed: an all-gather of {large_bytes} B took {large_s:.3e} s, "
-            f"not longer than {small_bytes} B ({small_s:.3e} s). Timing is too noisy; set "
-            f"{ALPHA_OPTION} and {BANDWIDTH_OPTION} explicitly or calibrate with larger sizes."
+        logger.warning(
+            "Communication calibration: an all-gather of %d B took %.3e s, not longer than %d B (%.3e s); "
+            "timing is too noisy, using alpha %.0f us and bandwidth %.1f GB/s (set %s and %s to choose)",
+            *(large_bytes, large_s, small_bytes, small_s, FALLBACK_COMM_MODEL.alpha_s * 1e6),
+            *(FALLBACK_COMM_MODEL.bandwidth_bytes_per_s / 1e9, ALPHA_OPTION, BANDWIDTH_OPTION),
         )
+        return FALLBACK_COMM_MODEL
     fraction = _ring_fraction(world_size)
     bandwidth = fraction * (large_bytes - small_bytes) / (large_s - small_s)
     alpha = small_s - fraction * small_bytes / bandwidth

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallelisms.bucket_plan import (  # the cost model plan_auto uses
+from parallelisms.bucket_plan import (  # _Costs and _predict: the cost model plan_auto uses
+    FALLBACK_COMM_MODEL,
     BucketPlan,
     CommModel,
     ComputeModel,
@@ -332,7 +333,7 @@ _RESULTS = (
     "fake_alpha",
     "fake_bandwidth",
     "clamped_alpha",
-    "not_slower_raised",
+    "not_slower_falls_back",
     "one_rank_raised",
     "real_alpha",
     "real_bandwidth",
@@ -362,11 +363,9 @@ def _calibration_worker(rank: int, port: int, results: Any) -> None:
     below_origin = _fake_all_gather(alpha_s=-1e-3, bandwidth=1e9)
     values["clamped_alpha"] = calibrate_comm_model(sizes=_FAKE_SIZES, iters=1, time_all_gather=below_origin).alpha_s
 
-    try:
-        calibrate_comm_model(sizes=_FAKE_SIZES, iters=1, time_all_gather=lambda full_bytes: 1.0)
-        values["not_slower_raised"] = 0.0
-    except RuntimeError as error:
-        values["not_slower_raised"] = float("comm.bandwidth_gbps" in str(error))
+    # Noise that makes the large message no slower: the stated fallback, not an error.
+    flat = calibrate_comm_model(sizes=_FAKE_SIZES, iters=1, time_all_gather=lambda full_bytes: 1.0)
+    values["not_slower_falls_back"] = float(flat == FALLBACK_COMM_MODEL)
 
     one_rank = dist.new_group([0])  # every rank must take part in creating it
     values["one_rank_raised"] = 1.0
@@ -399,7 +398,7 @@ def test_calibration_on_two_gloo_ranks() -> None:
         assert values["fake_alpha"] == pytest.approx(2e-4, rel=1e-9)
         assert values["fake_bandwidth"] == pytest.approx(5e8, rel=1e-9)
         assert values["clamped_alpha"] == 0.0
-        assert values["not_slower_raised"] == 1.0
+        assert values["not_slower_falls_back"] == 1.0
         assert values["one_rank_raised"] == 1.0
         assert math.isfinite(values["real_alpha"]) and values["real_alpha"] >= 0
         assert math.isfinite(values["real_bandwidth"]) and values["real_bandwidth"] > 0
