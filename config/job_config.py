@@ -38,6 +38,8 @@ class Job:
     """Folder for everything a run writes: resolved config, metrics, TensorBoard, checkpoints."""
     description: str = ""
     """Free text describing the job, logged at start."""
+    print_config: bool = False
+    """Log the resolved config at start (it is always written to <dump_folder>/config.toml)."""
     run_name: str = ""
     """TensorBoard run sub-folder under <dump_folder>/tb; empty = a timestamp."""
     cache_dir: str = field(default_factory=_default_cache_dir)

@@ -82,7 +82,8 @@ class Trainer:
         if self.rank == 0:
             with open(os.path.join(self.config.job.dump_folder, "config.toml"), "w") as f:
                 f.write(to_toml(self.config))
-        logger.info("resolved config:\n%s", to_toml(self.config))
+        if self.config.job.print_config:
+            logger.info("resolved config:\n%s", to_toml(self.config))
 
     def _build_optimizer(self) -> None:
         optim, schedule = self.config.optimizer, self.config.lr_scheduler
