@@ -8,13 +8,18 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
+import math
 import os
 import sys
 import textwrap
 import types
 import typing
 
+from config import torchtitan
 from config.job_config import CHECKPOINT_PARTS, ConfigError, JobConfig, Training
+
+logger = logging.getLogger(__name__)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -128,7 +133,7 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
 
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.8)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
@@ -136,20 +141,19 @@ def _all_keys() -> list[str]:
     return [f"{section}.{f.name}" for section, cls in _sections().items() for f in dataclasses.fields(cls)]
 
 
-def _set(config: JobConfig, key: str, raw: typing.Any, origin: str = "") -> None:
-    """Sets one option; ``origin`` names the TOML file it came from (empty for the CLI)."""
+def _field_type(key: str) -> typing.Any:
     section_name, _, field_name = key.partition(".")
-    sections = _sections()
-    if section_name not in sections or not field_name:
-        raise ConfigError(f"unknown option '{key}'{origin}{_suggest(key, _all_keys())}")
-    cls = sections[section_name]
-    hints = typing.get_type_hints(cls)
-    if field_name not in hints:
-        raise ConfigError(f"unknown option '{key}'{origin}{_suggest(key, _all_keys())}")
+    cls = _sections().get(section_name)
+    return typing.get_type_hints(cls).get(field_name) if cls else None
+
+
+def _set(config: JobConfig, key: str, raw: typing.Any, origin: str) -> None:
+    """Sets the Tessera option ``key``; ``origin`` names the TOML file it came from (empty: CLI)."""
     try:
-        value = _convert(key, raw, hints[field_name], from_cli=not origin)
+        value = _convert(key, raw, _field_type(key), from_cli=not origin)
     except ConfigError as e:
         raise ConfigError(f"{e}{origin}") from None
+    section_name, _, field_name = key.partition(".")
     setattr(getattr(config, section_name), field_name, value)
 
 
@@ -158,7 +162,8 @@ def _set(config: JobConfig, key: str, raw: typing.Any, origin: str = "") -> None
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
-    """Splits ``--a.b v``, ``--a.b=v`` and bare ``--flag`` into (key, value-or-None) pairs."""
+    """Splits ``--a.b v``, ``--a.b=v`` and bare ``--flag`` into (key, value-or-None) pairs; dashes
+    in names read as underscores (``--training.local-batch-size``)."""
     pairs: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
@@ -166,6 +171,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument '{arg}': options look like --section.field value")
         key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
         if eq:
             pairs.append((key, value))
             i += 1
@@ -178,64 +184,130 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _field_type(key: str) -> typing.Any:
-    section_name, _, field_name = key.partition(".")
-    cls = _sections().get(section_name)
-    return typing.get_type_hints(cls).get(field_name) if cls else None
+def _flatten(table: dict, prefix: str = "") -> list[tuple[str, typing.Any]]:
+    """(dotted key, value) of every leaf of a TOML table: [quantize.linear.float8] nests three deep."""
+    leaves = []
+    for name, value in table.items():
+        if isinstance(value, dict):
+            leaves.extend(_flatten(value, f"{prefix}{name}."))
+        else:
+            leaves.append((f"{prefix}{name}", value))
+    return leaves
 
 
-def load_config(argv: list[str]) -> JobConfig:
-    """Builds the job config from defaults, the TOML file named by --job.config_file, then the
-    other command-line options. Raises ConfigError for any bad input."""
-    pairs = _parse_cli(argv)
-    for key, value in pairs:
-        if value is None and _unwrap_optional(_field_type(key) or str)[0] is not bool:
-            if _field_type(key) is None:
-                raise ConfigError(f"unknown option '--{key}'{_suggest(key, _all_keys())}")
-            raise ConfigError(f"--{key} needs a value")
-
-    config = JobConfig()
-    config_file = next((v for k, v in pairs if k == "job.config_file"), None)
-    if config_file:
-        _apply_toml(config, config_file)
-    for key, value in pairs:
-        _set(config, key, True if value is None else value)
-    validate(config)
-    return config
-
-
-def _apply_toml(config: JobConfig, path: str) -> None:
+def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path} (--job.config_file)")
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return _flatten(tomllib.load(f))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    for section_name, table in data.items():
-        if not isinstance(table, dict):
-            raise ConfigError(
-                f"{path}: '{section_name}' must be a [section] table{_suggest(section_name, _sections())}"
-            )
-        if section_name not in _sections():
-            raise ConfigError(f"{path}: unknown section [{section_name}]{_suggest(section_name, _sections())}")
-        for field_name, value in table.items():
-            _set(config, f"{section_name}.{field_name}", value, origin=f" in {path}")
-    config.job.config_file = path
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it: {e}") from None
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Builds the job config from defaults, the TOML file named by --job.config_file (the last
+    one given), then the other command-line options, torchtitan's names included. Raises
+    ConfigError for any bad input; every unknown option is named in the same message."""
+    pairs = _parse_cli(argv)
+    for key, value in pairs:
+        field_type = _field_type(torchtitan.ALIASES.get(key, key))
+        if value is None and field_type is not None and _unwrap_optional(field_type)[0] is not bool:
+            raise ConfigError(f"--{key} needs a value")
+    config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
+    sources = [(_read_toml(config_file), f" in {config_file}")] if config_file else []
+    sources.append(([(k, True if v is None else v) for k, v in pairs if k != "job.config_file"], ""))
+    config, unknown, foreign = JobConfig(), [], {}
+    for settings, origin in sources:
+        # torchtitan's renamed options after the direct ones: dataset_path wins over dataset.
+        for key, value in sorted(settings, key=lambda kv: kv[0] in torchtitan.ALIASES):
+            _apply(config, key, value, origin, unknown, foreign)
+    if unknown:
+        raise ConfigError("; ".join(dict.fromkeys(unknown)))
+    if config_file:
+        config.job.config_file = config_file
+    _check_foreign(foreign)
+    validate(config)
+    return config
+
+
+def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> None:
+    """Sets one setting, by its Tessera or torchtitan name; records what is unknown or foreign."""
+    from_cli = not origin
+    if from_cli and value is True and key.split(".")[-1].startswith("no_"):
+        negated = key.rpartition(".")[0] + "." + key.split(".")[-1][3:]
+        if _field_type(negated) is not None or negated in torchtitan.NEGATED:
+            key, value = negated, "false"  # torchtitan's --section.no_flag
+    if key in torchtitan.NEGATED:
+        key, value = torchtitan.NEGATED[key], _convert(key, value, bool, from_cli) is False
+    key = torchtitan.ALIASES.get(key, key)
+    if _field_type(key) is not None:
+        _set(config, key, value, origin)
+    elif key in torchtitan.FOREIGN:
+        foreign[key] = value
+    else:
+        unknown.append(_unknown(key, origin))
+
+
+def _unknown(key: str, origin: str) -> str:
+    """What to say about a name that is neither Tessera's nor torchtitan's."""
+    section = key.split(".")[0]
+    if "." not in key:
+        return f"'{key}' must be a [section] table{_suggest(key, _sections())}{origin}"
+    if origin and section not in _sections() and not any(k.startswith(section + ".") for k in torchtitan.FOREIGN):
+        return f"unknown section [{section}]{_suggest(section, _sections())}{origin}"
+    return f"unknown option '{key}'{origin}{_suggest(key, _all_keys())}"
+
+
+def _check_foreign(foreign: dict[str, typing.Any]) -> None:
+    """One line for torchtitan options of features Tessera lacks: an error when the run cannot go
+    without the feature, else a warning; one warning line for the others (left at no effect)."""
+    wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
+    if wanted.keys() & torchtitan.CHANGES_THE_RUN:
+        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
+        raise ConfigError(f"not available in Tessera: {missing}")
+    if wanted:
+        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
+        logger.warning("not available in Tessera, training without them: %s", missing)
+    if ignored := sorted(foreign.keys() - wanted.keys()):
+        logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
 
 
 def validate(config: JobConfig) -> None:
-    """Checks value ranges that do not depend on the world size (choices are checked on loading)."""
-    positive = {
-        "training.seq_len": config.training.seq_len,
-        "training.local_batch_size": config.training.local_batch_size,
-        "training.steps": config.training.steps,
-        "metrics.log_freq": config.metrics.log_freq,
-        "optimizer.lr": config.optimizer.lr,
+    """Checks value ranges that do not depend on the world size (choices are checked on loading;
+    the optimizer's and the LR schedule's values when they are built)."""
+    for section_name, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(config, section_name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section_name}.{f.name}: {value} is not a finite number")
+    c = config
+    at_least = {  # option: (value, smallest allowed)
+        "training.seq_len": (c.training.seq_len, 1),
+        "training.local_batch_size": (c.training.local_batch_size, 1),
+        "training.steps": (c.training.steps, 1),
+        "training.max_norm": (c.training.max_norm, 0),
+        "training.dataloader_num_workers": (c.training.dataloader_num_workers, 0),
+        "metrics.log_freq": (c.metrics.log_freq, 1),
+        "profiling.profile_freq": (c.profiling.profile_freq, 1),
+        "validation.freq": (c.validation.freq, 1),
+        "validation.steps": (c.validation.steps, 1),
+        "debug.gc_freq": (c.debug.gc_freq, 0),
+        "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
+        "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
+        "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
     }
-    for key, value in positive.items():
-        if value <= 0:
+    for key, (value, smallest) in at_least.items():
+        if value < smallest:
+            raise ConfigError(f"{key} must be {'positive' if smallest == 1 else '>= 0'}, got {value}")
+    rates = {"metrics.peak_flops": c.metrics.peak_flops, "compile.compute_flops": c.compile.compute_flops}
+    for key, value in {**rates, "compile.bucket_memory_cap_mb": c.compile.bucket_memory_cap_mb}.items():
+        if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
     p = config.parallelism
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(p, key) < 1:

@@ -58,7 +58,12 @@ def model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
     ``vocab_size`` when given."""
     args = get_flavor(get_model_spec(config.model.name), config.model.flavor)
     args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
-    return dataclasses.replace(args, vocab_size=vocab_size) if vocab_size is not None else args
+    if vocab_size is None or vocab_size == args.vocab_size:
+        return args
+    # As in torchtitan, the embedding and output follow the tokenizer, whatever the flavor says.
+    flavor = f"{config.model.name} {config.model.flavor}"
+    logger.warning("model vocabulary: %d tokens from the tokenizer (%s has %d)", vocab_size, flavor, args.vocab_size)
+    return dataclasses.replace(args, vocab_size=vocab_size)
 
 
 def build_model(

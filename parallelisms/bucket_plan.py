@@ -189,8 +189,7 @@ def calibrate_comm_model(
         time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
             inject a fake one. Default: a real all-gather (``all_gather_single``) on ``group``.
 
-    When timing noise makes the large message no slower than the small one, the fit is
-    meaningless: one warning line, and ``FALLBACK_COMM_MODEL`` is returned.
+    Timing too noisy to fit (the large message no slower): one warning, ``FALLBACK_COMM_MODEL``.
 
     Raises:
         ValueError: fewer than 2 ranks (no traffic to time) or bad sizes/iterations.

@@ -249,22 +249,27 @@ def _model_args(model_parts: list[nn.Module]) -> TransformerModelArgs:
     return args
 
 
+def check_hf_config(folder: str, args: TransformerModelArgs) -> dict:
+    """The folder's ``config.json``; ValueError naming every way it differs from ``args``."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"HF checkpoint: {folder} does not exist or is not a folder")
+    config_path = os.path.join(folder, CONFIG_NAME)
+    config = _read_json(config_path)
+    mismatches = config_mismatches(args_from_hf_config(config, base=args, source=config_path), args)
+    if mismatches:
+        raise ValueError(f"HF checkpoint: {config_path} does not match the model: {'; '.join(mismatches)}")
+    return config
+
+
 def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
     """Loads an HF ``LlamaForCausalLM`` folder into the model parts, in place.
 
     Every rank reads the files itself (only the tensors its parts hold) and keeps its shard of
     each DTensor parameter, so no communication is needed. The file must hold the full model and
-    match the parts' args; otherwise ValueError naming the folder and the first offending key.
+    match the parts' args; otherwise ValueError naming the folder and what differs.
     """
-    if not os.path.isdir(folder):
-        raise ValueError(f"HF checkpoint: {folder} does not exist or is not a folder")
     args = _model_args(model_parts)
-    config_path = os.path.join(folder, CONFIG_NAME)
-    config = _read_json(config_path)
-    file_args = args_from_hf_config(config, base=args, source=config_path)
-    mismatches = config_mismatches(file_args, args)
-    if mismatches:
-        raise ValueError(f"HF checkpoint: {config_path} does not match the model: {mismatches[0]}")
+    config = check_hf_config(folder, args)
 
     # Old HF exports also saved the (recomputable) rotary table; it is not a weight.
     files = {k: v for k, v in _weight_files(folder).items() if not k.endswith("rotary_emb.inv_freq")}

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from config.job_config import JobConfig, user_input
+
 logger = logging.getLogger(__name__)
 
 _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -224,3 +226,30 @@ def clip_grad_norm_(
     for group in params_by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def build_optimizer_and_schedule(
+    config: JobConfig, model_parts: list[nn.Module]
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """The configured optimizer over the parts' parameters and its LR schedule; a one-line
+    ConfigError naming the option for a bad value."""
+    optim, schedule = config.optimizer, config.lr_scheduler
+    with user_input():
+        optimizer = build_optimizer(
+            model_parts,
+            name=optim.name,
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            implementation=optim.implementation,
+        )
+        lr_scheduler = build_lr_scheduler(
+            optimizer,
+            warmup_steps=schedule.warmup_steps,
+            total_steps=config.training.steps,
+            decay_type=schedule.decay_type,
+            decay_ratio=schedule.decay_ratio,
+            min_lr_factor=schedule.min_lr_factor,
+        )
+    return optimizer, lr_scheduler

@@ -23,7 +23,7 @@ from trainer.distributed import init_distributed, parallel_dims_from_config, set
 from trainer.fault_injection import FailureInjector
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, peak_memory_gib
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
 from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator
@@ -58,7 +58,7 @@ class Trainer:
         )
         args = model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
-        self._build_optimizer()
+        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
 
         run_name = config.job.run_name or time.strftime("%Y%m%d-%H%M%S")
         self.metrics = MetricsLogger(
@@ -84,27 +84,6 @@ class Trainer:
                 f.write(to_toml(self.config))
         if self.config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(self.config))
-
-    def _build_optimizer(self) -> None:
-        optim, schedule = self.config.optimizer, self.config.lr_scheduler
-        with user_input():
-            self.optimizer = build_optimizer(
-                self.model.parts,
-                name=optim.name,
-                lr=optim.lr,
-                betas=(optim.beta1, optim.beta2),
-                eps=optim.eps,
-                weight_decay=optim.weight_decay,
-                implementation=optim.implementation,
-            )
-            self.lr_scheduler = build_lr_scheduler(
-                self.optimizer,
-                warmup_steps=schedule.warmup_steps,
-                total_steps=self.config.training.steps,
-                decay_type=schedule.decay_type,
-                decay_ratio=schedule.decay_ratio,
-                min_lr_factor=schedule.min_lr_factor,
-            )
 
     def _build_checkpointer(self) -> CheckpointManager | None:
         ckpt = self.config.checkpoint
