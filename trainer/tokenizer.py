@@ -1,4 +1,5 @@
-"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, plus a default
+"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, Hugging Face
+tokenizer folders (``tokenizer.json`` + ``tokenizer_config.json``), plus a default
 sentencepiece BPE model trained on the Python documentation of the running
 interpreter, so that training works on any machine without downloads."""
 
@@ -8,14 +9,17 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import os
 import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import sentencepiece as spm
 import tiktoken
+import tokenizers
 
 from trainer.corpus import create_file_once, default_corpus_texts
 
@@ -46,6 +50,20 @@ _LLAMA3_NAMED_SPECIAL_TOKENS = (
 _TIKTOKEN_MAX_RUN_CHARS = 25_000
 _TIKTOKEN_MAX_CHUNK_CHARS = 400_000
 _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS},}}")
+
+# Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
+# tokenizer_config.json keys whose tokens are registered as special tokens, in
+# the order torchtitan registers them (the order decides the ids of new tokens).
+_HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+# Tried in order when tokenizer_config.json does not name a BOS/EOS token.
+_HF_FALLBACK_TOKENS = {
+    "bos_token": ("<|begin_of_text|>", "<s>"),
+    "eos_token": ("<|end_of_text|>", "</s>"),
+}
+# Part of the fingerprint: bump when the files-to-ids mapping of this module changes.
+_HF_ENCODING_VERSION = b"tessera-hf-tokenizer-v1"
 
 # Default tokenizer training. Bump the version when the recipe or the corpus
 # extraction changes so stale cached models are not reused.
@@ -150,6 +168,51 @@ class TiktokenTokenizer(Tokenizer):
         return self._encoding.decode(ids)
 
 
+class HuggingFaceTokenizer(Tokenizer):
+    """Tokenizer of a Hugging Face folder: ``tokenizer.json`` (the ``tokenizers``
+    library format, required) and ``tokenizer_config.json`` (optional).
+
+    ``path`` is the folder or its ``tokenizer.json`` file (a ``tokenizer_config.json``
+    next to the file is read too). Vocabulary size and BOS/EOS ids are those of
+    torchtitan's ``HuggingFaceTokenizer`` for the same folder: the config's special
+    tokens (``bos_token`` ... ``mask_token``, then ``added_tokens_decoder``) are
+    registered with the tokenizer, which gives tokens it does not know yet the next
+    free ids (the ids written in ``added_tokens_decoder`` are not used), and the size
+    counts the added tokens. If the tokenizer's ids have gaps, the size is raised to
+    the largest id + 1 so that every id fits in the embedding.
+
+    Encoding never adds special tokens (BOS/EOS framing is ``encode``'s job) and
+    reads special-token text in documents as plain text.
+    """
+
+    def __init__(self, path: str) -> None:
+        json_path, config_path = hf_tokenizer_files(path)
+        json_bytes = _read_model_file(json_path)
+        config_bytes = _read_model_file(config_path) if os.path.isfile(config_path) else b""
+        config = _parse_hf_config(config_bytes, config_path)
+        self._tokenizer = _parse_hf_tokenizer(json_bytes, json_path)
+        _register_hf_special_tokens(self._tokenizer, config, config_path)
+        self._tokenizer.encode_special_tokens = True
+        folder = os.path.dirname(json_path)
+        largest_id = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        digest = hashlib.sha256(_HF_ENCODING_VERSION)
+        for content in (json_bytes, config_bytes):
+            digest.update(hashlib.sha256(content).digest())
+        super().__init__(
+            vocab_size=max(self._tokenizer.get_vocab_size(with_added_tokens=True), largest_id + 1),
+            bos_id=_hf_special_token_id(self._tokenizer, config, "bos_token", folder, config_path),
+            eos_id=_hf_special_token_id(self._tokenizer, config, "eos_token", folder, config_path),
+            fingerprint=digest.hexdigest(),
+        )
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the token ids ``ids`` (special tokens included)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def llama3_special_tokens() -> list[str]:
     """The 256 Llama 3 special tokens in id order (offsets after the base vocab)."""
     num_reserved_left = LLAMA3_NUM_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIAL_TOKENS)
@@ -159,7 +222,12 @@ def llama3_special_tokens() -> list[str]:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a sentencepiece or tiktoken tokenizer file, detecting its format."""
+    """Load a tokenizer, detecting its format: a Hugging Face folder or ``*.json``
+    file (``tokenizer.json``), else a sentencepiece or tiktoken model file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    if os.path.isdir(path) or path.endswith(".json"):
+        return HuggingFaceTokenizer(path)
     model_bytes = _read_model_file(path)
     if _looks_like_tiktoken(model_bytes):
         return TiktokenTokenizer(path)
@@ -167,8 +235,8 @@ def load_tokenizer(path: str) -> Tokenizer:
         _load_sentencepiece(model_bytes, path)
     except ValueError:
         raise ValueError(
-            f"unrecognised tokenizer file {path}: expected a sentencepiece .model "
-            "or a tiktoken BPE file ('base64-token rank' lines)"
+            f"unrecognised tokenizer file {path}: expected a sentencepiece .model, a tiktoken BPE file "
+            "('base64-token rank' lines), a Hugging Face tokenizer.json or a folder holding one"
         ) from None
     return SentencePieceTokenizer(path)
 
@@ -192,10 +260,107 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer from a config value: ``""``/``"default"`` or a tokenizer file path."""
+    """Tokenizer from a config value: ``""``/``"default"``, a Hugging Face tokenizer
+    folder (``tokenizer.json`` + ``tokenizer_config.json``) or a tokenizer file
+    (``tokenizer.json``, sentencepiece ``.model`` or tiktoken BPE)."""
     if path in ("", "default"):
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
+
+
+def hf_tokenizer_files(path: str) -> tuple[str, str]:
+    """Paths of ``tokenizer.json`` and ``tokenizer_config.json`` (which may not
+    exist) for a Hugging Face tokenizer folder or ``tokenizer.json`` file."""
+    if os.path.isdir(path):
+        json_path = os.path.join(path, HF_TOKENIZER_FILE)
+        if not os.path.isfile(json_path):
+            raise FileNotFoundError(f"tokenizer folder {path} has no {HF_TOKENIZER_FILE}")
+    elif os.path.exists(path):
+        json_path = path
+    else:
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    return json_path, os.path.join(os.path.dirname(json_path), HF_CONFIG_FILE)
+
+
+def _parse_hf_tokenizer(json_bytes: bytes, path: str) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_buffer(json_bytes)
+    except Exception as error:  # the library raises a bare Exception
+        reason = (str(error).strip().splitlines() or ["not a tokenizers JSON file"])[0]
+        reason = reason.removeprefix("Cannot instantiate Tokenizer from buffer: ")
+        raise ValueError(f"cannot parse Hugging Face tokenizer file {path}: {reason}") from None
+
+
+def _parse_hf_config(config_bytes: bytes, path: str) -> dict[str, Any]:
+    if not config_bytes:
+        return {}
+    try:
+        config = json.loads(config_bytes)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot parse {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"cannot parse {path}: expected a JSON object")
+    return config
+
+
+def _hf_config_token(config: dict[str, Any], key: str, config_path: str) -> str | None:
+    """Token named by ``config[key]``: a string or a ``{"content": ...}`` object."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+        if not isinstance(value, str):
+            raise ValueError(f"{config_path}: {key} has no string 'content'")
+    elif value is not None and not isinstance(value, str):
+        raise ValueError(f"{config_path}: {key} must be a string or an object with 'content'")
+    return value
+
+
+def _register_hf_special_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], config_path: str) -> None:
+    """Register the config's special tokens as torchtitan does: the named keys,
+    then ``added_tokens_decoder`` in file order, in one call."""
+    added: list[tokenizers.AddedToken] = []
+    for key in _HF_SPECIAL_TOKEN_KEYS:
+        content = _hf_config_token(config, key, config_path)
+        if content is not None:
+            added.append(_hf_added_token(content, config[key]))
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise ValueError(f"{config_path}: added_tokens_decoder must be an object")
+    for entry in decoder.values():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+            added.append(_hf_added_token(entry["content"], entry))
+    if added:
+        tokenizer.add_special_tokens(added)
+
+
+def _hf_added_token(content: str, entry: Any) -> tokenizers.AddedToken:
+    if not isinstance(entry, dict):
+        return tokenizers.AddedToken(content, special=True)
+    return tokenizers.AddedToken(
+        content,
+        single_word=bool(entry.get("single_word", False)),
+        lstrip=bool(entry.get("lstrip", False)),
+        rstrip=bool(entry.get("rstrip", False)),
+        normalized=bool(entry.get("normalized", True)),
+        special=bool(entry.get("special", True)),
+    )
+
+
+def _hf_special_token_id(
+    tokenizer: tokenizers.Tokenizer, config: dict[str, Any], key: str, folder: str, config_path: str
+) -> int:
+    """Id of the BOS/EOS token (``key``): the config's, else a well-known one."""
+    named = _hf_config_token(config, key, config_path)
+    candidates = (named,) if named is not None else _HF_FALLBACK_TOKENS[key]
+    for content in candidates:
+        token_id = tokenizer.token_to_id(content)
+        if token_id is not None:
+            return token_id
+    kind = key.split("_")[0].upper()
+    raise ValueError(
+        f"tokenizer {folder or '.'}: cannot find its {kind} token "
+        f"({HF_CONFIG_FILE} names none and the vocabulary has none of {', '.join(candidates)})"
+    )
 
 
 def _read_model_file(path: str) -> bytes:

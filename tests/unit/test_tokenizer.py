@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tests.unit.conftest import DEFAULT_VOCAB_SIZE
 from trainer.tokenizer import (
+    HuggingFaceTokenizer,
     SentencePieceTokenizer,
     TiktokenTokenizer,
     Tokenizer,
@@ -221,8 +225,8 @@ def test_unrecognised_tokenizer_file_names_path(tmp_path: Path, content: bytes) 
         load_tokenizer(str(path))
 
 
-def test_tokenizer_path_that_is_a_folder(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not a file"):
+def test_tokenizer_folder_without_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no tokenizer.json"):
         load_tokenizer(str(tmp_path))
 
 
@@ -246,3 +250,185 @@ def test_tiktoken_file_with_gaps_in_ranks(tmp_path: Path) -> None:
     path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {2 * b}\n" for b in range(256)))
     with pytest.raises(ValueError, match="gaps.model.*ranks"):
         load_tokenizer(str(path))
+
+
+# --- Hugging Face tokenizer folders ----------------------------------------
+
+ANCHOR_TOKENIZER = REPO_ROOT.parent / "shared" / "anchors" / "torchtitan-v0.2.2" / "assets" / "tokenizer"
+HF_TRAINING_TEXTS = [
+    "The cat sat on the mat.\n",
+    "def add(x, y):\n    return x + y\n",
+    "Tokenizers split text into pieces; the pieces map to ids.",
+] * 4
+LLAMA3_BOS, LLAMA3_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def train_hf_tokenizer(special_tokens: list[str]) -> tokenizers.Tokenizer:
+    """Tiny byte-level BPE whose post-processor would frame every text with the
+    first special token, as Llama 3's tokenizer.json does."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(HF_TRAINING_TEXTS, trainer)
+    first = special_tokens[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A", special_tokens=[(first, tokenizer.token_to_id(first))]
+    )
+    return tokenizer
+
+
+def write_hf_folder(folder: Path, tokenizer: tokenizers.Tokenizer, config: dict | None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def hf_folder(tmp_path: Path) -> Path:
+    """Folder with Llama 3 style special tokens named in tokenizer_config.json,
+    as a string (BOS) and as an object (EOS)."""
+    tokenizer = train_hf_tokenizer([LLAMA3_BOS, LLAMA3_EOS, "<|pad|>"])
+    config = {"bos_token": LLAMA3_BOS, "eos_token": {"content": LLAMA3_EOS, "special": True}}
+    return write_hf_folder(tmp_path / "hf", tokenizer, config)
+
+
+def test_hf_tokenizer_round_trips_text(hf_folder: Path) -> None:
+    tokenizer = build_tokenizer(str(hf_folder), "unused")
+    assert isinstance(tokenizer, HuggingFaceTokenizer)
+    text = "def f(x):\n    return x  +  1\n\n\tTabs, é, 中文, 🙂 and spaces  "
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert len(tokenizer.encode("The cat sat on the mat.")) < len("The cat sat on the mat.") / 2
+
+
+def test_hf_tokenizer_frames_only_when_asked(hf_folder: Path) -> None:
+    tokenizer = load_tokenizer(str(hf_folder))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    ids = tokenizer.encode("The cat sat.")  # the post-processor's BOS is not added
+    assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids
+    assert tokenizer.encode("The cat sat.", bos=True, eos=True) == [0, *ids, 1]
+    assert tokenizer.decode([0, *ids, 1]) == f"{LLAMA3_BOS}The cat sat.{LLAMA3_EOS}"
+
+
+def test_hf_tokenizer_treats_special_token_text_as_plain_text(hf_folder: Path) -> None:
+    tokenizer = load_tokenizer(str(hf_folder))
+    text = f"a{LLAMA3_EOS}b<|pad|>"
+    ids = tokenizer.encode(text)
+    assert not {0, 1, 2} & set(ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_hf_vocab_size_counts_config_tokens_like_torchtitan(tmp_path: Path) -> None:
+    # Tokens named only in tokenizer_config.json get the next free ids, whatever
+    # id added_tokens_decoder gives them (torchtitan's HuggingFaceTokenizer too).
+    base = train_hf_tokenizer(["<|pad|>"])
+    base_size = base.get_vocab_size()
+    config = {
+        "bos_token": LLAMA3_BOS,
+        "eos_token": LLAMA3_EOS,
+        "pad_token": "<|pad|>",
+        "added_tokens_decoder": {
+            "128000": {"content": LLAMA3_BOS, "special": True},
+            "128001": {"content": LLAMA3_EOS, "special": True},
+            "128002": {"content": "<|extra|>", "special": True, "normalized": False},
+        },
+    }
+    tokenizer = load_tokenizer(str(write_hf_folder(tmp_path / "hf", base, config)))
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (base_size + 3, base_size, base_size + 1)
+
+
+def test_hf_vocab_size_covers_ids_past_gaps(tmp_path: Path) -> None:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "cat": 9}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    loaded = load_tokenizer(str(write_hf_folder(tmp_path / "hf", tokenizer, None)))
+    assert loaded.encode("cat dog") == [9, 0]
+    assert loaded.vocab_size == 10
+
+
+def test_hf_tokenizer_without_config_finds_common_tokens(tmp_path: Path) -> None:
+    llama = load_tokenizer(str(write_hf_folder(tmp_path / "llama", train_hf_tokenizer([LLAMA3_EOS, LLAMA3_BOS]), None)))
+    assert (llama.bos_id, llama.eos_id) == (1, 0)
+    classic = load_tokenizer(
+        str(write_hf_folder(tmp_path / "classic", train_hf_tokenizer(["<unk>", "<s>", "</s>"]), {}))
+    )
+    assert (classic.bos_id, classic.eos_id) == (1, 2)
+
+
+def test_hf_tokenizer_json_file_path(hf_folder: Path) -> None:
+    from_folder = load_tokenizer(str(hf_folder))
+    from_file = build_tokenizer(str(hf_folder / "tokenizer.json"), "unused")
+    assert isinstance(from_file, HuggingFaceTokenizer)
+    assert from_file.fingerprint == from_folder.fingerprint  # the config beside the file is read
+    assert from_file.encode("The cat.", bos=True) == from_folder.encode("The cat.", bos=True)
+
+
+def test_hf_fingerprint_follows_file_contents(hf_folder: Path, tmp_path: Path) -> None:
+    fingerprint = load_tokenizer(str(hf_folder)).fingerprint
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((hf_folder / name).read_bytes())
+    assert load_tokenizer(str(copy)).fingerprint == fingerprint
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 8}))
+    config_changed = load_tokenizer(str(copy)).fingerprint
+    assert config_changed != fingerprint
+    write_hf_folder(copy, train_hf_tokenizer([LLAMA3_BOS, LLAMA3_EOS]), None)
+    assert load_tokenizer(str(copy)).fingerprint not in (fingerprint, config_changed)
+
+
+def _one_line_error(error_type: type[Exception], path: Path) -> str:
+    with pytest.raises(error_type) as raised:
+        build_tokenizer(str(path), "unused")
+    message = str(raised.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
+
+
+def test_hf_errors_name_the_path_on_one_line(hf_folder: Path, tmp_path: Path) -> None:
+    assert "not found" in _one_line_error(FileNotFoundError, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    assert "has no tokenizer.json" in _one_line_error(FileNotFoundError, tmp_path / "empty")
+    (hf_folder / "tokenizer.json").write_text('{"model": ')
+    assert "cannot parse" in _one_line_error(ValueError, hf_folder)
+    assert "cannot parse" in _one_line_error(ValueError, hf_folder / "tokenizer.json")
+
+
+def test_hf_config_errors_name_the_file(hf_folder: Path) -> None:
+    config_path = hf_folder / "tokenizer_config.json"
+    for content in ("{not json", "[1, 2]", '{"bos_token": 3}', '{"eos_token": {"id": 3}}'):
+        config_path.write_text(content)
+        with pytest.raises(ValueError, match="tokenizer_config.json") as raised:
+            load_tokenizer(str(hf_folder))
+        assert "\n" not in str(raised.value)
+
+
+def test_hf_unknown_bos_or_eos_names_the_folder(tmp_path: Path) -> None:
+    folder = write_hf_folder(tmp_path / "hf", train_hf_tokenizer(["<|pad|>", "<s>"]), {"pad_token": "<|pad|>"})
+    message = _one_line_error(ValueError, folder)
+    assert "EOS" in message and "</s>" in message
+
+
+@pytest.mark.skipif(
+    not ANCHOR_TOKENIZER.is_dir(), reason=f"torchtitan anchor tokenizer not present at {ANCHOR_TOKENIZER}"
+)
+def test_hf_anchor_folder_matches_torchtitan() -> None:
+    # torchtitan 0.2.2's HuggingFaceTokenizer on this folder: the 2002-entry BPE
+    # vocabulary plus <|begin_of_text|> and <|end_of_text|> (named in
+    # tokenizer_config.json at 128000/128001) registered as ids 2002 and 2003.
+    tokenizer = build_tokenizer(str(ANCHOR_TOKENIZER), "unused")
+    assert isinstance(tokenizer, HuggingFaceTokenizer)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (2004, 2002, 2003)
+    ids = tokenizer.encode("Hello, world! The quick brown fox.\n", bos=True, eos=True)
+    assert ids[0] == 2002 and ids[-1] == 2003 and len(ids) > 2
+    assert all(0 <= i < tokenizer.vocab_size for i in ids)
