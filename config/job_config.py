@@ -53,7 +53,9 @@ class Model:
     flavor: str = "debugmodel"
     """Size of the model within its family: debugmodel, debugmodel_wide, 8B, 70B, 405B."""
     tokenizer_path: str = ""
-    """Sentencepiece .model or tiktoken BPE file; empty = a tokenizer trained on the default corpus."""
+    """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json; torchtitan's
+    model.hf_assets_path) or tokenizer.json, a sentencepiece .model or a tiktoken BPE file; empty =
+    a tokenizer trained on the default corpus."""
     default_tokenizer_vocab_size: int = 2048
     """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty."""
 

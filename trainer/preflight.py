@@ -51,6 +51,8 @@ def check_files(config: JobConfig) -> None:
             vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
         except (ValueError, OSError) as e:
             problems.append(f"model.tokenizer_path: {e}")
+    if vocab_size is not None:
+        model_args(config, vocab_size)  # says when the tokenizer's vocabulary replaces the flavor's
     path = config.checkpoint.initial_load_path
     if path and is_hf_folder(path) and vocab_size is not None:
         try:

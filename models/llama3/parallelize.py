@@ -24,6 +24,7 @@ from parallelisms.bucket_plan import (
 )
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
+from parallelisms.device import device_type
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
@@ -45,7 +46,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
                 model,
                 parallel_dims.tp_mesh,
                 loss_parallel=config.parallelism.enable_loss_parallel,
-                enable_async_tp=config.parallelism.enable_async_tensor_parallel,
+                enable_async_tp=_async_tp(config, parallel_dims.tp_mesh.device_type),
             )
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
@@ -64,6 +65,14 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
     apply_compile_whole_model(model, config.compile.backend, graph_pass)
     return graph_pass
+
+
+def _async_tp(config: JobConfig, device_type: str) -> bool:
+    """Async TP only overlaps communication: where it cannot run (off CUDA) the run goes on without it."""
+    wanted = config.parallelism.enable_async_tensor_parallel
+    if wanted and device_type != "cuda":
+        logger.warning("parallelism.enable_async_tensor_parallel needs CUDA: off on %s", device_type)
+    return wanted and device_type == "cuda"
 
 
 def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
@@ -175,5 +184,6 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
             model = Transformer(model_args)
         with user_input():
             validate_tp(model, parallel_dims.tp)
+        _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)

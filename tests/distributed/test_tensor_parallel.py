@@ -139,14 +139,8 @@ def _train_stderr(tmp_path, nproc: int, *overrides: str) -> tuple[int, str]:
             "error: parallelism.tensor_parallel_degree 3 must divide the model's n_heads, n_kv_heads and "
             "FFN hidden dim, and training.seq_len; it does not divide n_heads 16, n_kv_heads 16",
         ),
-        (
-            2,
-            ["--training.local_batch_size", "2", *TP2, "--parallelism.enable_async_tensor_parallel"],
-            "error: parallelism.enable_async_tensor_parallel needs CUDA (symmetric-memory collectives fused "
-            "with matmuls by the compiler); this run is on cpu: turn it off",
-        ),
     ],
-    ids=["tp_not_dividing_heads", "async_tp_on_cpu"],
+    ids=["tp_not_dividing_heads"],
 )
 def test_refused_with_one_line(tmp_path, nproc, overrides, message):
     returncode, stderr = _train_stderr(tmp_path, nproc, *overrides)
