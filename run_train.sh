@@ -12,14 +12,13 @@ cd "$(dirname "$0")"
 PY=$(scripts/setup_env.sh)
 
 CONFIG_FILE=${CONFIG_FILE:-configs/debug_model.toml}
-if [ -z "${NGPU:-}" ]; then
-  NGPU=$("$PY" -c "import torch; print(torch.accelerator.device_count() if torch.accelerator.is_available() else 0)")
-  [ "$NGPU" -gt 0 ] || NGPU=2
-fi
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.accelerator.is_available() else 1)"; then
+ACCELERATORS=$("$PY" -c "import torch; a = torch.accelerator; print(a.device_count() if a.is_available() else 0)")
+if [ "$ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  ACCELERATORS=2
 fi
+NGPU=${NGPU:-$ACCELERATORS}
 
 NNODES=${NNODES:-1}
 # Catch configuration mistakes in one process, before starting all of them.
@@ -32,7 +31,18 @@ else
   RENDEZVOUS=(--standalone)
 fi
 
-exec "$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
+# A rank that meets a mistake no restart can mend writes "CODE line" here and exits 0, so that
+# torchrun does not start the group again; the line and the code are this script's.
+export TESSERA_ERROR_FILE
+TESSERA_ERROR_FILE=$(mktemp)
+trap 'rm -f "$TESSERA_ERROR_FILE"' EXIT
+status=0
+"$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-  train.py --job.config_file "$CONFIG_FILE" "$@"
+  train.py --job.config_file "$CONFIG_FILE" "$@" || status=$?
+if [ -s "$TESSERA_ERROR_FILE" ]; then
+  read -r status line <"$TESSERA_ERROR_FILE"
+  echo "$line" >&2
+fi
+exit "$status"

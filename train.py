@@ -20,11 +20,13 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    error_file = os.environ.get("TESSERA_ERROR_FILE")
+    if error_file and os.path.isfile(error_file) and os.path.getsize(error_file) > 0:
+        return 0  # an earlier attempt of this job met a mistake that a restart cannot mend
     try:
         config = load_config(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
 
     from trainer.checkpoint import CheckpointError
     from trainer.trainer import NonFiniteError, Trainer
@@ -35,8 +37,7 @@ def main(argv: list[str]) -> int:
         trainer.train()
         trainer.close()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     except (CheckpointError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -52,6 +53,18 @@ def main(argv: list[str]) -> int:
         )
         return 1
     return 0
+
+
+def _refuse(error: ConfigError) -> int:
+    """A mistake no restart can mend: one line and exit code 2. Under run_train.sh the line goes to
+    its error file and the rank exits 0, so that torchrun does not start the group again."""
+    error_file = os.environ.get("TESSERA_ERROR_FILE")
+    if error_file and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        with open(error_file, "w") as f:
+            f.write(f"2 error: {error}\n")
+        return 0
+    print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 def _is_collective_failure(error: BaseException) -> bool:

@@ -8,12 +8,11 @@ modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenize
 [ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest ruff"
 
 has_deps() {
+  # Finds the modules without importing them: this runs before every launch.
   "$1" - "$modules" <<'PY' >/dev/null 2>&1
-import importlib, sys
-for name in sys.argv[1].split():
-    importlib.import_module(name)
-import torch
-assert torch.__version__.startswith("2.13.0"), torch.__version__
+import importlib.metadata, importlib.util, sys
+assert all(importlib.util.find_spec(name) for name in sys.argv[1].split())
+assert importlib.metadata.version("torch").startswith("2.13.0")
 PY
 }
 
