@@ -12,17 +12,16 @@ cd "$(dirname "$0")"
 PY=$(scripts/setup_env.sh)
 
 CONFIG_FILE=${CONFIG_FILE:-configs/debug_model.toml}
-ACCELERATORS=$("$PY" -c "import torch; a = torch.accelerator; print(a.device_count() if a.is_available() else 0)")
-if [ "$ACCELERATORS" -eq 0 ]; then
+NNODES=${NNODES:-1}
+# Catch configuration mistakes in one process, before starting all of them; it also tells the
+# ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
+LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+  --job.config_file "$CONFIG_FILE" "$@")
+read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
+if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  ACCELERATORS=2
 fi
-NGPU=${NGPU:-$ACCELERATORS}
-
-NNODES=${NNODES:-1}
-# Catch configuration mistakes in one process, before starting all of them.
-"$PY" -m trainer.preflight --world-size "$((NGPU * NNODES))" --job.config_file "$CONFIG_FILE" "$@"
 
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node for a multi-node job}"

@@ -160,7 +160,7 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """disabled (training waits for the save), async (a background thread writes while training
     continues) or async_with_pinned_mem (staging into pinned memory, on accelerators)."""
-    keep_latest_k: int = 0
+    keep_latest_k: int = 10
     """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
     load_step: int = -1
     """Resume from step-N exactly instead of the newest complete checkpoint; -1 = the newest."""

@@ -238,7 +238,7 @@ def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown:
     from_cli = not origin
     if from_cli and value is True and key.split(".")[-1].startswith("no_"):
         negated = key.rpartition(".")[0] + "." + key.split(".")[-1][3:]
-        if _field_type(negated) is not None or negated in torchtitan.NEGATED:
+        if _field_type(negated) is not None or negated in torchtitan.NEGATED or negated in torchtitan.FOREIGN:
             key, value = negated, "false"  # torchtitan's --section.no_flag
     if key in torchtitan.NEGATED:
         key, value = torchtitan.NEGATED[key], _convert(key, value, bool, from_cli) is False
@@ -292,13 +292,13 @@ def validate(config: JobConfig) -> None:
         "training.dataloader_num_workers": (c.training.dataloader_num_workers, 0),
         "metrics.log_freq": (c.metrics.log_freq, 1),
         "profiling.profile_freq": (c.profiling.profile_freq, 1),
-        "validation.freq": (c.validation.freq, 1),
-        "validation.steps": (c.validation.steps, 1),
         "debug.gc_freq": (c.debug.gc_freq, 0),
         "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
         "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
     }
+    if c.validation.enable:  # torchtitan's files leave steps at -1 (the whole set) when validation is off
+        at_least |= {"validation.freq": (c.validation.freq, 1), "validation.steps": (c.validation.steps, 1)}
     for key, (value, smallest) in at_least.items():
         if value < smallest:
             raise ConfigError(f"{key} must be {'positive' if smallest == 1 else '>= 0'}, got {value}")

@@ -1,7 +1,7 @@
 """Checks a job's config for a given world size in one process, before torchrun starts them all.
 
 ``python -m trainer.preflight --world-size N [config options]``: exits 2 with one line on stderr
-when the config is wrong.
+when the config is wrong (``main`` also serves run_train.sh, which lets it count the ranks).
 """
 
 from __future__ import annotations
@@ -78,16 +78,31 @@ def _dataset_problem(config: JobConfig, option: str) -> str | None:
     return None
 
 
+USAGE = "usage: python -m trainer.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
-        print("usage: python -m trainer.preflight --world-size N [config options]", file=sys.stderr)
+    """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
+    (``auto``: one per accelerator, else 2 CPU processes) and 1 or 0 for on accelerators or not:
+    the launcher asks torch once."""
+    launch: dict[str, str] = {}
+    while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
+        launch[argv[0]], argv = argv[1], argv[2:]
+    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    nproc = launch.get("--nproc-per-node", "auto")
+    nproc = str(accelerators or 2) if nproc == "auto" else nproc
+    world_size = launch.get("--world-size") or f"{int(launch.get('--nnodes', '0') or 0) * int(nproc or 0)}"
+    if not (nproc.isdigit() and world_size.isdigit() and int(world_size) > 0):
+        print(USAGE, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
-        check(argv[2:], int(argv[1]))
+        check(argv, int(world_size))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if "--nnodes" in launch:
+        print(nproc, int(accelerators > 0))
     return 0
 
 

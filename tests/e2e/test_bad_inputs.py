@@ -1,0 +1,205 @@
+"""A hundred mistakes through ./run_train.sh: each ends with one `error:` line naming the option or
+path, exit code 2, no traceback, and no rank started (the pre-launch check catches them)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+from tests.launch import run_script
+
+# (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
+CASES: list[tuple[str, list[str], str]] = [
+    # Unknown options and sections, on the command line and in files.
+    ("unknown", ["--training.stpes", "3"], "did you mean 'training.steps'"),
+    ("unknown", ["--trainig.steps", "3"], "did you mean 'training.steps'"),
+    ("unknown", ["--optimizer.momentum", "0.9"], "unknown option 'optimizer.momentum'"),
+    ("unknown", ["--model.hidden", "4"], "unknown option 'model.hidden'"),
+    ("unknown", ["--job.config_file", "{d}/unknown_key.toml"], "unknown option 'training.stepz'"),
+    ("unknown", ["--job.config_file", "{d}/unknown_section.toml"], "unknown section [wandb]"),
+    ("unknown", ["--job.config_file", "{d}/not_a_table.toml"], "'steps' must be a [section] table"),
+    ("unknown", ["--job.config_file", "{d}/three_unknown.toml"], "unknown option 'checkpoint.every'"),
+    ("unknown", ["--parallelism.sequence_parallel"], "unknown option 'parallelism.sequence_parallel'"),
+    ("unknown", ["--data.path", "x"], "unknown option 'data.path'"),
+    # Command-line syntax.
+    ("syntax", ["steps=3"], "unexpected argument 'steps=3'"),
+    ("syntax", ["--training.steps"], "--training.steps needs a value"),
+    ("syntax", ["--", "--training.steps", "3"], "unexpected argument '--'"),
+    ("syntax", ["-s", "3"], "unexpected argument '-s'"),
+    ("syntax", ["--optimizer.lr"], "--optimizer.lr needs a value"),
+    # Values of the wrong type.
+    ("type", ["--training.steps", "three"], "training.steps: expected an integer"),
+    ("type", ["--training.steps", "2.5"], "training.steps: expected an integer"),
+    ("type", ["--training.seq_len", "1e3"], "training.seq_len: expected an integer"),
+    ("type", ["--optimizer.lr", "fast"], "optimizer.lr: expected a number"),
+    ("type", ["--optimizer.beta1", "high"], "optimizer.beta1: expected a number"),
+    ("type", ["--compile.enable", "maybe"], "compile.enable: expected true or false"),
+    ("type", ["--checkpoint.enable", "2"], "checkpoint.enable: expected true or false"),
+    ("type", ["--parallelism.tensor_parallel_degree", "two"], "expected an integer"),
+    ("type", ["--job.config_file", "{d}/string_int.toml"], "training.steps: expected int, got the string"),
+    ("type", ["--job.config_file", "{d}/bool_string.toml"], "compile.enable: expected bool, got the string"),
+    ("type", ["--job.config_file", "{d}/list_int.toml"], "expected a list of str"),
+    ("type", ["--training.max_norm", "none"], "training.max_norm: expected a number"),
+    # Values out of range.
+    ("range", ["--training.steps", "0"], "training.steps must be positive"),
+    ("range", ["--training.steps", "-5"], "training.steps must be positive"),
+    ("range", ["--training.seq_len", "0"], "training.seq_len must be positive"),
+    ("range", ["--training.local_batch_size", "0"], "training.local_batch_size must be positive"),
+    ("range", ["--training.max_norm", "-1"], "training.max_norm must be >= 0"),
+    ("range", ["--training.global_batch_size", "0"], "training.global_batch_size must be -1 or positive"),
+    ("range", ["--training.dataloader_num_workers", "-1"], "training.dataloader_num_workers must be >= 0"),
+    ("range", ["--optimizer.lr", "0"], "optimizer.lr must be > 0"),
+    ("range", ["--optimizer.lr", "-1e-3"], "optimizer.lr must be > 0"),
+    ("range", ["--optimizer.beta1", "1.5"], "optimizer.betas must be two values in [0, 1)"),
+    ("range", ["--optimizer.beta2", "-0.1"], "optimizer.betas must be two values in [0, 1)"),
+    ("range", ["--optimizer.eps", "-1"], "optimizer.eps must be > 0"),
+    ("range", ["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be >= 0"),
+    ("range", ["--metrics.log_freq", "0"], "metrics.log_freq must be positive"),
+    ("range", ["--metrics.peak_flops", "-1"], "metrics.peak_flops must be positive"),
+    ("range", ["--validation.enable", "--validation.steps", "-1"], "validation.steps must be positive"),
+    ("range", ["--validation.enable", "--validation.freq", "0"], "validation.freq must be positive"),
+    ("range", ["--profiling.profile_freq", "0"], "profiling.profile_freq must be positive"),
+    ("range", ["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be positive"),
+    ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
+    ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
+    # Numbers that are not finite.
+    ("nonfinite", ["--optimizer.lr", "inf"], "optimizer.lr: inf is not a finite number"),
+    ("nonfinite", ["--optimizer.lr", "nan"], "optimizer.lr: nan is not a finite number"),
+    ("nonfinite", ["--optimizer.weight_decay", "nan"], "optimizer.weight_decay: nan is not a finite number"),
+    ("nonfinite", ["--optimizer.eps", "-inf"], "optimizer.eps: -inf is not a finite number"),
+    ("nonfinite", ["--training.max_norm", "nan"], "training.max_norm: nan is not a finite number"),
+    ("nonfinite", ["--lr_scheduler.min_lr_factor", "nan"], "lr_scheduler.min_lr_factor: nan is not a finite"),
+    ("nonfinite", ["--metrics.peak_flops", "inf"], "metrics.peak_flops: inf is not a finite number"),
+    ("nonfinite", ["--job.config_file", "{d}/nan_lr.toml"], "optimizer.lr: nan is not a finite number"),
+    # Choices.
+    ("choice", ["--checkpoint.async_mode", "background"], "checkpoint.async_mode: 'background' is not one of"),
+    ("choice", ["--parallelism.data_parallel_impl", "zero3"], "'zero3' is not one of fsdp2, simple_fsdp"),
+    ("choice", ["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of"),
+    ("choice", ["--compile.backend", "cudagraphs"], "compile.backend: 'cudagraphs' is not one of"),
+    ("choice", ["--optimizer.name", "SGD"], "optimizer.name: 'SGD' is not one of AdamW, Adam"),
+    ("choice", ["--optimizer.implementation", "cuda-graph"], "optimizer.implementation: 'cuda-graph'"),
+    ("choice", ["--lr_scheduler.decay_type", "exponential"], "lr_scheduler.decay_type: 'exponential'"),
+    ("choice", ["--training.mixed_precision_param", "float16"], "training.mixed_precision_param: 'float16'"),
+    ("choice", ["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode: 'partial'"),
+    ("choice", ["--parallelism.pipeline_parallel_schedule", "PipeDream"], "'PipeDream' is not one of"),
+    ("choice", ["--training.nonfinite_policy", "ignore"], "training.nonfinite_policy: 'ignore'"),
+    (
+        "choice",
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+        "selective_ac_option: 'x' is neither 'op' nor a positive integer",
+    ),
+    # Layouts that cannot be built.
+    ("layout", ["--parallelism.data_parallel_shard_degree", "4"], "multiply to 4"),
+    ("layout", ["--parallelism.tensor_parallel_degree", "3"], "world size 2 is not divisible"),
+    ("layout", ["--parallelism.data_parallel_replicate_degree", "0"], "data_parallel_replicate_degree must be >= 1"),
+    ("layout", ["--parallelism.data_parallel_shard_degree", "0"], "must be -1 or >= 1"),
+    ("layout", ["--training.global_batch_size", "20"], "global_batch_size 20 is not divisible"),
+    ("layout", ["--parallelism.context_parallel_degree", "2"], "not available in Tessera"),
+    ("layout", ["--parallelism.expert_parallel_degree", "2"], "not available in Tessera"),
+    (
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "4"],
+        "pipeline_parallel_layers_per_stage 4 does not divide",
+    ),
+    (
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.9"],
+        "'layers.9' is not a split point",
+    ),
+    (
+        "layout",
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+            "--compile.enable",
+        ],
+        "not supported with the ZBVZeroBubble",
+    ),
+    (
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
+        "pipeline_parallel_microbatch_size",
+    ),
+    ("layout", ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "65"], "does not divide"),
+    ("layout", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], "run it on 1 rank"),
+    # LR schedules that do not fit.
+    ("schedule", ["--training.steps", "5"], "lr_scheduler.warmup_steps 10 exceeds training.steps 5"),
+    ("schedule", ["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),
+    ("schedule", ["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio must be in [0, 1]"),
+    ("schedule", ["--lr_scheduler.decay_ratio", "0.95"], "exceeds lr_scheduler.total_steps"),
+    ("schedule", ["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
+    # Checkpoint options that do not go together.
+    ("checkpoint", ["--checkpoint.interval", "0"], "checkpoint.interval must be positive"),
+    ("checkpoint", ["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k must be >= 0"),
+    ("checkpoint", ["--checkpoint.load_step", "5"], "checkpoint.load_step needs checkpoint.enable"),
+    ("checkpoint", ["--checkpoint.export_hf"], "checkpoint.export_hf needs checkpoint.enable"),
+    ("checkpoint", ["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
+    ("checkpoint", ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean"),
+    ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
+    # Missing or broken files and folders.
+    ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
+    ("files", ["--job.config_file", "{d}/broken.toml"], "invalid TOML"),
+    ("files", ["--training.dataset", "{d}/missing.jsonl"], "dataset path not found: {d}/missing.jsonl"),
+    ("files", ["--training.dataset", "c4"], "'c4' is a dataset torchtitan downloads"),
+    ("files", ["--training.dataset", "{d}/empty_folder"], "contains no .txt or .jsonl files"),
+    ("files", ["--training.dataset", "{d}/bad.jsonl"], "invalid JSON"),
+    ("files", ["--training.dataset", "{d}/no_text.jsonl"], "expected an object with a string 'text' field"),
+    ("files", ["--training.dataset", "{d}/corpus.csv"], "is neither .txt nor .jsonl"),
+    ("files", ["--validation.enable", "--validation.dataset", "{d}/missing_val.jsonl"], "validation.dataset"),
+    ("files", ["--model.tokenizer_path", "{d}/missing_tokenizer"], "tokenizer path not found"),
+    ("files", ["--model.hf_assets_path", "{d}/empty_folder"], "has no tokenizer.json"),
+    ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
+    ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
+]
+
+
+def _prepare(d) -> None:
+    files = {
+        "unknown_key.toml": "[training]\nstepz = 3\n",
+        "unknown_section.toml": "[wandb]\nproject = 'x'\n",
+        "not_a_table.toml": "steps = 3\n",
+        "three_unknown.toml": "[checkpoint]\nevery = 3\n[training]\nepochs = 2\n[optimizer]\nmomentum = 0.9\n",
+        "string_int.toml": "[training]\nsteps = '3'\n",
+        "bool_string.toml": "[compile]\nenable = 'yes'\n",
+        "list_int.toml": "[compile]\nmanual_buckets = [1, 2]\n",
+        "nan_lr.toml": "[optimizer]\nlr = nan\n",
+        "broken.toml": "[training\nsteps = 3\n",
+        "bad.jsonl": "{not json\n",
+        "no_text.jsonl": json.dumps({"content": "x"}) + "\n",
+        "corpus.csv": "a,b\n",
+        "broken.model": "this is not a tokenizer\n",
+    }
+    for name, text in files.items():
+        (d / name).write_text(text)
+    (d / "empty_folder").mkdir()
+
+
+@pytest.mark.slow  # a hundred launches of run_train.sh
+def test_a_hundred_mistakes_each_get_one_line(tmp_path):
+    assert len(CASES) >= 100, len(CASES)
+    _prepare(tmp_path)
+    cases = [[arg.format(d=tmp_path) for arg in args] for _, args, _ in CASES]
+
+    def launch(args: list[str]):
+        return run_script(str(tmp_path / "dump"), *args, check=False, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(launch, cases))
+    failures = []
+    for (kind, _, expected), args, result in zip(CASES, cases, results):
+        lines = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
+        ok = (
+            result.returncode == 2
+            and len(lines) == 1
+            and lines[0].startswith("error: ")
+            and expected.format(d=tmp_path) in lines[0]
+            and "Traceback" not in result.stderr + result.stdout
+            and "[rank" not in result.stderr + result.stdout  # caught before any rank started
+        )
+        if not ok:
+            failures.append(f"{kind} {args}: exit {result.returncode}, stderr {result.stderr[-600:]!r}")
+    assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)

@@ -1,0 +1,188 @@
+"""torchtitan v0.2.2's llama3 TOML files and command-line spellings load: renamed options as
+aliases, options of missing features in one line, every unknown option in one message; and the
+pre-launch check names every missing path in one line."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from config.job_config import ConfigError
+from config.manager import load_config
+from tests.launch import REPO
+from trainer.preflight import check
+
+# The keys of torchtitan's debug_model.toml, with its values (written here, not copied from it).
+TITAN_DEBUG = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 debug training"
+print_config = false
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+[model]
+name = "llama3"
+flavor = "debugmodel"
+hf_assets_path = "./tests/assets/tokenizer"
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.0
+[training]
+local_batch_size = 8
+seq_len = 2048
+max_norm = 1.0
+steps = 10
+dataset = "c4_test"
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+context_parallel_degree = 1
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = '2'
+[compile]
+enable = false
+components = ["model", "loss"]
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 5
+steps = 10
+"""
+
+ANCHOR = os.path.join(os.path.dirname(REPO), "shared", "anchors", "torchtitan-v0.2.2")
+TOKENIZER = os.path.join(ANCHOR, "assets", "tokenizer")
+
+
+def write(tmp_path, text: str, name: str = "titan.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "The quick brown fox jumps over the lazy dog."}\n' * 50)
+    return str(path)
+
+
+def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        config = load_config(["--job.config_file", write(tmp_path, TITAN_DEBUG), "--training.dataset_path", "x.jsonl"])
+    assert config.model.tokenizer_path == "./tests/assets/tokenizer"
+    assert config.training.dataset == "x.jsonl"  # the path wins over the dataset name
+    assert (config.activation_checkpoint.mode, config.lr_scheduler.decay_ratio) == ("selective", 0.8)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
+    for name in ("quantize.linear.float8.filter_fqns", "metrics.enable_wandb", "parallelism.context_parallel_degree"):
+        assert name in warnings[0]
+
+
+def test_command_line_spellings(tmp_path):
+    config = load_config(
+        [
+            *("--job.config_file", write(tmp_path, TITAN_DEBUG)),
+            *("--training.local-batch-size", "2", "--parallelism.disable_loss_parallel"),
+            *("--training.gc_freq", "7", "--checkpoint.no_last_save_model_only", "--compile.no-enable"),
+            *("--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.print_config"),
+        ]
+    )
+    assert config.training.local_batch_size == 2 and config.debug.gc_freq == 7
+    assert not config.parallelism.enable_loss_parallel and not config.compile.enable
+    assert config.checkpoint.export_hf and config.job.print_config
+
+
+def test_missing_features_are_named_in_one_line(tmp_path, caplog):
+    converters = write(tmp_path, TITAN_DEBUG.replace('name = "llama3"', 'name = "llama3"\nconverters = ["float8"]'))
+    with caplog.at_level(logging.WARNING):
+        load_config(["--job.config_file", converters, "--parallelism.tensor_parallel_degree", "1"])
+    assert any("training without them: model.converters=['float8']" in r.getMessage() for r in caplog.records)
+    both = converters.replace("titan.toml", "both.toml")
+    with open(both, "w") as f:
+        f.write(open(converters).read().replace("context_parallel_degree = 1", "context_parallel_degree = 2"))
+    with pytest.raises(ConfigError) as error:
+        load_config(["--job.config_file", both, "--fault_tolerance.enable"])
+    message = str(error.value)
+    assert message.startswith("not available in Tessera:") and "\n" not in message
+    for name in ("model.converters", "parallelism.context_parallel_degree=2", "fault_tolerance.enable"):
+        assert name in message
+
+
+def test_every_unknown_option_in_one_message_and_suggestions_only_when_close(tmp_path):
+    text = TITAN_DEBUG.replace("steps = 10\n", "steps = 10\nstepz = 3\n", 1)
+    text = text.replace("[checkpoint]\n", "[checkpoint]\nsave_every_step = true\n") + "[wandb]\nproject = 'x'\n"
+    with pytest.raises(ConfigError) as error:
+        load_config(["--job.config_file", write(tmp_path, text), "--optimizer.momentum", "0.9"])
+    message = str(error.value)
+    assert "unknown option 'training.stepz'" in message and "did you mean 'training.steps'" in message
+    assert "unknown option 'checkpoint.save_every_step'" in message and "unknown section [wandb]" in message
+    assert "unknown option 'optimizer.momentum'" in message
+    assert message.count("did you mean") == 1  # nothing close to the others
+
+
+def test_the_last_config_file_wins(tmp_path):
+    first = write(tmp_path, "[training]\nsteps = 11\n", "first.toml")
+    second = write(tmp_path, "[training]\nsteps = 12\n", "second.toml")
+    assert load_config(["--job.config_file", first, "--job.config_file", second]).training.steps == 12
+    with pytest.raises(ConfigError, match="config file not found: missing.toml"):
+        load_config(["--job.config_file", first, "--job.config_file", "missing.toml"])
+
+
+def test_preflight_names_every_missing_path_in_one_line(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        check(["--job.config_file", write(tmp_path, TITAN_DEBUG)], world_size=2)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "training.dataset: dataset path not found: c4_test" in message and "--training.dataset_path" in message
+    assert "model.tokenizer_path: tokenizer path not found: ./tests/assets/tokenizer" in message
+
+
+@pytest.mark.skipif(not os.path.isdir(TOKENIZER), reason=f"torchtitan's test tokenizer is not at {TOKENIZER}")
+@pytest.mark.parametrize(
+    "name, world_size", [("debug_model", 2), ("llama3_8b", 8), ("llama3_70b", 8), ("llama3_405b", 8)]
+)
+def test_torchtitans_own_files_pass_the_pre_launch_check(name, world_size, corpus, caplog):
+    path = os.path.join(ANCHOR, "train_configs", f"{name}.toml")
+    overrides = ["--model.hf_assets_path", TOKENIZER, "--training.dataset_path", corpus]
+    with caplog.at_level(logging.WARNING):
+        check(["--job.config_file", path, *overrides], world_size=world_size)
+    if name != "debug_model":  # the flavors' 128,256 tokens give way to the tokenizer's, and the log says so
+        assert any("model vocabulary: 2004 tokens from the tokenizer" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="tokenizer path not found") as error:
+        check(["--job.config_file", path], world_size=world_size)
+    assert "training.dataset" in str(error.value) and "\n" not in str(error.value)
