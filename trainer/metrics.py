@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from parallelisms.device import PeakFlops
+
 logger = logging.getLogger(__name__)
 
 _GIB = 1024**3
@@ -32,6 +34,15 @@ def peak_memory_gib(device: torch.device) -> float:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux but in bytes on macOS.
     return (max_rss if sys.platform == "darwin" else max_rss * 1024) / _GIB
+
+
+def log_peak(peak: PeakFlops | None) -> float | None:
+    """Says what MFU is measured against (or that there is no MFU); returns the peak FLOP/s."""
+    if peak is None:
+        logger.info("no MFU: the peak FLOP/s of this device is unknown (metrics.peak_flops sets one)")
+        return None
+    logger.info("MFU against %s", peak)
+    return peak.flops
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -83,26 +94,24 @@ class ThroughputTracker:
         finally:
             self.add_data_loading_time(self._clock() - start)
 
-    def summarize(self, num_flops_per_token: float, peak_flops: float) -> dict[str, float]:
+    def summarize(self, num_flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
         """Rates over the window since the last reset, then start a new window.
 
         Returns:
             ``tps`` (tokens/s), ``tflops`` (achieved TFLOP/s), ``mfu`` (percent of
-            ``peak_flops``) and ``data_loading_pct`` (percent of wall time), all
-            per rank. All zero for an empty (zero-length) window.
+            ``peak_flops``; NaN when the peak is unknown) and ``data_loading_pct``
+            (percent of wall time), all per rank. Zero rates for an empty
+            (zero-length) window.
         """
         elapsed = self._clock() - self.window_start
-        if elapsed > 0:
-            tps = self.tokens / elapsed
-            achieved_flops = num_flops_per_token * tps
-            summary = {
-                "tps": tps,
-                "tflops": achieved_flops / 1e12,
-                "mfu": 100.0 * achieved_flops / peak_flops,
-                "data_loading_pct": 100.0 * self.data_loading_seconds / elapsed,
-            }
-        else:
-            summary = {"tps": 0.0, "tflops": 0.0, "mfu": 0.0, "data_loading_pct": 0.0}
+        tps = self.tokens / elapsed if elapsed > 0 else 0.0
+        achieved_flops = num_flops_per_token * tps
+        summary = {
+            "tps": tps,
+            "tflops": achieved_flops / 1e12,
+            "mfu": 100.0 * achieved_flops / peak_flops if peak_flops else math.nan,
+            "data_loading_pct": 100.0 * self.data_loading_seconds / elapsed if elapsed > 0 else 0.0,
+        }
         self.reset()
         return summary
 
@@ -132,7 +141,8 @@ class MetricsLogger:
     other ranks' instances do nothing (no console line, no file).
 
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
-    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent).
+    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
+    unknown).
     """
 
     def __init__(
@@ -185,7 +195,8 @@ class MetricsLogger:
 
         if self._tensorboard is not None:
             for key, tag in _TENSORBOARD_TAGS.items():
-                self._tensorboard.add_scalar(tag, values[key], step)
+                if math.isfinite(values[key]) or key != "mfu":  # no MFU point when the peak is unknown
+                    self._tensorboard.add_scalar(tag, values[key], step)
 
     def log_validation(self, step: int, loss: float) -> None:
         """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""

@@ -15,14 +15,14 @@ from config.job_config import DTYPES, JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model, model_args
 from parallelisms.compile import log_graph_breaks
-from parallelisms.device import device_peak_flops
+from parallelisms.device import device_peak
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
 from trainer.distributed import init_distributed, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
 from trainer.loss import Loss
-from trainer.metrics import MetricsLogger, ThroughputTracker, peak_memory_gib
+from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
@@ -68,7 +68,7 @@ class Trainer:
             tensorboard_dir=os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name),
         )
         param_dtype = DTYPES[config.training.mixed_precision_param]
-        self.peak_flops = device_peak_flops(self.device, param_dtype, config.metrics.peak_flops)
+        self.peak_flops = log_peak(device_peak(self.device, param_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())

@@ -12,10 +12,11 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from parallelisms import device
-from parallelisms.device import device_peak_flops
+from parallelisms.device import PeakFlops, device_peak, device_peak_flops
 from trainer.metrics import (
     MetricsLogger,
     ThroughputTracker,
+    log_peak,
     peak_memory_gib,
     reset_peak_memory,
 )
@@ -44,14 +45,97 @@ def test_cpu_peak_flops_is_measured_once() -> None:
     assert device_peak_flops(torch.device("cpu"), torch.float32) == flops  # cached, not re-measured
 
 
+def test_cpu_peak_is_measured_in_the_runs_dtype_and_threads() -> None:
+    threads = torch.get_num_threads()
+    peak = device_peak(torch.device("cpu"), torch.float32)
+    unit = "thread" if threads == 1 else "threads"
+    assert peak.source.startswith("measured: ") and peak.source.endswith(f" float32 matmul, {threads} {unit}")
+    assert str(peak).startswith("peak ") and " TFLOP/s measured: " in str(peak)
+
+
+@pytest.fixture
+def fake_matmul_rate(monkeypatch: pytest.MonkeyPatch):
+    """Makes every CPU matmul take ``2 n^3 / rate`` seconds (the rate set per dtype through the
+    returned dict; a missing dtype raises like a dtype without a CPU matmul); no cached peak leaks
+    in or out."""
+    rates: dict[torch.dtype, float] = {}
+    timed_sizes: list[int] = []
+
+    def fake_time(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+        if a.dtype not in rates:
+            raise RuntimeError(f'"addmm" not implemented for {a.dtype}')
+        timed_sizes.append(a.shape[0])
+        return 2 * a.shape[0] ** 3 / rates[a.dtype]
+
+    monkeypatch.setattr(device, "_time_matmul", fake_time)
+    device._cpu_matmul_peak.cache_clear()
+    yield rates, timed_sizes
+    device._cpu_matmul_peak.cache_clear()
+
+
+def test_cpu_peak_uses_the_largest_size_that_fits_the_budget(fake_matmul_rate, monkeypatch) -> None:
+    rates, timed_sizes = fake_matmul_rate
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    # Fast: a 2048 matmul takes 0.017 s, so 2048 is measured, about 0.5 s of them.
+    rates[torch.bfloat16] = 1e12
+    peak = device_peak(torch.device("cpu"), torch.bfloat16)
+    assert peak == PeakFlops(pytest.approx(1e12), "measured: 2048x2048 bfloat16 matmul, 1 thread")
+    assert timed_sizes[:4] == [64, 512, 1024, 2048] and 25 <= timed_sizes.count(2048) <= 35
+    # Slow: a 2048 matmul would take 0.86 s > half the budget, so 1024 (0.11 s) is the size.
+    rates[torch.float32] = 20e9
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    peak = device_peak(torch.device("cpu"), torch.float32)
+    assert peak == PeakFlops(pytest.approx(20e9), "measured: 1024x1024 float32 matmul, 4 threads")
+    assert str(peak) == "peak 0.02 TFLOP/s measured: 1024x1024 float32 matmul, 4 threads"
+
+
+def test_cpu_peak_is_per_thread_count(fake_matmul_rate, monkeypatch) -> None:
+    rates, _ = fake_matmul_rate
+    rates[torch.float32] = 1e12
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert device_peak(torch.device("cpu"), torch.float32).source.endswith("1 thread")
+    rates[torch.float32] = 2e12
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert device_peak(torch.device("cpu"), torch.float32) == PeakFlops(
+        pytest.approx(2e12), "measured: 2048x2048 float32 matmul, 2 threads"
+    )
+
+
+def test_cpu_peak_that_cannot_be_measured_gives_no_mfu(fake_matmul_rate, caplog) -> None:
+    rates, timed_sizes = fake_matmul_rate
+    rates[torch.float16] = 0.1e9  # a 512x512 matmul takes 2.7 s: over the 0.5 s budget
+    with caplog.at_level(logging.WARNING, logger="parallelisms.device"):
+        assert device_peak(torch.device("cpu"), torch.float16) is None
+        assert device_peak_flops(torch.device("cpu"), torch.float16) is None
+        # No CPU matmul for this dtype at all.
+        assert device_peak(torch.device("cpu"), torch.complex64) is None
+    assert timed_sizes == [64, 512]  # gave up after the first size
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].startswith("no MFU: a 512x512 float16 matmul takes 2.68 s on this CPU")
+    assert messages[1].startswith("no MFU: cannot time a complex64 matmul on this CPU")
+
+
 def test_peak_flops_override_skips_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args, **kwargs):
         raise AssertionError("override must not benchmark")
 
     monkeypatch.setattr(device, "_benchmark_matmul_flops", fail)
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16, override=123e12) == 123e12
+    assert str(device_peak(torch.device("cpu"), torch.bfloat16, override=123e12)) == (
+        "peak 123 TFLOP/s from metrics.peak_flops"
+    )
     with pytest.raises(ValueError, match="override"):
         device_peak_flops(torch.device("cpu"), torch.bfloat16, override=0.0)
+
+
+def test_log_peak_says_what_mfu_is_against(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        assert log_peak(PeakFlops(2.1e11, "measured: 2048x2048 bfloat16 matmul, 1 thread")) == 2.1e11
+        assert log_peak(None) is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "MFU against peak 0.21 TFLOP/s measured: 2048x2048 bfloat16 matmul, 1 thread",
+        "no MFU: the peak FLOP/s of this device is unknown (metrics.peak_flops sets one)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -74,6 +158,7 @@ def test_known_gpu_peak_flops(monkeypatch: pytest.MonkeyPatch, device_name: str,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
     assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == bf16_flops
     assert device_peak_flops(torch.device("cuda"), torch.float16) == bf16_flops
+    assert device_peak(torch.device("cuda"), torch.bfloat16).source == f"datasheet: {device_name}, bfloat16 dense"
 
 
 def test_gpu_fp32_peak_depends_on_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,8 +176,10 @@ def test_gpu_fp32_peak_depends_on_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unknown_gpu_is_benchmarked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    monkeypatch.setattr(device, "_benchmark_matmul_flops", lambda device, dtype: 42.0)
+    measured = PeakFlops(42.0, "measured: 4096x4096 bfloat16 matmul")
+    monkeypatch.setattr(device, "_benchmark_matmul_flops", lambda device, dtype: measured)
     assert device_peak_flops(torch.device("cuda"), torch.bfloat16) == 42.0
+    assert device_peak(torch.device("cuda"), torch.bfloat16) == measured
 
 
 # ---------------------------------------------------------------------------
@@ -137,6 +224,16 @@ def test_throughput_summary_matches_hand_computation() -> None:
     clock.now = 104.5
     summary = tracker.summarize(num_flops_per_token=1e9, peak_flops=4e12)
     assert summary == pytest.approx({"tps": 2000.0, "tflops": 2.0, "mfu": 50.0, "data_loading_pct": 0.0})
+
+
+def test_throughput_without_a_peak_has_no_mfu() -> None:
+    clock = FakeClock(100.0)
+    tracker = ThroughputTracker(clock=clock)
+    tracker.add_tokens(1000)
+    clock.now += 0.5
+    summary = tracker.summarize(num_flops_per_token=1e9, peak_flops=None)
+    assert math.isnan(summary.pop("mfu"))
+    assert summary == pytest.approx({"tps": 2000.0, "tflops": 2.0, "data_loading_pct": 0.0})
 
 
 def test_throughput_empty_window_is_zero() -> None:
