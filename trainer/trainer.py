@@ -66,6 +66,8 @@ class Trainer:
             enable=self.rank == 0,
             enable_tensorboard=config.metrics.enable_tensorboard,
             tensorboard_dir=os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name),
+            total_steps=config.training.steps,
+            tokens_per_step=self.global_batch_size * config.training.seq_len,
         )
         param_dtype = DTYPES[config.training.mixed_precision_param]
         self.peak_flops = log_peak(device_peak(self.device, param_dtype, config.metrics.peak_flops))
@@ -174,6 +176,7 @@ class Trainer:
             return
         if self.checkpointer is not None:
             self.checkpointer.load_at_start()
+        self.metrics.start(self.step)
         data_iter = iter(self.dataloader)
         if config.debug.gc_freq > 0:
             gc.disable()
@@ -206,10 +209,10 @@ class Trainer:
                 self._after_step(step_metrics, microbatches, log=step == first_step)
                 if profiler is not None:
                     profiler.step()
-        if config.checkpoint.export_hf:
-            self.checkpointer.export_hf(self.model.args)
+        hf_folder = self.checkpointer.export_hf(self.model.args) if config.checkpoint.export_hf else None
+        checkpoints = self.checkpointer.folder if config.checkpoint.enable else None
+        self.metrics.summary(checkpoint_folder=checkpoints, hf_folder=hf_folder)
         self.metrics.close()
-        logger.info("training finished after %d steps", self.step)
 
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
         """Metrics, checkpoint and validation after a completed step."""
@@ -217,6 +220,7 @@ class Trainer:
         # The ranks of a pipeline share its tokens: count this rank's share, so that tokens/s and
         # TFLOPs stay per rank.
         self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches) // self.parallel_dims.pp)
+        self.metrics.step_done(step, step_metrics["loss"])
         if log or step % config.metrics.log_freq == 0 or step == config.training.steps:
             summary = self.throughput.summarize(self.model.flops_per_token, self.peak_flops)
             self.metrics.log(step, {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)})

@@ -15,13 +15,28 @@ from parallelisms import device
 from parallelisms.device import PeakFlops, device_peak, device_peak_flops
 from trainer.metrics import (
     MetricsLogger,
+    RunProgress,
     ThroughputTracker,
+    format_duration,
+    format_step_line,
+    format_summary,
     log_peak,
     peak_memory_gib,
     reset_peak_memory,
 )
 
-_JSONL_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "data_loading_pct"}
+_JSONL_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tps",
+    "tflops",
+    "mfu",
+    "memory_gib",
+    "data_loading_pct",
+    "elapsed_s",
+}
 
 
 class FakeClock:
@@ -266,25 +281,38 @@ def _step_metrics(step: int) -> dict[str, float]:
 
 def test_metrics_logger_writes_console_jsonl_and_tensorboard(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tensorboard_dir = tmp_path / "tb"
+    clock = FakeClock(100.0)
     metrics_logger = MetricsLogger(
-        str(tmp_path / "dump"), enable=True, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+        str(tmp_path / "dump"),
+        enable=True,
+        enable_tensorboard=True,
+        tensorboard_dir=str(tensorboard_dir),
+        total_steps=10,
+        clock=clock,
     )
     steps = [1, 2, 5]
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
-        for step in steps:
-            metrics_logger.log(step, _step_metrics(step))
+        metrics_logger.start(0)
+        for step in range(1, 6):
+            clock.now += 2.0
+            metrics_logger.step_done(step, _step_metrics(step)["loss"])
+            if step in steps:
+                metrics_logger.log(step, _step_metrics(step))
     metrics_logger.close()
 
     console = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(console) == len(steps)
-    assert console[-1].startswith("step 5 | loss 2.0000 | grad_norm 2.5000 | lr 1.500e-03")
-    assert "mfu 12.50%" in console[-1] and "memory 1.25 GiB" in console[-1]
+    assert console[-1] == (
+        "step 5/10 (50%) | loss 2.0000 | grad_norm 2.5000 | lr 1.500e-03 | tps/rank 1,005 | tflops/rank 7.5"
+        " | mfu 12.5% | memory 1.25 GiB | data 5.0% | elapsed 10s | eta 10s"
+    )
+    assert console[0].endswith("| elapsed 2s")  # no rate yet after the first step: no ETA
 
     lines = (tmp_path / "dump" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [set(record) for record in records] == [_JSONL_KEYS] * len(steps)
     for record, step in zip(records, steps):
-        assert record == {"step": step} | _step_metrics(step)
+        assert record == {"step": step} | _step_metrics(step) | {"elapsed_s": 2.0 * step}
 
     accumulator = EventAccumulator(str(tensorboard_dir))
     accumulator.Reload()
@@ -331,3 +359,205 @@ def test_non_logging_rank_writes_nothing(tmp_path: Path, caplog: pytest.LogCaptu
         metrics_logger.close()
     assert list(tmp_path.iterdir()) == []
     assert caplog.records == []
+
+
+def test_metrics_logger_without_a_peak_prints_and_plots_no_mfu(tmp_path: Path, caplog) -> None:
+    metrics_logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=True, tensorboard_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        metrics_logger.log(3, _step_metrics(3) | {"mfu": math.nan})
+    metrics_logger.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert line.startswith("step 3 | loss") and "mfu" not in line and "| tflops/rank 4.5 | memory 0.75 GiB" in line
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert set(record) == _JSONL_KEYS and record["mfu"] is None
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    assert (
+        "throughput/mfu_pct" not in accumulator.Tags()["scalars"] and "throughput/tps" in accumulator.Tags()["scalars"]
+    )
+
+
+# ---------------------------------------------------------------------------
+# Console: durations, progress, the step line and the summary
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.0, "0s"),
+        (0.4, "0s"),
+        (45.0, "45s"),
+        (59.4, "59s"),
+        (59.6, "1m00s"),
+        (250.0, "4m10s"),
+        (599.0, "9m59s"),
+        (599.6, "10m"),  # from 10 minutes on, to the minute
+        (1800.0, "30m"),
+        (1829.0, "30m"),
+        (1831.0, "31m"),
+        (3569.0, "59m"),
+        (3599.0, "1h00m"),
+        (3720.0, "1h02m"),
+        (86_399.0, "1d00h"),
+        (2 * 86_400 + 3 * 3600, "2d03h"),
+        (-1.0, "?"),
+        (math.inf, "?"),
+        (math.nan, "?"),
+    ],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_run_progress_eta_uses_the_recent_rate_without_the_first_step() -> None:
+    clock = FakeClock(0.0)
+    progress = RunProgress(100, clock=clock)
+    progress.start(0)
+    clock.now = 30.0  # the first step pays for warm-up and compilation
+    progress.step_done(1, 5.0)
+    assert progress.eta() is None  # no rate from one point
+    for step in range(2, 11):
+        clock.now += 2.0
+        progress.step_done(step, 5.0)
+    assert progress.elapsed() == 48.0
+    assert progress.eta() == pytest.approx(90 * 2.0)  # 2 s/step, not (48 s / 10 steps)
+
+    # Only the last rate_window steps count: the run slows down to 4 s/step.
+    progress = RunProgress(100, clock=clock)
+    progress.start(0, rate_window=5)
+    for step in range(1, 21):
+        clock.now += 2.0 if step <= 10 else 4.0
+        progress.step_done(step, 5.0)
+    assert progress.eta() == pytest.approx(80 * 4.0)
+
+
+def test_run_progress_restarts_the_rate_after_a_rollback_and_has_no_eta_at_the_end() -> None:
+    clock = FakeClock(0.0)
+    progress = RunProgress(10, clock=clock)
+    progress.start(0)
+    for step in (1, 2, 3, 4):
+        clock.now += 1.0
+        progress.step_done(step, 5.0)
+    clock.now += 100.0  # a rollback to step 2 and its reload
+    progress.step_done(3, 5.0)
+    assert progress.eta() is None
+    clock.now += 3.0
+    progress.step_done(4, 5.0)
+    assert progress.eta() == pytest.approx(6 * 3.0)
+    for step in range(5, 11):
+        progress.step_done(step, 5.0)
+    assert progress.eta() is None  # done
+
+
+def test_step_line_reads_like_the_readme() -> None:
+    values = {
+        "loss": 5.12341,
+        "grad_norm": 0.43212,
+        "lr": 8e-4,
+        "tps": 1234.4,
+        "tflops": 0.05,
+        "mfu": 12.34,
+        "memory_gib": 0.951,
+        "data_loading_pct": 0.12,
+    }
+    assert format_step_line(120, 1000, values, elapsed=250.0, eta=1800.0) == (
+        "step 120/1000 (12%) | loss 5.1234 | grad_norm 0.4321 | lr 8.000e-04 | tps/rank 1,234 | tflops/rank 0.05"
+        " | mfu 12.3% | memory 0.95 GiB | data 0.1% | elapsed 4m10s | eta 30m"
+    )
+    # Unknown peak and rate: no MFU and no ETA; no total: no progress; large rates stay readable.
+    values |= {"mfu": math.nan, "tflops": 312.49, "tps": 1_234_567.0}
+    assert format_step_line(999, 1000, values, elapsed=3720.0, eta=None) == (
+        "step 999/1000 (99%) | loss 5.1234 | grad_norm 0.4321 | lr 8.000e-04 | tps/rank 1,234,567"
+        " | tflops/rank 312 | memory 0.95 GiB | data 0.1% | elapsed 1h02m"
+    )
+    assert format_step_line(7, None, values, elapsed=45.0, eta=None).startswith("step 7 | loss 5.1234 |")
+
+
+def _progress(clock: FakeClock, start_step: int, losses: dict[int, float], seconds_per_step: float) -> RunProgress:
+    progress = RunProgress(60, clock=clock)
+    progress.start(start_step)
+    for step, loss in losses.items():
+        clock.now += seconds_per_step
+        progress.step_done(step, loss)
+    return progress
+
+
+def test_summary_of_a_fresh_run() -> None:
+    progress = _progress(FakeClock(), 0, {1: 7.5, 2: 6.25, 3: 6.5}, seconds_per_step=20.0)
+    folders = {"metrics": "out/metrics.jsonl", "tensorboard": None, "checkpoints": "out/checkpoint", "hf export": None}
+    assert format_summary(progress, 8192, folders).splitlines() == [
+        "training finished at step 3/60",
+        "  wall time   1m00s for 3 steps",
+        "  tokens      24,576 (global, 8,192 per step)",
+        "  loss        final 6.5000 (step 3), best 6.2500 (step 2)",
+        "  metrics     out/metrics.jsonl",
+        "  checkpoints out/checkpoint",
+    ]
+
+
+def test_summary_of_a_resumed_run_names_every_folder() -> None:
+    losses = {step: 10.0 - 0.1 * step for step in range(5, 61)} | {58: 1.0}
+    progress = _progress(FakeClock(), 4, losses, seconds_per_step=70.0)
+    folders = {
+        "metrics": "out/metrics.jsonl",
+        "tensorboard": "out/tb/run",
+        "checkpoints": "out/checkpoint",
+        "hf export": "out/checkpoint/hf",
+    }
+    assert format_summary(progress, 100, folders).splitlines() == [
+        "training finished at step 60/60",
+        "  wall time   1h05m for 56 steps (resumed from step 4)",
+        "  tokens      5,600 (global, 100 per step)",
+        "  loss        final 4.0000 (step 60), best 1.0000 (step 58)",
+        "  metrics     out/metrics.jsonl",
+        "  tensorboard out/tb/run",
+        "  checkpoints out/checkpoint",
+        "  hf export   out/checkpoint/hf",
+    ]
+
+
+def test_summary_when_no_step_was_left_to_run() -> None:
+    progress = _progress(FakeClock(), 60, {}, seconds_per_step=1.0)
+    assert format_summary(progress, 100, {"metrics": "m.jsonl"}).splitlines() == [
+        "training finished at step 60/60",
+        "  wall time   0s for 0 steps (resumed from step 60)",
+        "  tokens      0 (global, 100 per step)",
+        "  metrics     m.jsonl",
+    ]
+
+
+def test_metrics_logger_summary_on_the_logging_rank_only(tmp_path: Path, caplog) -> None:
+    clock = FakeClock()
+    loggers = [
+        MetricsLogger(
+            str(tmp_path / f"rank{rank}"),
+            enable=rank == 0,
+            enable_tensorboard=True,
+            tensorboard_dir=str(tmp_path / "tb"),
+            total_steps=2,
+            tokens_per_step=512,
+            clock=clock,
+        )
+        for rank in (0, 1)
+    ]
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        for metrics_logger in loggers:
+            metrics_logger.start(0)
+        for step, loss in ((1, 3.0), (2, 2.0)):
+            clock.now += 45.0
+            for metrics_logger in loggers:
+                metrics_logger.step_done(step, loss)
+        for metrics_logger in loggers:
+            metrics_logger.summary(checkpoint_folder=str(tmp_path / "ckpt"))
+            metrics_logger.close()
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training finished")]
+    assert summary.splitlines() == [
+        "training finished at step 2/2",
+        "  wall time   1m30s for 2 steps",
+        "  tokens      1,024 (global, 512 per step)",
+        "  loss        final 2.0000 (step 2), best 2.0000 (step 2)",
+        f"  metrics     {tmp_path / 'rank0' / 'metrics.jsonl'}",
+        f"  tensorboard {tmp_path / 'tb'}",
+        f"  checkpoints {tmp_path / 'ckpt'}",
+    ]
