@@ -133,9 +133,13 @@ class ComputeModel:
     def from_config(cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype) -> ComputeModel:
         """The configured rate, or when unset ``device_peak_flops``: measured once per process on
         CPUs and unknown GPUs (shared with the MFU metric), the datasheet peak on known GPUs (an
-        optimistic compute time, so the planner errs towards smaller buckets)."""
+        optimistic compute time, so the planner errs towards smaller buckets); an error when
+        unset and the rate cannot be measured."""
         if compute_flops is None:
-            return cls(device_peak_flops(torch.device(device), dtype))
+            measured = device_peak_flops(torch.device(device), dtype)
+            if measured is None:
+                raise ValueError(f"{COMPUTE_OPTION}: the matmul rate of {device} cannot be measured; set it")
+            return cls(measured)
         return cls(float(compute_flops))
 
     def time(self, flops: float) -> float:

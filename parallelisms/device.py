@@ -56,59 +56,135 @@ def _known_gpu_peak(device_name: str) -> _GpuPeak | None:
     return None
 
 
+@dataclass(frozen=True)
+class PeakFlops:
+    """The denominator of MFU and where it comes from, e.g. ``measured: 2048x2048 bfloat16 matmul, 1 thread``."""
+
+    flops: float
+    source: str
+
+    def __str__(self) -> str:
+        return f"peak {self.flops / 1e12:.3g} TFLOP/s {self.source}"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
-@functools.cache
-def _benchmark_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Achieved FLOP/s of a square matmul, timed for about a quarter of a second."""
-    # Accelerators need large matrices to approach their peak; CPUs saturate early
-    # and a large CPU matmul in a slow dtype (fp16) would blow the time budget.
-    size = 512 if device.type == "cpu" else 4096
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    torch.matmul(a, b)  # warm-up: kernel selection and first-touch allocation
-    synchronize(device)
-    iterations = 0
+# CPU peak: the largest of these sizes whose matmul fits twice in the budget is timed for about the
+# budget, best run kept (other processes on the machine only ever slow a run down). Below 1024 a CPU
+# matmul runs below its sustained rate; a slow dtype (fp16 on most CPUs) gets a smaller size or none.
+_CPU_MATMUL_SIZES = (512, 1024, 2048)
+_CPU_BUDGET_SECONDS = 0.5
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one ``a @ b``."""
     start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < 0.25:
-        torch.matmul(a, b)
-        synchronize(device)
+    torch.matmul(a, b)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _square(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(size, size, device=device).to(dtype)
+
+
+def _pick_cpu_size(dtype: torch.dtype, device: torch.device) -> tuple[int, float] | None:
+    """The largest size in ``_CPU_MATMUL_SIZES`` whose matmul takes at most half the budget (the
+    first may take the whole budget), with the time of its one matmul; None when even the first
+    takes longer than the budget."""
+    picked = None
+    for size in _CPU_MATMUL_SIZES:
+        if picked is not None and picked[1] * (size / picked[0]) ** 3 > _CPU_BUDGET_SECONDS / 2:
+            break
+        seconds = _time_matmul(_square(size, dtype, device), _square(size, dtype, device), device)
+        if seconds > _CPU_BUDGET_SECONDS:
+            if picked is None:
+                logger.warning(
+                    "no MFU: a %dx%d %s matmul takes %.2f s on this CPU, longer than the %.1f s a measurement may take",
+                    size,
+                    size,
+                    _dtype_name(dtype),
+                    seconds,
+                    _CPU_BUDGET_SECONDS,
+                )
+            break
+        picked = (size, seconds)
+    return picked
+
+
+@functools.cache
+def _cpu_matmul_peak(dtype: torch.dtype, threads: int) -> PeakFlops | None:
+    """Best achieved FLOP/s of a square ``dtype`` matmul with this process's ``threads`` intra-op
+    threads, or None when it cannot be measured (the dtype has no CPU matmul, or it is too slow)."""
+    device = torch.device("cpu")
+    try:
+        _time_matmul(_square(64, dtype, device), _square(64, dtype, device), device)  # kernel set-up
+        picked = _pick_cpu_size(dtype, device)
+        if picked is None:
+            return None
+        size, best = picked
+        a, b = _square(size, dtype, device), _square(size, dtype, device)
+        spent = best
+        while spent < _CPU_BUDGET_SECONDS:
+            seconds = _time_matmul(a, b, device)
+            best, spent = min(best, seconds), spent + seconds
+    except RuntimeError as error:
+        logger.warning("no MFU: cannot time a %s matmul on this CPU (%s)", _dtype_name(dtype), error)
+        return None
+    thread_s = "thread" if threads == 1 else "threads"
+    return PeakFlops(2 * size**3 / best, f"measured: {size}x{size} {_dtype_name(dtype)} matmul, {threads} {thread_s}")
+
+
+@functools.cache
+def _accelerator_matmul_peak(device: torch.device, dtype: torch.dtype) -> PeakFlops:
+    """Achieved FLOP/s of a 4096x4096 matmul (accelerators need large matrices to approach their
+    peak), timed for about a quarter of a second."""
+    size = 4096
+    a, b = _square(size, dtype, device), _square(size, dtype, device)
+    _time_matmul(a, b, device)  # warm-up: kernel selection and first-touch allocation
+    iterations, elapsed = 0, 0.0
+    while elapsed < 0.25:
+        elapsed += _time_matmul(a, b, device)
         iterations += 1
-    flops = 2 * size**3 * iterations / elapsed
-    logger.info(
-        "Measured %.1f TFLOP/s for a %dx%d %s matmul on %s (%d threads)",
-        flops / 1e12,
-        size,
-        size,
-        dtype,
-        device,
-        torch.get_num_threads(),
-    )
-    return flops
+    return PeakFlops(2 * size**3 * iterations / elapsed, f"measured: {size}x{size} {_dtype_name(dtype)} matmul")
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> float:
-    """Peak dense matmul FLOP/s of ``device`` for ``dtype``, the denominator of MFU.
+def _benchmark_matmul_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops | None:
+    """A matmul benchmark, run once per process and (device, dtype) (and thread count on CPU)."""
+    if device.type == "cpu":
+        return _cpu_matmul_peak(dtype, torch.get_num_threads())
+    return _accelerator_matmul_peak(device, dtype)
+
+
+def device_peak(device: torch.device, dtype: torch.dtype, override: float | None = None) -> PeakFlops | None:
+    """Peak dense matmul FLOP/s of ``device`` for ``dtype``, the denominator of MFU; None when it
+    cannot be known (then report no MFU rather than a wrong one).
 
     Args:
         device: device the model runs on.
         dtype: dtype the matmuls run in (bf16 under mixed precision).
-        override: returned as is when given (e.g. from the config).
+        override: returned as is when given (``metrics.peak_flops``).
 
     Known GPUs are looked up by ``torch.cuda.get_device_name`` (bf16/fp16 dense
     rates; fp32 uses the TF32 rate, half the bf16 one, when TF32 matmuls are
     enabled on CUDA, else the much lower plain fp32 rate). On a CPU, an unknown
-    GPU, or other dtypes, a short square-matmul benchmark is run once per
-    process and (device, dtype); that is achieved rather than theoretical peak,
-    so MFU there means "fraction of what this machine's matmul reaches".
+    GPU, or other dtypes, a matmul benchmark is run once per process and
+    (device, dtype): achieved rather than theoretical peak, so MFU there means
+    "fraction of what this process's matmul reaches". On a CPU it runs in the
+    dtype and with the intra-op threads the process trains with (one per rank
+    under torchrun), at the largest size up to 2048 that fits about 0.5 s.
     """
     if override is not None:
         if not override > 0:
             raise ValueError(f"device_peak_flops: override must be > 0, got {override}")
-        return float(override)
+        return PeakFlops(float(override), "from metrics.peak_flops")
     device = torch.device(device)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
         name = torch.cuda.get_device_name(device)
@@ -116,9 +192,15 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float 
         if peak is None:
             logger.warning("Unknown GPU %r: benchmarking matmul FLOP/s for MFU", name)
         elif dtype != torch.float32:
-            return peak.bf16
+            return PeakFlops(peak.bf16, f"datasheet: {name}, {_dtype_name(dtype)} dense")
         elif torch.version.hip is None and torch.backends.cuda.matmul.allow_tf32:
-            return peak.bf16 / 2
+            return PeakFlops(peak.bf16 / 2, f"datasheet: {name}, tf32 dense")
         else:
-            return peak.fp32
+            return PeakFlops(peak.fp32, f"datasheet: {name}, float32")
     return _benchmark_matmul_flops(device, dtype)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float | None = None) -> float | None:
+    """``device_peak(...).flops``, or None when the peak cannot be known."""
+    peak = device_peak(device, dtype, override)
+    return None if peak is None else peak.flops

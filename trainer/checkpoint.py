@@ -350,11 +350,13 @@ class CheckpointManager:
         self.write(0, parts=["model"])
         logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
 
-    def export_hf(self, model_args: Any) -> None:
-        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)."""
+    def export_hf(self, model_args: Any) -> str:
+        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``);
+        returns that folder."""
         folder = os.path.join(self.folder, "hf")
         export_hf(self.model_parts, model_args, folder, DTYPES[self.config.export_dtype])
         logger.info("Hugging Face export (%s) written to %s", self.config.export_dtype, folder)
+        return folder
 
     def resume(self) -> int | None:
         """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one

@@ -6,6 +6,7 @@ this module only formats and writes what it is given, on the logging rank.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from parallelisms.device import PeakFlops
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,15 @@ def peak_memory_gib(device: torch.device) -> float:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux but in bytes on macOS.
     return (max_rss if sys.platform == "darwin" else max_rss * 1024) / _GIB
+
+
+def log_peak(peak: PeakFlops | None) -> float | None:
+    """Says what MFU is measured against (or that there is no MFU); returns the peak FLOP/s."""
+    if peak is None:
+        logger.info("no MFU: the peak FLOP/s of this device is unknown (metrics.peak_flops sets one)")
+        return None
+    logger.info("MFU against %s", peak)
+    return peak.flops
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -83,31 +95,141 @@ class ThroughputTracker:
         finally:
             self.add_data_loading_time(self._clock() - start)
 
-    def summarize(self, num_flops_per_token: float, peak_flops: float) -> dict[str, float]:
+    def summarize(self, num_flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
         """Rates over the window since the last reset, then start a new window.
 
         Returns:
             ``tps`` (tokens/s), ``tflops`` (achieved TFLOP/s), ``mfu`` (percent of
-            ``peak_flops``) and ``data_loading_pct`` (percent of wall time), all
-            per rank. All zero for an empty (zero-length) window.
+            ``peak_flops``; NaN when the peak is unknown) and ``data_loading_pct``
+            (percent of wall time), all per rank. Zero rates for an empty
+            (zero-length) window.
         """
         elapsed = self._clock() - self.window_start
-        if elapsed > 0:
-            tps = self.tokens / elapsed
-            achieved_flops = num_flops_per_token * tps
-            summary = {
-                "tps": tps,
-                "tflops": achieved_flops / 1e12,
-                "mfu": 100.0 * achieved_flops / peak_flops,
-                "data_loading_pct": 100.0 * self.data_loading_seconds / elapsed,
-            }
-        else:
-            summary = {"tps": 0.0, "tflops": 0.0, "mfu": 0.0, "data_loading_pct": 0.0}
+        tps = self.tokens / elapsed if elapsed > 0 else 0.0
+        achieved_flops = num_flops_per_token * tps
+        summary = {
+            "tps": tps,
+            "tflops": achieved_flops / 1e12,
+            "mfu": 100.0 * achieved_flops / peak_flops if peak_flops else math.nan,
+            "data_loading_pct": 100.0 * self.data_loading_seconds / elapsed if elapsed > 0 else 0.0,
+        }
         self.reset()
         return summary
 
 
-# Keys of every metrics.jsonl line after "step", in order, and their TensorBoard tags.
+def format_duration(seconds: float) -> str:
+    """A duration as people read it: ``45s``, ``4m10s``, then (rounded to the minute) ``30m``,
+    ``1h02m``, then ``2d03h``; ``?`` when unknown (negative or not finite)."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        return "?"
+    if round(seconds) < 60:
+        return f"{round(seconds)}s"
+    if round(seconds) < 600:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes}m{rest:02d}s"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    if hours == 0:
+        return f"{minutes}m"
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(round(seconds / 3600), 24)
+    return f"{days}d{hours:02d}h"
+
+
+class RunProgress:
+    """Where a run stands: wall time since training started, the recent step rate (for the ETA),
+    the steps run and the losses seen. ``clock`` returns seconds; tests inject a fake one."""
+
+    def __init__(self, total_steps: int | None, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.total_steps = total_steps
+        self._clock = clock
+        self.start(0)
+
+    def start(self, step: int, rate_window: int = 50) -> None:
+        """Training starts (again) after ``step``: 0 for a fresh run, the step resumed from otherwise.
+        The ETA uses the rate of the last ``rate_window`` steps, never the first step of the run
+        (which pays for warm-up and compilation)."""
+        self.start_time = self._clock()
+        self.start_step = step
+        self.steps_run = 0
+        self.last: tuple[int, float] | None = None  # (step, loss)
+        self.best: tuple[int, float] | None = None
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=rate_window + 1)
+
+    def step_done(self, step: int, loss: float) -> None:
+        """``step`` completed with global loss ``loss``."""
+        if self._recent and step <= self._recent[-1][1]:
+            self._recent.clear()  # rolled back: the rate restarts
+        self._recent.append((self._clock(), step))
+        self.steps_run += 1
+        self.last = (step, loss)
+        if math.isfinite(loss) and (self.best is None or loss < self.best[1]):
+            self.best = (step, loss)
+
+    def elapsed(self) -> float:
+        """Seconds since training started."""
+        return self._clock() - self.start_time
+
+    def eta(self) -> float | None:
+        """Seconds left at the recent step rate; None before two steps are done, without a total, or
+        once the last step is done."""
+        if self.total_steps is None or len(self._recent) < 2 or self._recent[-1][1] >= self.total_steps:
+            return None
+        (first_time, first_step), (last_time, last_step) = self._recent[0], self._recent[-1]
+        return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
+
+
+def _format_tflops(tflops: float) -> str:
+    return f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.3g}"
+
+
+def format_step_line(
+    step: int, total_steps: int | None, values: dict[str, float], elapsed: float, eta: float | None
+) -> str:
+    """The console line of a logged step; ``mfu`` is left out when not finite (peak unknown), the
+    ETA when unknown."""
+    progress = f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"
+    fields = [
+        progress,
+        f"loss {values['loss']:.4f}",
+        f"grad_norm {values['grad_norm']:.4f}",
+        f"lr {values['lr']:.3e}",
+        f"tps/rank {values['tps']:,.0f}",
+        f"tflops/rank {_format_tflops(values['tflops'])}",
+    ]
+    if math.isfinite(values["mfu"]):
+        fields.append(f"mfu {values['mfu']:.1f}%")
+    fields += [
+        f"memory {values['memory_gib']:.2f} GiB",
+        f"data {values['data_loading_pct']:.1f}%",
+        f"elapsed {format_duration(elapsed)}",
+    ]
+    if eta is not None:
+        fields.append(f"eta {format_duration(eta)}")
+    return " | ".join(fields)
+
+
+def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[str, str | None]) -> str:
+    """The end-of-run summary: wall time, steps, global tokens, final and best loss, then each of
+    ``folders`` (label -> path; None ones are left out)."""
+    where = f"step {progress.last[0]}" if progress.last else f"step {progress.start_step}"
+    total = f"/{progress.total_steps}" if progress.total_steps else ""
+    resumed = f" (resumed from step {progress.start_step})" if progress.start_step else ""
+    steps = "1 step" if progress.steps_run == 1 else f"{progress.steps_run} steps"
+    tokens = progress.steps_run * tokens_per_step
+    lines = [
+        f"training finished at {where}{total}",
+        f"  wall time   {format_duration(progress.elapsed())} for {steps}{resumed}",
+        f"  tokens      {tokens:,} (global, {tokens_per_step:,} per step)",
+    ]
+    if progress.last is not None and progress.best is not None:
+        (last_step, last_loss), (best_step, best_loss) = progress.last, progress.best
+        lines.append(f"  loss        final {last_loss:.4f} (step {last_step}), best {best_loss:.4f} (step {best_step})")
+    lines += [f"  {label:<11} {path}" for label, path in folders.items() if path]
+    return "\n".join(lines)
+
+
+# Keys of every metrics.jsonl line after "step", in order (then "elapsed_s"), and their TensorBoard tags.
 _TENSORBOARD_TAGS = {
     "loss": "loss/global_avg",
     "grad_norm": "grad_norm",
@@ -126,13 +248,16 @@ def _json_number(value: float) -> float | None:
 
 
 class MetricsLogger:
-    """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard.
+    """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard, and the summary
+    at the end of the run.
 
     Construct it on every rank with ``enable`` true only on the logging rank; the
     other ranks' instances do nothing (no console line, no file).
 
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
-    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent).
+    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
+    unknown). ``total_steps`` and ``tokens_per_step`` (global) feed the progress, ETA and summary;
+    ``clock`` returns seconds (tests inject a fake one).
     """
 
     def __init__(
@@ -142,8 +267,14 @@ class MetricsLogger:
         enable: bool,
         enable_tensorboard: bool,
         tensorboard_dir: str,
+        total_steps: int | None = None,
+        tokens_per_step: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.enabled = enable
+        self.progress = RunProgress(total_steps, clock=clock)
+        self.tokens_per_step = tokens_per_step
+        self.tensorboard_dir = tensorboard_dir if enable_tensorboard else None
         self._jsonl = None
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
         if not enable:
@@ -157,6 +288,14 @@ class MetricsLogger:
             self._tensorboard = SummaryWriter(tensorboard_dir)
             logger.info("TensorBoard logs in %s", tensorboard_dir)
 
+    def start(self, step: int) -> None:
+        """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``."""
+        self.progress.start(step)
+
+    def step_done(self, step: int, loss: float) -> None:
+        """Every completed step, logged or not, with its global loss: the ETA and the summary."""
+        self.progress.step_done(step, loss)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (see the class docstring for the keys)."""
         if not self.enabled:
@@ -165,27 +304,29 @@ class MetricsLogger:
         if missing:
             raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
         values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
-        logger.info(
-            "step %d | loss %.4f | grad_norm %.4f | lr %.3e | tps/rank %s | tflops/rank %.2f"
-            " | mfu %.2f%% | memory %.2f GiB | data loading %.1f%%",
-            step,
-            values["loss"],
-            values["grad_norm"],
-            values["lr"],
-            f"{values['tps']:,.0f}",
-            values["tflops"],
-            values["mfu"],
-            values["memory_gib"],
-            values["data_loading_pct"],
-        )
+        elapsed = self.progress.elapsed()
+        logger.info("%s", format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta()))
 
         record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
         self._jsonl.flush()  # a crash must not lose the lines before it
 
         if self._tensorboard is not None:
             for key, tag in _TENSORBOARD_TAGS.items():
-                self._tensorboard.add_scalar(tag, values[key], step)
+                if math.isfinite(values[key]) or key != "mfu":  # no MFU point when the peak is unknown
+                    self._tensorboard.add_scalar(tag, values[key], step)
+
+    def summary(self, *, checkpoint_folder: str | None = None, hf_folder: str | None = None) -> None:
+        """Log the end-of-run summary (see ``format_summary``)."""
+        if not self.enabled:
+            return
+        folders = {
+            "metrics": self.jsonl_path,
+            "tensorboard": self.tensorboard_dir,
+            "checkpoints": checkpoint_folder,
+            "hf export": hf_folder,
+        }
+        logger.info("%s", format_summary(self.progress, self.tokens_per_step, folders))
 
     def log_validation(self, step: int, loss: float) -> None:
         """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""

@@ -15,14 +15,14 @@ from config.job_config import DTYPES, JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model, model_args
 from parallelisms.compile import log_graph_breaks
-from parallelisms.device import device_peak_flops
+from parallelisms.device import device_peak
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
 from trainer.distributed import init_distributed, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
 from trainer.loss import Loss
-from trainer.metrics import MetricsLogger, ThroughputTracker, peak_memory_gib
+from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
 from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
@@ -66,9 +66,11 @@ class Trainer:
             enable=self.rank == 0,
             enable_tensorboard=config.metrics.enable_tensorboard,
             tensorboard_dir=os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name),
+            total_steps=config.training.steps,
+            tokens_per_step=self.global_batch_size * config.training.seq_len,
         )
         param_dtype = DTYPES[config.training.mixed_precision_param]
-        self.peak_flops = device_peak_flops(self.device, param_dtype, config.metrics.peak_flops)
+        self.peak_flops = log_peak(device_peak(self.device, param_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
@@ -153,6 +155,7 @@ class Trainer:
             return
         if self.checkpointer is not None:
             self.checkpointer.load_at_start()
+        self.metrics.start(self.step)
         data_iter = iter(self.dataloader)
         if config.debug.gc_freq > 0:
             gc.disable()
@@ -185,10 +188,10 @@ class Trainer:
                 self._after_step(step_metrics, microbatches, log=step == first_step)
                 if profiler is not None:
                     profiler.step()
-        if config.checkpoint.export_hf:
-            self.checkpointer.export_hf(self.model.args)
+        hf_folder = self.checkpointer.export_hf(self.model.args) if config.checkpoint.export_hf else None
+        checkpoints = self.checkpointer.folder if config.checkpoint.enable else None
+        self.metrics.summary(checkpoint_folder=checkpoints, hf_folder=hf_folder)
         self.metrics.close()
-        logger.info("training finished after %d steps", self.step)
 
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
         """Metrics, checkpoint and validation after a completed step."""
@@ -196,6 +199,7 @@ class Trainer:
         # The ranks of a pipeline share its tokens: count this rank's share, so that tokens/s and
         # TFLOPs stay per rank.
         self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches) // self.parallel_dims.pp)
+        self.metrics.step_done(step, step_metrics["loss"])
         if log or step % config.metrics.log_freq == 0 or step == config.training.steps:
             summary = self.throughput.summarize(self.model.flops_per_token, self.peak_flops)
             self.metrics.log(step, {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)})

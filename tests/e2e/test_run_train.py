@@ -38,8 +38,12 @@ def test_run_train_30_steps(tmp_path):
     assert [e.value for e in loss_events] == [float(np.float32(r["loss"])) for r in records]
 
     assert os.path.isfile(os.path.join(dump, "config.toml"))
-    # Rank 0's console line carries the step's metrics.
-    assert "step 30" in result.stdout + result.stderr
+    # Rank 0's console line carries the step's metrics, then the run's summary says where things went.
+    output = result.stdout + result.stderr
+    assert "step 30/30 (100%) | loss " in output
+    assert "training finished at step 30/30" in output and "  wall time   " in output
+    assert f"  metrics     {os.path.join(dump, 'metrics.jsonl')}" in output
+    assert f"  tensorboard {os.path.join(dump, 'tb', 'e2e')}" in output
 
 
 def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
