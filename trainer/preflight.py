@@ -54,6 +54,8 @@ def check_files(config: JobConfig) -> None:
     if vocab_size is not None:
         model_args(config, vocab_size)  # says when the tokenizer's vocabulary replaces the flavor's
     path = config.checkpoint.initial_load_path
+    if path and os.path.isdir(path) and not (is_hf_folder(path) or os.path.isfile(os.path.join(path, ".metadata"))):
+        problems.append(f"checkpoint.initial_load_path: {path} is neither a DCP checkpoint nor a Hugging Face folder")
     if path and is_hf_folder(path) and vocab_size is not None:
         try:
             check_hf_config(path, model_args(config, vocab_size))

@@ -154,6 +154,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--model.hf_assets_path", "{d}/empty_folder"], "has no tokenizer.json"),
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
+    ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),
 ]
 
 
@@ -203,3 +204,19 @@ def test_a_hundred_mistakes_each_get_one_line(tmp_path):
         if not ok:
             failures.append(f"{kind} {args}: exit {result.returncode}, stderr {result.stderr[-600:]!r}")
     assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_mistake_found_inside_the_ranks_is_not_retried(tmp_path):
+    """A corpus shorter than one sequence only shows once the ranks tokenize it: one line, exit 2,
+    and torchrun does not start the group again."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short")
+    result = run_script(str(tmp_path / "dump"), "--training.dataset", str(corpus), check=False, timeout=600)
+    output = result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, output[-3000:]
+    assert errors == [errors[-1]] and "training.dataset" in errors[0] and "fewer than one window" in errors[0]
+    assert result.stderr.rstrip().endswith(errors[0])  # the script's last word
+    assert "Traceback" not in output and "ChildFailedError" not in output
+    assert "will restart" not in output and "Restarting" not in output
