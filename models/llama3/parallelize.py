@@ -24,7 +24,7 @@ from parallelisms.bucket_plan import (
 )
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
-from parallelisms.device import device_type
+from parallelisms.device import device_type, supports_async_tp
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
@@ -70,9 +70,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 def _async_tp(config: JobConfig, device_type: str) -> bool:
     """Async TP only overlaps communication: where it cannot run (off CUDA) the run goes on without it."""
     wanted = config.parallelism.enable_async_tensor_parallel
-    if wanted and device_type != "cuda":
+    if wanted and not supports_async_tp(device_type):
         logger.warning("parallelism.enable_async_tensor_parallel needs CUDA: off on %s", device_type)
-    return wanted and device_type == "cuda"
+    return wanted and supports_async_tp(device_type)
 
 
 def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
