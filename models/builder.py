@@ -74,10 +74,14 @@ def compute_dtype(config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype
     return torch.float32
 
 
-def _warn_unapplied_mixed_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
+def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """One line when mixed precision is asked for: what is cast, or that this layout cannot."""
     training = config.training
     asked = (training.mixed_precision_param, training.mixed_precision_reduce)
-    if parallel_dims.mixed_precision_enabled or asked == ("float32", "float32"):
+    if asked == ("float32", "float32"):
+        return
+    if parallel_dims.mixed_precision_enabled:
+        logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", *asked)
         return
     logger.warning(
         "training.mixed_precision_param %s / mixed_precision_reduce %s: only data parallelism (or one process) "
@@ -104,7 +108,7 @@ def build_model(
         "%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6
     )
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
-    _warn_unapplied_mixed_precision(config, parallel_dims)
+    _log_precision(config, parallel_dims)
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)

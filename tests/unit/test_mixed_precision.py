@@ -81,14 +81,20 @@ def test_layouts_without_data_parallelism_train_in_float32(tp, pp):
     assert with_dp.mixed_precision_enabled
 
 
-def test_unapplied_mixed_precision_is_one_warning(caplog):
-    from models.builder import _warn_unapplied_mixed_precision
+def test_precision_is_one_line(caplog):
+    from models.builder import _log_precision
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=2)
-    with caplog.at_level(logging.WARNING, logger="models.builder"):
-        _warn_unapplied_mixed_precision(load_config(BF16), dims)
-        _warn_unapplied_mixed_precision(load_config([]), dims)
-    assert [r.getMessage() for r in caplog.records] == [
-        "training.mixed_precision_param bfloat16 / mixed_precision_reduce float32: only data parallelism "
-        "(or one process) applies them; this layout (tp 2, pp 1, no data parallelism) trains in float32"
+    without_dp = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=2)
+    with_dp = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=4)
+    with caplog.at_level(logging.INFO, logger="models.builder"):
+        _log_precision(load_config(BF16), without_dp)
+        _log_precision(load_config(BF16), with_dp)
+        _log_precision(load_config([]), with_dp)  # float32: nothing to say
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "training.mixed_precision_param bfloat16 / mixed_precision_reduce float32: only data parallelism "
+            "(or one process) applies them; this layout (tp 2, pp 1, no data parallelism) trains in float32",
+        ),
+        ("INFO", "mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32"),
     ]
