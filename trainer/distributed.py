@@ -26,7 +26,13 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     if "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return device
+    else:
+        _join_torchrun_group(backend, timeout)
+    logger.info("process group: %s backend, world size %d, device type %s", backend, dist.get_world_size(), device.type)
+    return device
+
+
+def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
@@ -41,7 +47,6 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return device
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
