@@ -10,6 +10,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``pinned_memory_available``: pinned-memory staging of asynchronous checkpoints;
 - ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
 - ``profiler_activities``: CUDA kernels in profiler traces;
+- ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
 - ``synchronize``: waiting for the accelerator before reading a clock.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import resource
 import sys
@@ -145,6 +147,14 @@ class PeakFlops:
 
     def __str__(self) -> str:
         return f"peak {self.flops / 1e12:.3g} TFLOP/s {self.source}"
+
+
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic kernels (``debug.deterministic``); on CUDA cuBLAS also needs a fixed
+    workspace, and cuDNN must not pick kernels by timing them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def synchronize(device: torch.device) -> None:

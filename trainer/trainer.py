@@ -15,7 +15,7 @@ from config.job_config import JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model, compute_dtype, model_args
 from parallelisms.compile import log_graph_breaks
-from parallelisms.device import device_peak
+from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
@@ -236,6 +236,4 @@ class Trainer:
 def _set_determinism(config: JobConfig) -> None:
     torch.manual_seed(config.debug.seed)
     if config.debug.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_algorithms()

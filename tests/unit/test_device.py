@@ -4,6 +4,8 @@ tests/distributed/test_cuda.py runs the CUDA side on a machine that has GPUs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,3 +38,17 @@ def test_async_tp_only_on_cuda():
 def test_no_pinned_staging_and_no_cuda_profiling_without_an_accelerator():
     assert not dev.pinned_memory_available()
     assert dev.profiler_activities() == [torch.profiler.ProfilerActivity.CPU]
+
+
+def test_deterministic_algorithms_with_cublas_workspace(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    try:
+        torch.backends.cudnn.benchmark = True
+        dev.use_deterministic_algorithms()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
