@@ -36,8 +36,9 @@ sys.path.insert(0, REPO)
 
 from config.job_config import DTYPES
 from config.manager import load_config
+from parallelisms.device import reset_peak_memory
 from trainer.distributed import set_collective_timeout
-from trainer.metrics import peak_memory_gib, reset_peak_memory
+from trainer.metrics import peak_memory_gib
 from trainer.trainer import Trainer
 
 BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from config.job_config import JobConfig
+from config.job_config import DTYPES, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
 from parallelisms.parallel_dims import ParallelDims
@@ -66,6 +66,32 @@ def model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
     return dataclasses.replace(args, vocab_size=vocab_size)
 
 
+def compute_dtype(config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype:
+    """The dtype the matmuls run in: ``training.mixed_precision_param`` where the layout applies it
+    (``ParallelDims.mixed_precision_enabled``), else float32."""
+    if parallel_dims.mixed_precision_enabled:
+        return DTYPES[config.training.mixed_precision_param]
+    return torch.float32
+
+
+def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """One line when mixed precision is asked for: what is cast, or that this layout cannot."""
+    training = config.training
+    asked = (training.mixed_precision_param, training.mixed_precision_reduce)
+    if asked == ("float32", "float32"):
+        return
+    if parallel_dims.mixed_precision_enabled:
+        logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", *asked)
+        return
+    logger.warning(
+        "training.mixed_precision_param %s / mixed_precision_reduce %s: only data parallelism (or one process) "
+        "applies them; this layout (tp %d, pp %d, no data parallelism) trains in float32",
+        *asked,
+        parallel_dims.tp,
+        parallel_dims.pp,
+    )
+
+
 def build_model(
     config: JobConfig,
     parallel_dims: ParallelDims,
@@ -82,6 +108,7 @@ def build_model(
         "%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6
     )
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
+    _log_precision(config, parallel_dims)
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)

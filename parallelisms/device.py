@@ -1,17 +1,39 @@
-"""The device a rank computes on, and what it can do: the one place for device-specific choices
-(the accelerator's type, its peak matmul rate)."""
+"""The device a rank computes on, and what it can do: the one place for every device-specific
+choice, so that the same code runs on CUDA + NCCL and on CPU + gloo. Each branch that only an
+accelerator (or only CUDA) takes is a function here, and the README lists them:
+
+- ``accelerator_count``: ranks per node by default (one per accelerator, else 2 CPU processes);
+- ``device_type`` / ``rank_device``: the accelerator of this local rank, made current, else the CPU;
+- ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
+- ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
+- ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
+- ``pinned_memory_available``: pinned-memory staging of asynchronous checkpoints;
+- ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
+- ``profiler_activities``: CUDA kernels in profiler traces;
+- ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
+- ``synchronize``: waiting for the accelerator before reading a clock.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+import resource
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+
+def accelerator_count() -> int:
+    """The accelerators this process sees, 0 without any."""
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
 
 
 def device_type() -> str:
@@ -19,6 +41,66 @@ def device_type() -> str:
     if torch.accelerator.is_available():
         return torch.accelerator.current_accelerator().type
     return "cpu"
+
+
+def rank_device(local_rank: int) -> torch.device:
+    """The device of the rank with this ``local_rank`` on its node: that accelerator, made the
+    current one, or the CPU (all ranks of a node share it)."""
+    dev_type = device_type()
+    if dev_type == "cpu":
+        return torch.device("cpu")
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device(dev_type, local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group backend for ``device``: torch's default, nccl on CUDA and gloo on a CPU."""
+    return dist.get_default_backend_for_device(torch.device(device))
+
+
+def supports_async_tp(device_type: str) -> bool:
+    """Asynchronous tensor parallel needs CUDA: symmetric-memory collectives that the compiler fuses
+    with the matmuls. Elsewhere it is turned off (it only overlaps communication)."""
+    return device_type == "cuda"
+
+
+def pinned_memory_available() -> bool:
+    """Whether pinned (page-locked) host memory helps: only copies from an accelerator use it."""
+    return torch.accelerator.is_available()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory since the last ``reset_peak_memory``: the CUDA allocator's max allocated, else
+    this process's peak RSS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux but in bytes on macOS.
+    return max_rss if sys.platform == "darwin" else max_rss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak-memory window: the CUDA allocator's peak, or the RSS high-water mark that
+    ``getrusage`` reports (Linux only; elsewhere the CPU peak covers the whole process lifetime)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    # Linux resets the RSS high-water mark when "5" is written here.
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        logger.debug("Cannot reset the peak RSS; CPU peak memory is the process lifetime peak")
+
+
+def profiler_activities() -> list[torch.profiler.ProfilerActivity]:
+    """What torch.profiler records: CPU operators, plus CUDA kernels when there is a GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
 
 
 @dataclass(frozen=True)
@@ -65,6 +147,14 @@ class PeakFlops:
 
     def __str__(self) -> str:
         return f"peak {self.flops / 1e12:.3g} TFLOP/s {self.source}"
+
+
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic kernels (``debug.deterministic``); on CUDA cuBLAS also needs a fixed
+    workspace, and cuDNN must not pick kernels by timing them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def synchronize(device: torch.device) -> None:

@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallelisms.device import supports_async_tp
+
 # Residual-stream layout between blocks: [batch, seq, dim] sharded on the sequence.
 _SEQUENCE_SHARD = Shard(1)
 
@@ -103,7 +105,7 @@ def _clone_async_collective_output(module: nn.Module, args: tuple, output: torch
 
 
 def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
-    if tp_mesh.device_type != "cuda":
+    if not supports_async_tp(tp_mesh.device_type):
         raise ValueError(
             "parallelism.enable_async_tensor_parallel needs CUDA (symmetric-memory collectives fused "
             f"with matmuls by the compiler); this run is on {tp_mesh.device_type}: turn it off"

@@ -8,7 +8,9 @@
 #SBATCH --exclusive
 set -euo pipefail
 
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# awk reads the whole list: `head -n 1` would exit early and, under pipefail, a long list would
+# end the script with SIGPIPE (141).
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 export NNODES=$SLURM_JOB_NUM_NODES
 export RDZV_ENDPOINT="$head_node:${RDZV_PORT:-29500}"
 export RDZV_ID="tessera-$SLURM_JOB_ID"

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from config.job_config import CHECKPOINT_PARTS, DTYPES, Checkpoint, ConfigError, user_input
+from parallelisms.device import pinned_memory_available
 from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class CheckpointManager:
 
     def _build_stager(self) -> DefaultStager:
         pinned = self.config.async_mode == "async_with_pinned_mem"
-        if pinned and not torch.accelerator.is_available():
+        if pinned and not pinned_memory_available():
             logger.info("checkpoint.async_mode=async_with_pinned_mem: no accelerator, staging in ordinary memory")
             pinned = False
         # The copy into the staging buffers runs in a thread too, overlapping the next forward and

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from config.job_config import Parallelism, user_input
-from parallelisms.device import device_type
+from parallelisms.device import backend_for, rank_device
 from parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -19,18 +19,20 @@ logger = logging.getLogger(__name__)
 
 def init_distributed(init_timeout_seconds: int) -> torch.device:
     """Joins the job's process group (a group of one without torchrun) and returns this rank's device."""
-    dev_type = device_type()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(dev_type, local_rank) if dev_type != "cpu" else torch.device("cpu")
-    if dev_type != "cpu":
-        torch.accelerator.set_device_index(local_rank)
+    device = rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     if dist.is_initialized():  # a second Trainer in the same process (benchmarks, tests)
         return device
-    backend = dist.get_default_backend_for_device(device)
+    backend = backend_for(device)
     timeout = datetime.timedelta(seconds=init_timeout_seconds)
     if "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return device
+    else:
+        _join_torchrun_group(backend, timeout)
+    logger.info("process group: %s backend, world size %d, device type %s", backend, dist.get_world_size(), device.type)
+    return device
+
+
+def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
@@ -45,7 +47,6 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return device
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:

@@ -12,15 +12,13 @@ import json
 import logging
 import math
 import os
-import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from parallelisms.device import PeakFlops
+from parallelisms.device import PeakFlops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +27,7 @@ _GIB = 1024**3
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory in GiB since the last reset: CUDA max allocated, CPU peak RSS of this process."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / _GIB
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux but in bytes on macOS.
-    return (max_rss if sys.platform == "darwin" else max_rss * 1024) / _GIB
+    return peak_memory_bytes(device) / _GIB
 
 
 def log_peak(peak: PeakFlops | None) -> float | None:
@@ -44,21 +37,6 @@ def log_peak(peak: PeakFlops | None) -> float | None:
         return None
     logger.info("MFU against %s", peak)
     return peak.flops
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (e.g. after each log)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    # Linux resets the RSS high-water mark that getrusage reports when "5" is
-    # written here; elsewhere the CPU peak covers the whole process lifetime.
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        logger.debug("Cannot reset the peak RSS; CPU peak memory is the process lifetime peak")
 
 
 class ThroughputTracker:

@@ -16,6 +16,7 @@ from config.job_config import ConfigError, JobConfig
 from config.manager import batch_layout, load_config
 from models.builder import model_args
 from models.registry import get_model_spec
+from parallelisms.device import accelerator_count
 from trainer.corpus import DEFAULT_DATASET, local_corpus_texts
 from trainer.distributed import parallel_dims_from_config
 from trainer.hf_checkpoint import check_hf_config, is_hf_folder
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
     launch: dict[str, str] = {}
     while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
         launch[argv[0]], argv = argv[1], argv[2:]
-    accelerators = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    accelerators = accelerator_count()
     nproc = launch.get("--nproc-per-node", "auto")
     nproc = str(accelerators or 2) if nproc == "auto" else nproc
     world_size = launch.get("--world-size") or f"{int(launch.get('--nnodes', '0') or 0) * int(nproc or 0)}"

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from config.job_config import Profiling
+from parallelisms.device import profiler_activities
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,7 @@ def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[to
         prof.export_chrome_trace(os.path.join(step_dir, f"rank{rank}_trace.json"))
         logger.info("profiler trace saved to %s", step_dir)
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    activities = profiler_activities()
     # Record the last step of each profile_freq window, after a warm-up step.
     wait = max(config.profile_freq - 2, 0)
     schedule = torch.profiler.schedule(wait=wait, warmup=1, active=1)

@@ -11,11 +11,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from config.job_config import DTYPES, JobConfig, user_input
+from config.job_config import JobConfig, user_input
 from config.manager import batch_layout, to_toml
-from models.builder import build_model, model_args
+from models.builder import build_model, compute_dtype, model_args
 from parallelisms.compile import log_graph_breaks
-from parallelisms.device import device_peak
+from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
@@ -69,8 +69,8 @@ class Trainer:
             total_steps=config.training.steps,
             tokens_per_step=self.global_batch_size * config.training.seq_len,
         )
-        param_dtype = DTYPES[config.training.mixed_precision_param]
-        self.peak_flops = log_peak(device_peak(self.device, param_dtype, config.metrics.peak_flops))
+        dtype = compute_dtype(config, self.parallel_dims)
+        self.peak_flops = log_peak(device_peak(self.device, dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
@@ -236,6 +236,4 @@ class Trainer:
 def _set_determinism(config: JobConfig) -> None:
     torch.manual_seed(config.debug.seed)
     if config.debug.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        use_deterministic_algorithms()

@@ -24,7 +24,7 @@ from parallelisms.bucket_plan import (
 )
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
-from parallelisms.device import device_type
+from parallelisms.device import device_type, supports_async_tp
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
@@ -54,7 +54,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if config.compile.enable and not simple_fsdp:
         apply_compile_per_block(model.layers, config.compile.backend)
 
-    if parallel_dims.dp_enabled:
+    if parallel_dims.dp_enabled or (parallel_dims.world_size == 1 and mixed_precision(config)):
+        # One process: data parallelism over its one rank casts exactly as it does over many.
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
     if not (config.compile.enable and simple_fsdp):
@@ -70,9 +71,15 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 def _async_tp(config: JobConfig, device_type: str) -> bool:
     """Async TP only overlaps communication: where it cannot run (off CUDA) the run goes on without it."""
     wanted = config.parallelism.enable_async_tensor_parallel
-    if wanted and device_type != "cuda":
+    if wanted and not supports_async_tp(device_type):
         logger.warning("parallelism.enable_async_tensor_parallel needs CUDA: off on %s", device_type)
-    return wanted and device_type == "cuda"
+    return wanted and supports_async_tp(device_type)
+
+
+def mixed_precision(config: JobConfig) -> bool:
+    """Whether the config asks for anything but float32 parameters and reductions."""
+    training = config.training
+    return (training.mixed_precision_param, training.mixed_precision_reduce) != ("float32", "float32")
 
 
 def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
@@ -85,7 +92,7 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     dp_mesh = parallel_dims.dp_param_mesh
-    if parallel_dims.fsdp_enabled:
+    if parallel_dims.fsdp_enabled or not parallel_dims.dp_enabled:
         apply_fsdp2(
             model,
             dp_mesh,
@@ -99,7 +106,7 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
 
 
 def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    if not parallel_dims.fsdp_enabled:
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         mode = "replicate"
     else:
         mode = "hybrid_shard" if parallel_dims.dp_replicate_enabled else "fully_shard"

@@ -1,11 +1,21 @@
 """Every data-parallel layout gives the losses of one process training on the same global batch,
-and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses bitwise."""
+and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses bitwise. The reference and
+the FSDP2 run on 2 ranks also validate on a corpus the test writes (the validation loss's
+all-reduce and division over data-parallel ranks) and the 2-rank run writes profiler traces."""
+
+import collections
+import json
+import os
+import random
 
 import pytest
 
 from tests.launch import losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
+# Validation after steps 5 and 10, 2 batches each; profiler traces of steps 5 and 10.
+VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
+PROFILING = ["--profiling.enable_profiling", "--profiling.profile_freq", "5"]
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -48,30 +58,76 @@ IMPLEMENTATIONS = {
 ALL_REDUCE_ORDER_TOLERANCE = {"ddp_4": 1e-6}
 
 
+# The fast tier keeps one 2-rank case (two launches: the reference and FSDP2 on 2 ranks); the
+# others are slow.
+FAST_CASE = ("fsdp_2", "fsdp2")
+
+
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory):
+def validation_corpus(tmp_path_factory) -> str:
+    """A .jsonl corpus of made-up sentences, not the default validation dataset."""
+    words = "alpha beta gamma delta river mountain cloud engine paper window garden letter number signal".split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("validation") / "held_out.jsonl"
+    with open(path, "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60)) + "."}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, validation_corpus) -> str:
+    """The dump folder of one process on the whole global batch (validating: it does not change
+    the training losses)."""
     folder = str(tmp_path_factory.mktemp("reference"))
-    return losses(run_train(folder, 1, "--training.local_batch_size", "8", *GLOBAL_BATCH))
+    run_train(
+        folder,
+        1,
+        "--training.local_batch_size",
+        "8",
+        *GLOBAL_BATCH,
+        *VALIDATION,
+        "--validation.dataset",
+        validation_corpus,
+    )
+    return folder
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory):
-    """Losses of (layout, impl) runs, each trained once per module."""
-    cache: dict[tuple[str, str], list[float]] = {}
+def reference_losses(reference_run):
+    return losses(_records(reference_run, "metrics.jsonl"))
 
-    def get(layout: str, impl: str) -> list[float]:
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, validation_corpus):
+    """Dump folders of (layout, impl) runs, each trained once per module."""
+    cache: dict[tuple[str, str], str] = {}
+
+    def get(layout: str, impl: str) -> str:
         if (layout, impl) not in cache:
             nproc, overrides = LAYOUTS[layout]
+            if (layout, impl) == FAST_CASE:
+                overrides = [*overrides, *VALIDATION, "--validation.dataset", validation_corpus, *PROFILING]
             folder = str(tmp_path_factory.mktemp(f"{layout}-{impl}"))
-            cache[layout, impl] = losses(run_train(folder, nproc, *overrides, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH))
+            run_train(folder, nproc, *overrides, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH)
+            cache[layout, impl] = folder
         return cache[layout, impl]
 
     return get
 
 
-# The fast tier keeps one 2-rank case (two launches: the reference and FSDP2 on 2 ranks); the
-# others are slow.
-FAST_CASE = ("fsdp_2", "fsdp2")
+@pytest.fixture(scope="module")
+def layout_losses(layout_runs):
+    """Losses of (layout, impl) runs."""
+    return lambda layout, impl: losses(_records(layout_runs(layout, impl), "metrics.jsonl"))
+
+
+def _records(folder: str, name: str) -> list[dict]:
+    """The records rank 0 wrote to ``name`` (metrics.jsonl, validation.jsonl) in ``folder``."""
+    with open(os.path.join(folder, name)) as f:
+        return [json.loads(line) for line in f]
+
+
 CASES = [
     pytest.param(layout, impl, id=f"{impl}-{layout}", marks=() if (layout, impl) == FAST_CASE else pytest.mark.slow)
     for impl in IMPLEMENTATIONS
@@ -93,3 +149,33 @@ def test_losses_match(layout, impl, reference_losses, layout_losses):
         assert got == pytest.approx(fsdp2, rel=ALL_REDUCE_ORDER_TOLERANCE[layout], abs=0)
     else:
         assert got == fsdp2
+
+
+def test_validation_over_two_ranks_equals_one_process(reference_run, layout_runs):
+    """Each rank validates its half of the global batch; the all-reduced sum over the
+    data-parallel ranks, divided by their token count, is one process's mean."""
+    got = _records(layout_runs(*FAST_CASE), "validation.jsonl")
+    expected = _records(reference_run, "validation.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [5, 10]
+    # Measured: 1.2e-7 relative (step 5), equal (step 10); a rank dividing by its own tokens only
+    # would be 2x off, one that skipped the all-reduce would see half the batch.
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-6, abs=0)
+
+
+def test_profiler_traces_hold_the_steps_collectives(layout_runs):
+    """profile_freq 5: a trace of step 5 and of step 10 from each rank, whose events include the
+    step's FSDP all-gathers and reduce-scatters and the loss and grad-norm all-reduces."""
+    traces = os.path.join(layout_runs(*FAST_CASE), "profile_traces")
+    assert sorted(os.listdir(traces)) == ["iteration_10", "iteration_5"]
+    for step in (5, 10):
+        assert sorted(os.listdir(os.path.join(traces, f"iteration_{step}"))) == ["rank0_trace.json", "rank1_trace.json"]
+        for rank in (0, 1):
+            with open(os.path.join(traces, f"iteration_{step}", f"rank{rank}_trace.json")) as f:
+                trace = json.load(f)
+            assert trace["distributedInfo"]["backend"] == "gloo"
+            assert (trace["distributedInfo"]["rank"], trace["distributedInfo"]["world_size"]) == (rank, 2)
+            ops = collections.Counter(e.get("name") for e in trace["traceEvents"] if e.get("ph") == "X")
+            assert ops[f"ProfilerStep#{step - 1}"] == 1  # the profiler counts steps from 0
+            # 7 FSDP units: at least one all-gather and one reduce-scatter each.
+            assert ops["c10d::_allgather_base_"] >= 7 and ops["c10d::_reduce_scatter_base_"] >= 7
+            assert ops["c10d::allreduce_"] >= 1 and ops["gloo:all_gather"] >= 7

@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from parallelisms import device
-from parallelisms.device import PeakFlops, device_peak, device_peak_flops
+from parallelisms.device import PeakFlops, device_peak, device_peak_flops, reset_peak_memory
 from trainer.metrics import (
     MetricsLogger,
     RunProgress,
@@ -22,7 +22,6 @@ from trainer.metrics import (
     format_summary,
     log_peak,
     peak_memory_gib,
-    reset_peak_memory,
 )
 
 _JSONL_KEYS = {

@@ -1,0 +1,101 @@
+"""scripts/slurm_train.sh under a stand-in SLURM: ``scontrol`` names two nodes, ``srun`` records
+what it was asked and runs the command as on the first node, and the interpreter records the
+torchrun command line instead of starting torchrun (the pre-launch check runs for real)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+
+SCRIPT = os.path.join(REPO, "scripts", "slurm_train.sh")
+
+# One write per host, the second after a pause, as scontrol writes a long list in pieces: a reader
+# that stops after the first line makes the second write fail (SIGPIPE).
+FAKE_SCONTROL = """#!/usr/bin/env bash
+[ "$1 $2" = "show hostnames" ] && [ "$3" = "$SLURM_JOB_NODELIST" ] || exit 1
+echo gpu-node-07
+sleep 0.5
+echo gpu-node-08
+"""
+
+# One task per node: record the options, the environment the script exported and the folder, then
+# run the command (what srun does on each node).
+FAKE_SRUN = """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$FAKE_DIR/srun_args"
+echo "NNODES=$NNODES RDZV_ENDPOINT=$RDZV_ENDPOINT RDZV_ID=$RDZV_ID" > "$FAKE_DIR/srun_env"
+pwd > "$FAKE_DIR/srun_cwd"
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+
+FAKE_PYTHON = f"""#!/usr/bin/env bash
+if [ "$1 $2" = "-m torch.distributed.run" ]; then
+  shift 2
+  printf '%s\\n' "$@" > "$FAKE_DIR/torchrun_args"
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS" > "$FAKE_DIR/torchrun_env"
+  exit 0
+fi
+exec {sys.executable} "$@"
+"""
+
+
+def test_slurm_script_parses():
+    result = subprocess.run(["bash", "-n", SCRIPT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def _fake_tools(folder) -> dict[str, str]:
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("python", FAKE_PYTHON)):
+        path = folder / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(folder / "python")}
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+@pytest.mark.slow  # runs run_train.sh (its pre-launch check imports torch)
+def test_slurm_script_runs_one_torchrun_agent_per_node(tmp_path):
+    env = dict(os.environ, FAKE_DIR=str(tmp_path), **_fake_tools(tmp_path))
+    env.update(SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242")
+    env.update(SLURM_SUBMIT_DIR=REPO)  # sbatch runs a copy of the script from its spool folder
+    env.pop("NGPU", None)
+    env.pop("OMP_NUM_THREADS", None)
+    env["RDZV_PORT"] = "29611"
+    result = subprocess.run(
+        ["bash", SCRIPT, "--training.steps", "1000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+
+    endpoint = "gpu-node-07:29611"  # the first node of the allocation
+    assert _lines(tmp_path / "srun_args") == ["--kill-on-bad-exit=0", "./run_train.sh", "--training.steps", "1000"]
+    assert _lines(tmp_path / "srun_env") == [f"NNODES=2 RDZV_ENDPOINT={endpoint} RDZV_ID=tessera-4242"]
+    assert _lines(tmp_path / "srun_cwd") == [REPO]
+    # The pre-launch check found no accelerator: 2 CPU ranks per node, one thread each.
+    assert _lines(tmp_path / "torchrun_args") == [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=tessera-4242",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--local-ranks-filter",
+        "0",
+        "--role",
+        "rank",
+        "--tee",
+        "3",
+        "train.py",
+        "--job.config_file",
+        "configs/debug_model.toml",
+        "--training.steps",
+        "1000",
+    ]
+    assert _lines(tmp_path / "torchrun_env") == ["OMP_NUM_THREADS=1"]
