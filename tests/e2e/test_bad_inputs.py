@@ -40,7 +40,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("type", ["--parallelism.tensor_parallel_degree", "two"], "expected an integer"),
     ("type", ["--job.config_file", "{d}/string_int.toml"], "training.steps: expected int, got the string"),
     ("type", ["--job.config_file", "{d}/bool_string.toml"], "compile.enable: expected bool, got the string"),
-    ("type", ["--job.config_file", "{d}/list_int.toml"], "expected a list of str"),
+    ("type", ["--job.config_file", "{d}/list_int.toml"], "compile.manual_buckets: expected a string, got 1"),
     ("type", ["--training.max_norm", "none"], "training.max_norm: expected a number"),
     # Values out of range.
     ("range", ["--training.steps", "0"], "training.steps must be positive"),
@@ -127,7 +127,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("layout", ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "65"], "does not divide"),
     ("layout", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], "run it on 1 rank"),
     # LR schedules that do not fit.
-    ("schedule", ["--training.steps", "5"], "lr_scheduler.warmup_steps 10 exceeds training.steps 5"),
+    ("schedule", ["--training.steps", "5"], "lr_scheduler.warmup_steps 6 exceeds training.steps 5"),
     ("schedule", ["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),
     ("schedule", ["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio must be in [0, 1]"),
     ("schedule", ["--lr_scheduler.decay_ratio", "0.95"], "exceeds lr_scheduler.total_steps"),
