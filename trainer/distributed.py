@@ -50,9 +50,11 @@ def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
-    """Switches every group (the default one and the mesh's) to the steady-state timeout."""
+    """Switches every group of this process to the steady-state timeout: the default one, the
+    mesh's and any other (the checkpoint manager's, whose saves would otherwise wait for a hung
+    rank as long as torch's default of 30 minutes)."""
     timeout = datetime.timedelta(seconds=seconds)
-    groups = {dist.group.WORLD}
+    groups = {dist.group.WORLD, *dist.distributed_c10d._world.pg_map}
     if mesh is not None:
         groups.update(mesh.get_all_groups())
     for group in groups:

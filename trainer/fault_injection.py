@@ -2,38 +2,92 @@
 
 It acts once, at that step, on the first attempt only (before any torchrun restart), on the last
 rank: ``kill`` (SIGKILL), ``hang`` (sleep forever), ``kill_during_save`` (die once its shard of
-that step's checkpoint is on disk) or ``nan`` (non-finite gradients, which every rank then sees
-in the global norm, so that they skip or roll back together).
+that step's checkpoint is on disk), ``hang_during_save`` (sleep forever once its shard is on disk,
+before the save's last collective), ``disk_full_during_save`` (the disk fills up after the first
+64 KiB of its shard: the write raises OSError ENOSPC, leaving a partial file) or ``nan`` (non-finite
+gradients, which every rank then sees in the global norm, so that they skip or roll back together).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
+from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from config.job_config import Debug
+from trainer.checkpoint import ChecksummedWriter
 
 logger = logging.getLogger(__name__)
+
+SAVE_FAILURES = ("kill_during_save", "hang_during_save", "disk_full_during_save")
+DISK_ROOM = 64 * 2**10  # bytes that fit on the "full" disk before writes fail
 
 
 def is_first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-class _DyingWriter(FileSystemWriter):
+class _DyingWriter(ChecksummedWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         result = super().write_data(plan, planner)
         result.wait()
         logger.warning("debug.failure=kill_during_save: killing this rank in the middle of the save")
         os.kill(os.getpid(), signal.SIGKILL)
         return result
+
+
+class _HangingWriter(ChecksummedWriter):
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        super().write_data(plan, planner).wait()
+        logger.warning("debug.failure=hang_during_save: this rank hangs in the middle of the save")
+        while True:
+            time.sleep(3600)
+
+
+class _FullDiskStream:
+    """A file on a disk with ``room[0]`` bytes left: the write that does not fit writes what fits
+    and raises OSError ENOSPC, as a full disk does."""
+
+    def __init__(self, raw: IO[bytes], path: str, room: list[int]):
+        self.raw = raw
+        self.path = path
+        self.room = room
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) > self.room[0]:
+            self.raw.write(view[: self.room[0]])
+            self.raw.flush()
+            self.room[0] = 0
+            logger.warning("debug.failure=disk_full_during_save: the disk is full while writing %s", self.path)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        self.room[0] -= len(view)
+        return self.raw.write(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+class _FullDisk(FileSystem):
+    """The local file system with ``room`` bytes left for the files this process writes."""
+
+    def __init__(self, room: int):
+        self.room = [room]
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            yield _FullDiskStream(raw, str(path), self.room) if "w" in mode else raw
 
 
 class FailureInjector:
@@ -50,7 +104,7 @@ class FailureInjector:
             return
         self.pending = False
         failure = self.debug.failure
-        if not self.on_this_rank or failure == "kill_during_save":
+        if not self.on_this_rank or failure in SAVE_FAILURES:
             return
         if failure == "nan":
             self.poison_gradients = True
@@ -68,8 +122,15 @@ class FailureInjector:
             params[0].grad.fill_(math.nan)
 
     def storage_writer(self, step: int, path: str) -> FileSystemWriter:
-        """The checkpoint writer for step ``step``: one that dies mid-save when asked to."""
-        dying = self.debug.failure == "kill_during_save" and step == self.debug.fail_at_step
-        if dying and self.on_this_rank and is_first_attempt():
+        """The checkpoint writer for step ``step``: one that dies, hangs or finds the disk full
+        mid-save when asked to."""
+        failure = self.debug.failure
+        if failure not in SAVE_FAILURES or step != self.debug.fail_at_step:
+            return ChecksummedWriter(path)
+        if not (self.on_this_rank and is_first_attempt()):
+            return ChecksummedWriter(path)
+        if failure == "kill_during_save":
             return _DyingWriter(path)
-        return FileSystemWriter(path)
+        if failure == "hang_during_save":
+            return _HangingWriter(path)
+        return ChecksummedWriter(path, file_system=_FullDisk(DISK_ROOM))

@@ -101,6 +101,7 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=TrainState(lambda: self.step, self._set_step, self.device),
             storage_writer=self.failures.storage_writer,
+            timeout_seconds=self.config.comm.init_timeout_seconds,
         )
 
     def _set_step(self, step: int) -> None:

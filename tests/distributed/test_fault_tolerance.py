@@ -1,12 +1,14 @@
 """Checkpoints and restarts end to end: torchrun restarts after a killed, hung or mid-save rank,
-a truncated checkpoint, two torchrun agents as two nodes. Every resumed run must reproduce the
-uninterrupted run's losses bitwise (``debug.deterministic``, fp32, same layout)."""
+a rank hung inside a save, a disk that fills up during a save, the whole job killed and started
+again by hand, a truncated checkpoint, two torchrun agents as two nodes. Every resumed run must
+reproduce the uninterrupted run's losses bitwise (``debug.deterministic``, fp32, same layout)."""
 
 from __future__ import annotations
 
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -26,6 +28,7 @@ from tests.launch import (
     train_command,
     train_env,
 )
+from trainer.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -106,6 +109,56 @@ def test_hung_rank_times_out_and_restarts(tmp_path, reference):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(child) for child in f.read().split()]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts each rank in a session of its own, so the
+    process group of the agent does not hold the ranks)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        try:
+            tree += [child for task in os.listdir(f"/proc/{tree[i]}/task") for child in _task_children(tree[i], task)]
+        except FileNotFoundError:
+            pass
+        i += 1
+    return tree
+
+
+def _task_children(pid: int, task: str) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL to the agent and every rank at once, as a scheduler ends a job; returns when all
+    are gone."""
+    tree = _process_tree(agent.pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, f"processes {tree} still alive after SIGKILL"
+        time.sleep(0.1)
+
+
+def _logged_steps(dump: str) -> int:
+    metrics = os.path.join(dump, "metrics.jsonl")
+    return sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
 
 
 def test_five_sigkills_at_random_steps(tmp_path, reference):
@@ -193,4 +246,86 @@ def test_two_nodes_on_localhost(tmp_path, reference):
     ]
     outputs = [node.communicate(timeout=900)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    assert losses_by_step(read_metrics(dump)) == reference[1]
+
+
+def test_rank_hung_inside_a_save_times_out_and_restarts(tmp_path, reference):
+    """The last rank hangs once its shard of step 8 is written: rank 0 waits in the save's
+    collective for comm.train_timeout_seconds, fails naming step-8, torchrun restarts, step 4
+    resumes."""
+    dump = str(tmp_path)
+    command = train_command(
+        dump,
+        2,
+        *CHECKPOINTED,
+        "--debug.fail_at_step",
+        "8",
+        "--debug.failure",
+        "hang_during_save",
+        "--comm.train_timeout_seconds",
+        "10",
+        max_restarts=1,
+    )
+    agent = subprocess.Popen(
+        command, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output = agent.communicate(timeout=600)[0]
+    finally:
+        if agent.poll() is None:
+            _kill_tree(agent)  # the ranks too: they are not in the agent's process group
+    assert agent.returncode == 0, output[-4000:]
+    step_8 = os.path.join(dump, "checkpoint", "step-8")
+    assert "this rank hangs in the middle of the save" in output
+    # The save's own group waited comm.train_timeout_seconds, not torch's default of 30 minutes.
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    expected = f"error: saving {step_8} failed: RuntimeError: "
+    assert len(errors) == 1 and errors[0].startswith(expected) and "Timed out waiting 10000ms" in errors[0], errors
+    assert "resumed from step 4" in output and f"removing incomplete checkpoint {step_8}" in output
+    assert losses_by_step(read_metrics(dump)) == reference[1]
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
+    """The disk fills up while the last rank writes step 8: the run ends with one line naming
+    step-8, which has no marker; the same run started again drops it and resumes from step 4."""
+    dump = str(tmp_path)
+    full = ["--debug.fail_at_step", "8", "--debug.failure", "disk_full_during_save"]
+    result = launch_train(dump, 2, *CHECKPOINTED, *full, check=False)
+    step_8 = os.path.join(dump, "checkpoint", "step-8")
+    assert result.returncode != 0
+    # Every rank ends with the same line (DCP shares a rank's failure), and no DCP traceback.
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
+    expected = f"error: saving {step_8} failed on rank 1: OSError: [Errno 28] No space left on device: "
+    assert len(errors) == 1 and next(iter(errors)).startswith(expected), result.stderr[-4000:]
+    assert "CheckpointException" not in result.stderr
+    assert os.path.isdir(step_8) and not os.path.exists(os.path.join(step_8, COMPLETE_MARKER))
+    assert [step for step, _ in complete_checkpoints(os.path.join(dump, "checkpoint"))] == [4]
+
+    result = launch_train(dump, 2, *CHECKPOINTED)
+    output = result.stdout + result.stderr
+    assert f"removing incomplete checkpoint {step_8}" in output and "resumed from step 4" in output
+    assert losses_by_step(read_metrics(dump)) == reference[1]
+
+
+def test_whole_job_killed_and_started_again_by_hand(tmp_path, reference):
+    """SIGKILL to torchrun and its ranks together after step 6 is logged, then the same command
+    again: it resumes from the newest complete checkpoint and ends as the uninterrupted run."""
+    dump = str(tmp_path)
+    command = train_command(dump, 2, *CHECKPOINTED)
+    with open(tmp_path / "killed.log", "w") as log:
+        agent = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 600
+            while _logged_steps(dump) < 6:
+                assert agent.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "no step 6 within 600 s"
+                time.sleep(0.05)
+        finally:
+            _kill_tree(agent)
+    assert agent.returncode == -signal.SIGKILL
+    newest = complete_checkpoints(os.path.join(dump, "checkpoint"))[0][0]
+    assert 4 <= newest < STEPS
+
+    result = launch_train(dump, 2, *CHECKPOINTED)
+    assert f"resumed from step {newest}" in result.stdout + result.stderr
     assert losses_by_step(read_metrics(dump)) == reference[1]

@@ -1,18 +1,22 @@
-"""CheckpointManager in one process (a gloo group of one): completion marker, verification,
-fallback past bad checkpoints, purging, and the names pipeline stages save under."""
+"""CheckpointManager in one process (a gloo group of one): completion marker, verification by
+size and CRC-32, fallback past bad checkpoints, a disk that fills up during a save, purging, and the
+names pipeline stages save under."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
+import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from config.job_config import Checkpoint, ConfigError
+from config.job_config import Checkpoint, ConfigError, Debug
 from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
 from tests.unit.test_data import arange_loader, global_order, take_window_ids
@@ -21,11 +25,14 @@ from trainer.checkpoint import (
     COMPLETE_MARKER,
     CheckpointError,
     CheckpointManager,
+    ChecksummedWriter,
     TrainState,
     checkpoint_folders,
+    file_crc32,
     verify_checkpoint,
     whole_model,
 )
+from trainer.fault_injection import FailureInjector
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +58,7 @@ class Counter:
 class Run:
     """A tiny model, its optimizer and a CheckpointManager over a dump folder."""
 
-    def __init__(self, dump_folder: str, seed: int = 0, data=None, **checkpoint_options) -> None:
+    def __init__(self, dump_folder: str, seed: int = 0, data=None, storage_writer=None, **checkpoint_options) -> None:
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
@@ -67,6 +74,7 @@ class Run:
             lr_scheduler=self.scheduler,
             dataloader=self.data,
             train_state=TrainState(lambda: self.step, self._set_step, torch.device("cpu")),
+            **({"storage_writer": storage_writer} if storage_writer else {}),
         )
 
     def _set_step(self, step: int) -> None:
@@ -78,6 +86,7 @@ class Run:
             self.data.position += 3
             self.optimizer.zero_grad()
             self.model(torch.full((2, 4), float(self.step))).square().sum().backward()
+            self.manager.wait_for_staging()  # as the Trainer does: an async save may still be copying
             self.optimizer.step()
             self.scheduler.step()
             if self.step % save_every == 0:
@@ -139,6 +148,99 @@ def test_truncated_checkpoint_is_named_and_skipped(tmp_path):
     assert resumed.step == 1
     # The bad one is kept for inspection but out of the way of the next save of step 2.
     assert (tmp_path / "checkpoint" / "step-2.unloadable").is_dir()
+    assert steps_on_disk(str(tmp_path)) == [1]
+
+
+def flip_one_byte(file) -> None:
+    """Changes one byte in the middle of ``file``, in place: same size, other content."""
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_writers_crcs_are_the_files_and_reach_the_marker(tmp_path):
+    writer = ChecksummedWriter(str(tmp_path))
+    dcp.save({"a": torch.arange(1000.0), "b": {"c": torch.ones(3, 5)}}, storage_writer=writer)
+    shards = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert shards and sorted(writer.checksums) == shards  # computed while writing, not read back
+    for name in shards:
+        assert (
+            writer.checksums[name] == f"{zlib.crc32((tmp_path / name).read_bytes()):08x}" == file_crc32(tmp_path / name)
+        )
+
+    Run(str(tmp_path / "run")).train(1)
+    folder = tmp_path / "run" / "checkpoint" / "step-1"
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    assert marker["crc32"] == {name: file_crc32(folder / name) for name in marker["files"]}
+
+
+def test_byte_changed_in_a_shard_is_named_and_resume_falls_back(tmp_path):
+    Run(str(tmp_path)).train(2)
+    at_one = Run(str(tmp_path / "reference"))
+    at_one.train(1)
+    folder = tmp_path / "checkpoint" / "step-2"
+    shard = next(folder.glob("*.distcp"))
+    size = shard.stat().st_size
+    flip_one_byte(shard)
+    assert shard.stat().st_size == size
+    with pytest.raises(
+        CheckpointError, match=f"{re.escape(str(shard))} is corrupt: its CRC-32 is [0-9a-f]{{8}}, the marker says"
+    ):
+        verify_checkpoint(str(folder))
+
+    resumed = Run(str(tmp_path), seed=2)
+    assert resumed.manager.resume() == 1
+    assert_same(resumed.snapshot(), at_one.snapshot())
+    assert (tmp_path / "checkpoint" / "step-2.unloadable").is_dir()
+
+
+@pytest.mark.parametrize("how", ["load_step", "rollback", "initial_load_path"])
+def test_every_way_of_loading_checks_the_content(tmp_path, how):
+    Run(str(tmp_path)).train(2)
+    step_2 = tmp_path / "checkpoint" / "step-2"
+    flip_one_byte(next(step_2.glob("*.distcp")))
+    if how == "load_step":
+        with pytest.raises(CheckpointError, match=re.escape(f"{step_2}/__0_0.distcp is corrupt")):
+            Run(str(tmp_path), load_step=2).manager.resume()
+    elif how == "rollback":
+        assert Run(str(tmp_path)).manager.rollback() == 1  # step 2 is named in a warning and skipped
+    else:
+        fresh = Run(str(tmp_path / "other"), initial_load_path=str(step_2))
+        with pytest.raises(CheckpointError, match=re.escape(f"{step_2}/__0_0.distcp is corrupt")):
+            fresh.manager.load_at_start()
+
+
+def test_marker_without_crcs_still_loads(tmp_path):
+    """Checkpoints written before the CRCs: their files are checked by size, and they load."""
+    first = Run(str(tmp_path))
+    first.train(2)
+    marker_file = tmp_path / "checkpoint" / "step-2" / COMPLETE_MARKER
+    marker = json.loads(marker_file.read_text())
+    marker_file.write_text(json.dumps({"step": marker["step"], "files": marker["files"]}))
+    resumed = Run(str(tmp_path), seed=1)
+    assert resumed.manager.resume() == 2
+    assert_same(resumed.snapshot(), first.snapshot())
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_disk_full_during_a_save(tmp_path, async_mode):
+    """The disk fills up while step 2 is written: one error naming the folder, no marker, and the
+    next start drops the partial folder and resumes from step 1."""
+    reference = Run(str(tmp_path / "reference"))
+    reference.train(1)
+    full_at_2 = FailureInjector(Debug(fail_at_step=2, failure="disk_full_during_save"), rank=0, world_size=1)
+    folder = tmp_path / "checkpoint" / "step-2"
+    expected = f"^saving {re.escape(str(folder))} failed on rank 0: OSError: \\[Errno 28\\] No space left on device"
+    with pytest.raises(CheckpointError, match=expected):
+        Run(str(tmp_path), storage_writer=full_at_2.storage_writer, async_mode=async_mode).train(2)
+    assert folder.is_dir() and not (folder / COMPLETE_MARKER).exists()
+    assert any(0 < p.stat().st_size for p in folder.glob("*.distcp"))  # a partial shard
+
+    resumed = Run(str(tmp_path), seed=1)
+    assert resumed.manager.resume() == 1
+    assert_same(resumed.snapshot(), reference.snapshot())
     assert steps_on_disk(str(tmp_path)) == [1]
 
 
