@@ -1,9 +1,9 @@
-"""Every data-parallel layout gives the losses of one process training on the same global batch,
-and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses bitwise."""
+"""Every data-parallel layout gives the losses and gradient norms of one process training on the
+same global batch, and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses bitwise."""
 
 import pytest
 
-from tests.launch import losses, run_train
+from tests.launch import GRAD_NORM_RTOL, grad_norms, losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 
@@ -49,21 +49,22 @@ ALL_REDUCE_ORDER_TOLERANCE = {"ddp_4": 1e-6}
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory):
+def reference(tmp_path_factory) -> list[dict]:
+    """The metrics.jsonl records of one process on the whole global batch."""
     folder = str(tmp_path_factory.mktemp("reference"))
-    return losses(run_train(folder, 1, "--training.local_batch_size", "8", *GLOBAL_BATCH))
+    return run_train(folder, 1, "--training.local_batch_size", "8", *GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
-def layout_losses(tmp_path_factory):
-    """Losses of (layout, impl) runs, each trained once per module."""
-    cache: dict[tuple[str, str], list[float]] = {}
+def layout_records(tmp_path_factory):
+    """The metrics.jsonl records of (layout, impl) runs, each trained once per module."""
+    cache: dict[tuple[str, str], list[dict]] = {}
 
-    def get(layout: str, impl: str) -> list[float]:
+    def get(layout: str, impl: str) -> list[dict]:
         if (layout, impl) not in cache:
             nproc, overrides = LAYOUTS[layout]
             folder = str(tmp_path_factory.mktemp(f"{layout}-{impl}"))
-            cache[layout, impl] = losses(run_train(folder, nproc, *overrides, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH))
+            cache[layout, impl] = run_train(folder, nproc, *overrides, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH)
         return cache[layout, impl]
 
     return get
@@ -80,15 +81,19 @@ CASES = [
 
 
 @pytest.mark.parametrize("layout, impl", CASES)
-def test_losses_match(layout, impl, reference_losses, layout_losses):
-    got = layout_losses(layout, impl)
-    assert len(got) == len(reference_losses) == 10
-    assert got == pytest.approx(reference_losses, rel=1e-5, abs=0)
+def test_losses_match(layout, impl, reference, layout_records):
+    records = layout_records(layout, impl)
+    got = losses(records)
+    assert len(got) == len(reference) == 10
+    assert got == pytest.approx(losses(reference), rel=1e-5, abs=0)
+    # Gradient norms too: a gradient scaled by the same factor everywhere (averaged instead of
+    # summed, say) barely moves the losses under AdamW and clipping, but shows in every norm.
+    assert grad_norms(records) == pytest.approx(grad_norms(reference), rel=GRAD_NORM_RTOL, abs=0)
     # The model must actually learn, or equal losses would prove little.
     assert got[-1] < got[0]
     if impl == "fsdp2":
         return
-    fsdp2 = layout_losses(layout, "fsdp2")
+    fsdp2 = losses(layout_records(layout, "fsdp2"))
     if layout in ALL_REDUCE_ORDER_TOLERANCE:
         assert got == pytest.approx(fsdp2, rel=ALL_REDUCE_ORDER_TOLERANCE[layout], abs=0)
     else:
