@@ -53,9 +53,10 @@ LAYOUTS = {
     # breaks it (None or wrong gradients), so it is off by default under pipelining.
     "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *FOUR_STAGES)]),
     "pp2_simple_fsdp": (4, [*DP2_ACCUMULATE, *pp("1F1B", 1), "--parallelism.data_parallel_impl", "simple_fsdp"]),
+    # The 8-rank layout of the README, with its schedule: 6 one-block stages, three per rank.
     "pp2_dp2_tp2": (
         8,
-        ["--training.local_batch_size", "4", *pp("1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
+        ["--training.local_batch_size", "4", *pp("Interleaved1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
     ),
 }
 
