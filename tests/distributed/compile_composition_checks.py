@@ -5,7 +5,11 @@ Usage: torchrun --nproc-per-node 2 tests/distributed/compile_composition_checks.
 Each case builds a small Llama 3 with ``build_model`` (the trainer's path) from config
 overrides, trains a few steps on fixed random tokens and prints, on rank 0, one line
 ``RESULT {json}`` with the case name, its losses, the graph breaks dynamo hit while compiling and
-running it, and the number of graphs it compiled. Layouts: FSDP2 (per-block compile), SimpleFSDP
+running it, the number of graphs it compiled and, read from torch's own graph logs (the
+``graph_code`` and ``aot_graphs`` artifacts): the checkpoint regions in the graphs dynamo captured
+(``tag_activation_checkpoint`` calls), the forward and backward graphs AOT autograd compiled and
+the matmuls in each (a backward graph holds more than the forward's two per matmul only when it
+recomputes forward matmuls). Layouts: FSDP2 (per-block compile), SimpleFSDP
 (whole-model compile, manual buckets), both on 2 data-parallel ranks, and tensor parallel on 2
 ranks (per-block compile of DTensor parameters). Each layout also runs once eagerly as a reference.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 import time
 
 import torch
@@ -54,6 +60,52 @@ CASES = [
 ]
 
 
+# torch's loggers of the graphs dynamo captures and of the graphs AOT autograd compiles.
+GRAPH_LOGGERS = ("torch._dynamo.output_graph.__graph_code", "torch._functorch._aot_autograd.graph_compile.__aot_graphs")
+
+
+class GraphLog(logging.Handler):
+    """Keeps the text of every graph torch logs: dynamo's captured graphs, AOT's forward and
+    backward graphs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.captured: list[str] = []
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.name == GRAPH_LOGGERS[0]:
+            self.captured.append(text)
+        elif re.match(r"\s*TRACED GRAPH\s+=+\s+Forward graph", text):
+            self.forward.append(text)
+        elif re.match(r"\s*TRACED GRAPH\s+=+\s+Backward graph", text):
+            self.backward.append(text)
+
+    def install(self) -> None:
+        for name in GRAPH_LOGGERS:
+            log = logging.getLogger(name)
+            log.setLevel(logging.DEBUG)
+            log.propagate = False  # kept here, not printed
+            log.addHandler(self)
+
+    def clear(self) -> None:
+        self.captured, self.forward, self.backward = [], [], []
+
+    def counts(self) -> dict:
+        def matmuls(text: str) -> int:
+            return text.count("torch.ops.aten.mm.default(")
+
+        return {
+            "checkpoint_regions": sum(
+                t.count("torch.ops.higher_order.tag_activation_checkpoint(") for t in self.captured
+            ),
+            "forward_matmuls": [matmuls(t) for t in self.forward],
+            "backward_matmuls": [matmuls(t) for t in self.backward],
+        }
+
+
 def case_name(layout: str, compiled: bool, ac: str) -> str:
     return f"{layout}-{'compiled' if compiled else 'eager'}-{ac}"
 
@@ -92,9 +144,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     stats = torch._dynamo.utils.counters["stats"]
+    graph_log = GraphLog()
+    graph_log.install()
     for layout, compiled, ac in CASES:
         torch._dynamo.reset()  # no graph reuse across cases: each compiles its own
         torch.manual_seed(0)
+        graph_log.clear()
         breaks, graphs, start = graph_break_count(), stats["unique_graphs"], time.perf_counter()
         losses = train(*build(layout, compiled, ac))
         result = {
@@ -102,6 +157,7 @@ def main() -> None:
             "losses": losses,
             "graph_breaks": graph_break_count() - breaks,
             "graphs": stats["unique_graphs"] - graphs,
+            **graph_log.counts(),
             "seconds": round(time.perf_counter() - start, 1),
         }
         if dist.get_rank() == 0:

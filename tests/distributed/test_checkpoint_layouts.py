@@ -9,7 +9,18 @@ import subprocess
 
 import pytest
 
-from tests.launch import REPO, losses_by_step, read_metrics, run_train, train_command
+from config.job_config import CHECKPOINT_PARTS
+from tests.launch import (
+    REPO,
+    launch_train,
+    losses_by_step,
+    read_metrics,
+    resumed_from,
+    run_train,
+    steps,
+    train_command,
+    unloadable_checkpoints,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -39,14 +50,16 @@ def assert_close(actual: dict[int, float], expected: dict[int, float], rel: floa
 
 
 @pytest.fixture(scope="module")
-def layout_chain(tmp_path_factory) -> str:
+def layout_chain(tmp_path_factory) -> tuple[str, list[tuple[str, list[dict]]]]:
     """dp4 -> SimpleFSDP dp2 x tp2 -> tp4 -> pp2 x dp2, two steps each, every run resuming the
     previous one's checkpoint; the last one also exports to Hugging Face's layout. Returns the
-    dump folder."""
+    dump folder and, per run, its output and the metrics.jsonl records it appended."""
     dump = str(tmp_path_factory.mktemp("chain"))
+    launches = []
     for i, layout in enumerate(LAYOUT_CHAIN):
         last = i == len(LAYOUT_CHAIN) - 1
-        run_train(
+        logged_before = len(read_metrics(dump)) if i else 0
+        result = launch_train(
             dump,
             4,
             "--training.steps",
@@ -58,26 +71,41 @@ def layout_chain(tmp_path_factory) -> str:
             *layout,
             *(["--checkpoint.export_hf"] if last else []),
         )
-    return dump
+        launches.append((result.stdout + result.stderr, read_metrics(dump)[logged_before:]))
+    return dump, launches
 
 
 def test_resume_through_four_layouts_matches_one_process(layout_chain, one_process):
     """Model, optimizer and the global data position are resharded at every resume: the losses
     follow the uninterrupted single-process run within 1e-5 relative (reduction orders differ);
-    a lost or repeated sample would change them far more."""
-    assert_close(losses_by_step(read_metrics(layout_chain)), one_process, 1e-5)
+    a lost or repeated sample would change them far more. Every run after the first resumes the
+    previous one's last checkpoint, all of it, and trains only its own two steps (a run that
+    started over would log steps 1 and 2 again and still end on the same losses)."""
+    dump, launches = layout_chain
+    for i, (output, records) in enumerate(launches):
+        if i:
+            checkpoint = os.path.join(dump, "checkpoint", f"step-{2 * i}")
+            assert resumed_from(output) == [2 * i], output[-3000:]
+            assert f"loaded {', '.join(CHECKPOINT_PARTS)} from {checkpoint}" in output, output[-3000:]
+        else:
+            assert resumed_from(output) == []
+        assert steps(records) == [2 * i + 1, 2 * i + 2], (i, records)
+    assert unloadable_checkpoints(dump) == []
+    assert_close(losses_by_step(read_metrics(dump)), one_process, 1e-5)
 
 
-def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path, layout_chain):
+def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path, layout_chain, one_process):
     """The export written by the pipelined run (each rank holding some blocks) and that run's own
     DCP checkpoint, each loaded as initial weights, train identically (fp32 export: bitwise)."""
-    hf = os.path.join(layout_chain, "checkpoint", "hf")
+    dump, _ = layout_chain
+    hf = os.path.join(dump, "checkpoint", "hf")
     assert {"config.json", "model.safetensors"} <= set(os.listdir(hf))
     after = ["--training.steps", "2", *CONSTANT_LR, "--checkpoint.initial_load_path"]
     from_hf = losses_by_step(run_train(str(tmp_path / "from_hf"), 1, *after, hf))
-    dcp_folder = os.path.join(layout_chain, "checkpoint", f"step-{2 * len(LAYOUT_CHAIN)}")
+    dcp_folder = os.path.join(dump, "checkpoint", f"step-{2 * len(LAYOUT_CHAIN)}")
     from_dcp = losses_by_step(run_train(str(tmp_path / "from_dcp"), 1, *after, dcp_folder))
     assert from_hf == from_dcp
+    assert from_dcp[1] != one_process[1]  # the trained weights were loaded, not the initial ones
 
 
 def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):

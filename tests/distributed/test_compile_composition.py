@@ -2,14 +2,18 @@
 
 Pipelining (train.py on 2 ranks, 5 steps): per-block compile under Interleaved1F1B, and
 the whole-stage compile of simple_fsdp under 1F1B, give the losses of one eager process training
-on the same global batch. (Two ranks leave no data parallelism: the simple_fsdp stages are compiled
-whole but not sharded; pp2 x dp2 compiled was checked by hand, 4 ranks being too slow here.)
+on the same global batch; each rank reports (tests/distributed/train_and_report.py) that its
+blocks, or its stage, were compiled, through AOT autograd, without a graph break. (Two ranks leave
+no data parallelism: the simple_fsdp stages are compiled whole but not sharded; pp2 x dp2 compiled
+was checked by hand, 4 ranks being too slow here.)
 
 Activation checkpointing (one worker launch, compile_composition_checks.py, 2 ranks): full,
 selective op-level and every-2nd-block checkpointing under compile give the losses of compile
 without checkpointing bitwise, for FSDP2 (per-block compile), SimpleFSDP (whole-model compile,
 manual buckets) and, for full checkpointing, tensor parallelism; compiled losses equal eager ones
-bitwise too. No compiled case hits a graph break.
+bitwise too. Torch's graph logs show the checkpointing inside the compiled graphs: its regions in
+the graphs dynamo captured, and the forward matmuls the compiled backward graphs recompute. No
+compiled case hits a graph break.
 
 Launches: 1 reference process, 2 pipelined runs, 1 worker (13 cases in one process group): about
 1 min 45 s of CPU time, 2 min 40 s wall on 2 busy CPU cores.
@@ -21,7 +25,7 @@ import json
 
 import pytest
 
-from tests.launch import losses, run_train, run_worker
+from tests.launch import TRAIN_AND_REPORT, compile_reports, launch_train, losses, read_metrics, run_train, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -70,11 +74,29 @@ def reference(tmp_path_factory) -> list[float]:
 
 @pytest.mark.parametrize("layout", PIPELINED)
 def test_pipelined_compile_matches_single_process(layout, reference, tmp_path):
-    got = losses(run_train(str(tmp_path), 2, *STEPS, *GLOBAL_BATCH, *PIPELINED[layout]))
+    result = launch_train(str(tmp_path), 2, *STEPS, *GLOBAL_BATCH, *PIPELINED[layout], script=TRAIN_AND_REPORT)
+    got = losses(read_metrics(str(tmp_path)))
     assert len(got) == len(reference) == 5
     # Measured: within 1e-7 (pipeline microbatches sum in another order), bitwise equal to eager pipelining.
     assert got == pytest.approx(reference, rel=1e-5, abs=0)
     assert got[-1] < got[0]
+    # What each rank compiled: an eager fallback, or a compile that does nothing, passes the above.
+    reports = compile_reports(result.stdout)
+    assert [r["rank"] for r in reports] == [0, 1], result.stdout[-3000:]
+    for report in reports:
+        # Captured whole (no break) and compiled through AOT autograd, forward and backward: one
+        # graph for the rank's blocks or stage, and on the last stage's rank one for the loss.
+        graphs = 1 + report["rank"]
+        assert (report["graphs"], report["aot_graphs"], report["graph_breaks"]) == (graphs, graphs, 0), report
+        if layout == "pp2_interleaved_per_block":
+            # Three one-block stages per rank, each block compiled on its own (dynamo reuses one
+            # block's graph for the others: the graph count alone would not show it).
+            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (3, 3, 0), report
+        else:
+            # One stage of three blocks per rank, compiled whole; our pass saw its forward and
+            # backward graphs.
+            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (3, 0, 1), report
+            assert [len(graphs) for graphs in report["graph_passes"]] == [2], report
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +116,42 @@ AC_CASES = [
 ]
 
 
+def recomputed_matmuls(result: dict) -> int:
+    """Forward matmuls the compiled backward graphs run again: without recomputation a backward
+    graph holds two matmuls per forward matmul (input and weight gradients), no more."""
+    return sum(result["backward_matmuls"]) - 2 * sum(result["forward_matmuls"])
+
+
+# Measured, per case: (checkpoint regions dynamo captured beyond compile without checkpointing,
+# forward matmuls recomputed in the compiled backward graphs). A block has 7 matmuls; full
+# checkpointing recomputes 6 of them (the last one's output is not needed by backward), op-level
+# every other one (3). FSDP2 and TP compile each block, and dynamo reuses block 0's graph for
+# block 1: one region, one block's recomputation (every-2nd-block: block 1's graph differs from
+# block 0's). SimpleFSDP compiles the whole model: one region per checkpointed block, and full
+# checkpointing recomputes one more matmul there.
+CHECKPOINTED = {
+    ("fsdp2", "full"): (1, 6),
+    ("fsdp2", "selective_op"): (1, 3),
+    ("fsdp2", "selective_2"): (1, 6),
+    ("simple_fsdp", "full"): (2, 13),
+    ("simple_fsdp", "selective_op"): (2, 6),
+    ("simple_fsdp", "selective_2"): (1, 7),
+    ("tp2", "full"): (1, 6),
+}
+
+
 @pytest.mark.parametrize("layout, ac", AC_CASES)
 def test_compiled_checkpointing_matches_compiled_without(layout, ac, composition):
-    got = composition[f"{layout}-compiled-{ac}"]["losses"]
-    without = composition[f"{layout}-compiled-none"]["losses"]
+    case, without = composition[f"{layout}-compiled-{ac}"], composition[f"{layout}-compiled-none"]
+    got = case["losses"]
     assert len(got) == 5
-    assert got == without  # bitwise: checkpointing recomputes the same ops
+    assert got == without["losses"]  # bitwise: checkpointing recomputes the same ops
     assert got[-1] < got[0]
+    # Checkpointing that does nothing gives the same losses: the compiled graphs must show it.
+    # Without checkpointing (SimpleFSDP's gathers have regions of their own) nothing is recomputed.
+    assert recomputed_matmuls(without) == 0, without
+    regions = case["checkpoint_regions"] - without["checkpoint_regions"]
+    assert (regions, recomputed_matmuls(case)) == CHECKPOINTED[layout, ac], case
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "simple_fsdp", "tp2"])
@@ -118,4 +169,7 @@ def test_compiled_models_have_no_graph_breaks(composition):
     # Compiled for real (a block, or the whole model, became at least one graph), in one piece.
     assert {name: r["graphs"] >= 1 for name, r in compiled.items()} == dict.fromkeys(compiled, True)
     assert {name: r["graph_breaks"] for name, r in compiled.items()} == dict.fromkeys(compiled, 0)
+    # Each with its forward and backward graphs compiled by AOT autograd.
+    aot = {name: (len(r["forward_matmuls"]) >= 1, len(r["backward_matmuls"]) >= 1) for name, r in compiled.items()}
+    assert aot == dict.fromkeys(compiled, (True, True)), aot
     assert all(r["graphs"] == 0 for name, r in composition.items() if "-eager-" in name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -21,12 +22,15 @@ from tests.launch import (
     launch_train,
     losses_by_step,
     read_metrics,
+    resumed_from,
     run_script,
     run_train,
     script_command,
     script_env,
+    steps,
     train_command,
     train_env,
+    unloadable_checkpoints,
 )
 from trainer.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
@@ -54,6 +58,28 @@ def reference(tmp_path_factory) -> tuple[str, dict[int, float]]:
     return dump, losses_by_step(run_train(dump, 2, *CHECKPOINTED))
 
 
+def attempts(records: list[dict]) -> list[list[int]]:
+    """The steps each attempt logged, from metrics.jsonl (which every attempt appends to): a step
+    that does not follow the previous record's starts the next attempt."""
+    logged = steps(records)
+    starts = [0, *(i for i in range(1, len(logged)) if logged[i] != logged[i - 1] + 1), len(logged)]
+    return [logged[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def assert_resumed(dump: str, output: str, reference: dict[int, float], resumed: list[int]) -> None:
+    """The run restarted and resumed from the steps ``resumed``, in order: the first attempt logged
+    steps from 1, each later one from the step after its resume point, every step once, up to the
+    last; and every logged loss, the first resumed step's included, is the uninterrupted run's
+    (the loaded state is the saved one). A restart that started over from step 0 would end on the
+    same losses, and fails here."""
+    records = read_metrics(dump)
+    assert resumed_from(output) == resumed, output[-4000:]
+    assert [run[0] - 1 for run in attempts(records)] == [0, *resumed], steps(records)
+    assert steps(records)[-1] == STEPS
+    assert all(r["loss"] == reference[r["step"]] for r in records), records
+    assert unloadable_checkpoints(dump) == []
+
+
 def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
     # The acceptance scenario through run_train.sh (its --max-restarts default).
     result = run_script(
@@ -61,8 +87,8 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path, reference):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "injecting 'kill'" in output and "resumed from step 4" in output
-    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
+    assert "injecting 'kill'" in output
+    assert_resumed(str(tmp_path), output, reference[1], [4])
 
 
 def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
@@ -82,8 +108,8 @@ def test_crash_in_the_middle_of_an_async_save(tmp_path, reference):
     output = result.stdout + result.stderr
     assert "killing this rank in the middle of the save" in output
     # The half-written step-8 is not loaded: the restart goes back to step 4 and drops it.
-    assert "resumed from step 4" in output and "removing incomplete checkpoint" in output
-    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
+    assert "removing incomplete checkpoint" in output
+    assert_resumed(str(tmp_path), output, reference[1], [4])
 
 
 def test_hung_rank_times_out_and_restarts(tmp_path, reference):
@@ -102,8 +128,7 @@ def test_hung_rank_times_out_and_restarts(tmp_path, reference):
     )
     output = result.stdout + result.stderr
     assert "error: a collective failed at step 6" in output
-    assert "resumed from step 4" in output
-    assert losses_by_step(read_metrics(str(tmp_path))) == reference[1]
+    assert_resumed(str(tmp_path), output, reference[1], [4])
 
 
 def _children(pid: int) -> list[int]:
@@ -179,12 +204,14 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
         max_restarts=5,
     )
     log = open(tmp_path / "agent.log", "w")
-    agent = subprocess.Popen(command, cwd=REPO, env=train_env(), stdout=log, stderr=log)
+    # LOGLEVEL=INFO: torchrun logs each start of the group with its restart count.
+    agent = subprocess.Popen(command, cwd=REPO, env=dict(train_env(), LOGLEVEL="INFO"), stdout=log, stderr=log)
     metrics = os.path.join(dump, "metrics.jsonl")
 
     def logged() -> int:
         return sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
 
+    killed = []
     try:
         for kill in range(5):
             target = logged() + rng.randint(1, 3)
@@ -193,15 +220,48 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
                 assert agent.poll() is None, f"the job ended before kill {kill + 1}"
                 assert time.monotonic() < deadline, f"no progress before kill {kill + 1}"
                 time.sleep(0.05)
-            os.kill(rng.choice(_children(agent.pid)), 9)
+            killed.append(rng.choice(_children(agent.pid)))
+            os.kill(killed[-1], 9)
         assert agent.wait(timeout=600) == 0, (tmp_path / "agent.log").read_text()[-4000:]
     finally:
         if agent.poll() is None:
             agent.kill()
         log.close()
-    assert losses_by_step(read_metrics(dump)) == reference[1]
+    output = (tmp_path / "agent.log").read_text()
+    # torchrun saw each process we killed die of SIGKILL, in turn.
+    died = re.findall(r"failed \(exitcode: -9\) local_rank: \d+ \(pid: (\d+)\)", output)
+    assert [int(pid) for pid in died] == killed, (died, killed)
+    assert_restarted_after_each_kill(output, read_metrics(dump), reference[1], restarts=5)
     complete = [p for p in os.listdir(os.path.join(dump, "checkpoint")) if p.startswith("step-")]
     assert len(complete) <= 2, complete  # keep_latest_k
+    assert unloadable_checkpoints(dump) == []
+
+
+def assert_restarted_after_each_kill(output: str, records: list[dict], reference: dict[int, float], restarts: int):
+    """From torchrun's log and rank 0's lines in it: the group failed and was started again
+    ``restarts`` times; each attempt resumed from a checkpoint no older than the newest one saved
+    before (and from no step it had not reached), logged every step from there once, and every
+    logged loss is the uninterrupted run's."""
+    assert [int(n) for n in re.findall(r"restart_count=(\d+)", output)] == list(range(restarts + 1)), output[-4000:]
+    failures = re.findall(r"Worker group FAILED\. (\d+)/\d+ attempts left", output)
+    assert [int(n) for n in failures] == list(range(restarts, 0, -1)), output[-4000:]
+    # The log of attempt i runs from its rendezvous to the next one's.
+    sections = re.split(r"restart_count=\d+", output)[1:]
+    saved, logged_by_attempt = 0, []
+    for i, section in enumerate(sections):
+        resumed = resumed_from(section)
+        assert len(resumed) <= 1, section[-4000:]
+        start = resumed[0] if resumed else 0
+        logged = [int(n) for n in re.findall(rf"\bstep (\d+)/{STEPS} \(", section)]
+        assert logged == list(range(start + 1, start + 1 + len(logged))) and logged, (i, start, logged)
+        if i:
+            assert saved <= start <= logged_by_attempt[-1][-1], (i, saved, start, logged_by_attempt[-1])
+        saved = max([saved, *(int(n) for n in re.findall(r"checkpoint saved: \S*step-(\d+)", section))])
+        logged_by_attempt.append(logged)
+    assert logged_by_attempt[-1][-1] == STEPS
+    # metrics.jsonl holds the same records, attempt after attempt.
+    assert steps(records) == [step for logged in logged_by_attempt for step in logged]
+    assert all(r["loss"] == reference[r["step"]] for r in records), records
 
 
 def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
@@ -216,10 +276,13 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
     result = launch_train(dump, 2, *CHECKPOINTED, "--checkpoint.load_step", "12", check=False)
     assert result.returncode != 0
     assert f"error: {shard} is truncated or changed" in result.stderr
-    # Auto-resume: step 8 instead, then the same losses.
-    losses = losses_by_step(run_train(dump, 2, *CHECKPOINTED))
-    assert losses == {step: loss for step, loss in reference[1].items() if step > 8}
-    assert os.path.isdir(newest + ".unloadable")
+    # Auto-resume: step 8 instead (steps 9-12 logged once each), then the same losses.
+    result = launch_train(dump, 2, *CHECKPOINTED)
+    assert resumed_from(result.stdout + result.stderr) == [8]
+    records = read_metrics(dump)
+    assert steps(records) == [9, 10, 11, 12]
+    assert losses_by_step(records) == {step: loss for step, loss in reference[1].items() if step > 8}
+    assert unloadable_checkpoints(dump) == ["step-12.unloadable"]
 
 
 def _free_port() -> int:

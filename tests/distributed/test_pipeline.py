@@ -1,5 +1,5 @@
 """Pipeline parallelism: every schedule, and pipelining combined with FSDP2, SimpleFSDP and
-DP x TP, gives the losses (and validation losses) of one process training on the same global
+DP x TP, gives the losses, gradient norms (and validation losses) of one process training on the same global
 batch; impossible stage layouts end the run with one line naming the option."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from config.job_config import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
-from tests.launch import REPO, TINY_RUN, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, grad_norms, losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
@@ -53,9 +53,10 @@ LAYOUTS = {
     # breaks it (None or wrong gradients), so it is off by default under pipelining.
     "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *FOUR_STAGES)]),
     "pp2_simple_fsdp": (4, [*DP2_ACCUMULATE, *pp("1F1B", 1), "--parallelism.data_parallel_impl", "simple_fsdp"]),
+    # The 8-rank layout of the README, with its schedule: 6 one-block stages, three per rank.
     "pp2_dp2_tp2": (
         8,
-        ["--training.local_batch_size", "4", *pp("1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
+        ["--training.local_batch_size", "4", *pp("Interleaved1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
     ),
 }
 
@@ -66,21 +67,25 @@ def _validation_losses(folder: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[float], list[float]]:
-    """(training losses, validation losses) of one process."""
+def reference(tmp_path_factory) -> tuple[list[dict], list[float]]:
+    """(metrics.jsonl records, validation losses) of one process."""
     folder = str(tmp_path_factory.mktemp("reference"))
     records = run_train(folder, 1, *LOCAL_8, *GLOBAL_BATCH, *VALIDATION)
-    return losses(records), _validation_losses(folder)
+    return records, _validation_losses(folder)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_match_single_process(layout, reference, tmp_path):
     nproc, overrides = LAYOUTS[layout]
-    got = losses(run_train(str(tmp_path), nproc, *overrides, *GLOBAL_BATCH))
-    reference_losses, reference_validation = reference
-    assert len(got) == len(reference_losses) == 10
-    assert got == pytest.approx(reference_losses, rel=1e-5, abs=0)
+    records = run_train(str(tmp_path), nproc, *overrides, *GLOBAL_BATCH)
+    got = losses(records)
+    reference_records, reference_validation = reference
+    assert len(got) == len(reference_records) == 10
+    assert got == pytest.approx(losses(reference_records), rel=1e-5, abs=0)
+    # The stages' gradient norms combined: a gradient scaled on one stage, or by the same factor
+    # everywhere, barely moves the losses under AdamW and clipping but shows here.
+    assert grad_norms(records) == pytest.approx(grad_norms(reference_records), rel=GRAD_NORM_RTOL, abs=0)
     assert got[-1] < got[0]
     if "--validation.enable" in overrides:
         assert _validation_losses(str(tmp_path)) == pytest.approx(reference_validation, rel=1e-5, abs=0)

@@ -1,42 +1,74 @@
 """SimpleFSDP x tensor parallel (dp2 x tp2, 4 ranks) compiled whole-model with bucketed collectives.
 
 Only the data-parallel collectives are bucketed; TP's collectives on activations stay one per
-tensor (see parallelisms/bucketing.py). Manual buckets give the losses of one process training on
-the same global batch. (They also equal bucketing none's bitwise: checked by hand, 8 all-gathers
-and 8 reduce-scatters instead of 57 each; a third launch costs a minute.)
+tensor (see parallelisms/bucketing.py). Manual buckets give the losses and gradient norms of one
+process training on the same global batch, and the compiled graphs hold one data-parallel
+all-gather and one reduce-scatter per bucket: 8 (one per block, tok_embeddings, norm + output)
+where bucketing none has one per parameter, 57. The counts are read from the graph pass's reports
+of the trained model itself (tests/distributed/train_and_report.py runs train.py's Trainer).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.launch import losses, run_train
+from tests.launch import (
+    GRAD_NORM_RTOL,
+    TRAIN_AND_REPORT,
+    compile_reports,
+    launch_train,
+    losses,
+    read_metrics,
+    run_train,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2", "--training.global_batch_size", "8"]
+# debugmodel: 6 blocks of 9 parameters, tok_embeddings, norm and output.
+PARAMETERS = 6 * 9 + 3
+BUCKETS = 6 + 2  # the default manual buckets: each block, tok_embeddings, norm + output
 
 
 def test_manual_buckets_match_single_process(tmp_path):
-    reference = losses(run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8"))
-    bucketed = losses(
-        run_train(
-            str(tmp_path / "bucketed"),
-            4,
-            *STEPS,
-            "--training.local_batch_size",
-            "4",
-            "--parallelism.data_parallel_impl",
-            "simple_fsdp",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--compile.enable",
-            "--compile.backend",
-            "aot_eager",
-            "--compile.bucketing",
-            "manual",
-        )
+    reference = run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8")
+    result = launch_train(
+        str(tmp_path / "bucketed"),
+        4,
+        *STEPS,
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.data_parallel_impl",
+        "simple_fsdp",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--compile.enable",
+        "--compile.backend",
+        "aot_eager",
+        "--compile.bucketing",
+        "manual",
+        script=TRAIN_AND_REPORT,
     )
+    reports = compile_reports(result.stdout)
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], result.stdout[-3000:]
+    for report in reports:
+        assert report["parameters"] == PARAMETERS and report["compiled_parts"] == 1, report
+        assert report["graph_breaks"] == 0, report
+        # One pass (the whole model), run on one forward and one backward graph.
+        ((forward, backward),) = report["graph_passes"]
+        assert forward["data_parallel"] == {"all_gather": BUCKETS}, report
+        # Backward re-gathers every bucket but tok_embeddings' (resharded after forward) and
+        # reduce-scatters every bucket's gradients.
+        assert backward["data_parallel"] == {"all_gather": BUCKETS - 1, "reduce_scatter": BUCKETS}, report
+        # TP's own collectives stay one per tensor: sequence parallel gathers each norm's output
+        # (2 per block and the final norm's) and reduce-scatters each block's two output
+        # projections and the embedding's output.
+        tp = {kind: n - forward["data_parallel"].get(kind, 0) for kind, n in forward["collectives"].items()}
+        assert tp == {"all_gather": 13, "reduce_scatter": 13}, report
+    bucketed = read_metrics(str(tmp_path / "bucketed"))
     assert len(bucketed) == len(reference) == 5
-    # Measured: within 6.1e-8 (the reductions sum in another order).
-    assert max(abs(a - b) / abs(b) for a, b in zip(bucketed, reference)) <= 1e-5, (bucketed, reference)
+    # Measured: losses within 6.1e-8 (the reductions sum in another order), gradient norms 8.5e-5.
+    for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
+        got, expected = [r[key] for r in bucketed], [r[key] for r in reference]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)
+    assert losses(bucketed)[-1] < losses(bucketed)[0]

@@ -1,5 +1,5 @@
 """Tensor (+ sequence, + loss) parallelism through train.py on gloo ranks: every layout gives the
-losses of one process training on the same global batch, loss parallel on and off agree, per-block
+losses and gradient norms of one process training on the same global batch, loss parallel on and off agree, per-block
 compile agrees with eager, and bad settings end with one line on stderr.
 
 Launches (each ~10-60 s on 2 CPU cores): 1 reference process, tp2 twice (loss parallel on/off),
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, TINY_RUN, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, grad_norms, losses, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -76,9 +76,16 @@ def layout_run(tmp_path_factory):
 @pytest.mark.parametrize("layout", SINGLE_PROCESS_PARITY)
 def test_losses_match_single_process(layout, reference, layout_run):
     expected = losses(reference[0])
-    got = losses(layout_run(layout)[0])
+    records = layout_run(layout)[0]
+    got = losses(records)
     assert len(got) == len(expected) == 10
     assert got == pytest.approx(expected, rel=1e-5, abs=0), _max_rel_diff(got, expected)
+    # A gradient scaled by the same factor everywhere barely moves the losses under AdamW and
+    # clipping; the gradient norms show it.
+    expected_norms, got_norms = grad_norms(reference[0]), grad_norms(records)
+    assert got_norms == pytest.approx(expected_norms, rel=GRAD_NORM_RTOL, abs=0), _max_rel_diff(
+        got_norms, expected_norms
+    )
     # The model must actually learn, or equal losses would prove little.
     assert got[-1] < got[0]
 

@@ -1,0 +1,70 @@
+"""torchrun worker: train.py's run (the same Trainer, config and output files), then one line
+``REPORT {json}`` per rank on stdout telling what the run compiled:
+
+- ``graphs``: graphs dynamo compiled (``torch._dynamo`` counters), ``aot_graphs``: those that went
+  through AOT autograd (a compiled backward; the ``eager`` backend has none), ``graph_breaks``;
+- ``compiled_blocks`` / ``blocks``: transformer blocks of this rank compiled with ``nn.Module.compile``
+  (per-block compile), out of all of this rank's blocks;
+- ``compiled_parts``: model parts (whole model or pipeline stages) compiled whole;
+- ``parameters``: parameter tensors of this rank's parts;
+- ``graph_passes``: per SimpleFSDP compile pass (``BuiltModel.graph_passes``), the report of each
+  graph it rewrote, in compile order (forward, then backward): all collectives, and the
+  data-parallel ones among them.
+
+Usage: torchrun --nproc-per-node N tests/distributed/train_and_report.py <train.py arguments>
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+from config.manager import load_config
+from parallelisms.compile import graph_break_count
+from trainer.trainer import Trainer
+
+
+def _compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def report(trainer: Trainer) -> dict:
+    parts = trainer.model.parts
+    blocks = [block for part in parts for block in part.layers.values()]
+    return {
+        "rank": dist.get_rank(),
+        "graphs": counters["stats"]["unique_graphs"],
+        "aot_graphs": counters["aot_autograd"]["ok"],
+        "graph_breaks": graph_break_count(),
+        "blocks": len(blocks),
+        "compiled_blocks": sum(_compiled(block) for block in blocks),
+        "compiled_parts": sum(_compiled(part) for part in parts),
+        "parameters": sum(1 for part in parts for _ in part.parameters()),
+        "graph_passes": [
+            [{"collectives": dict(r.collectives), "data_parallel": dict(r.data_parallel)} for r in graph_pass.reports]
+            for graph_pass in trainer.model.graph_passes
+        ],
+    }
+
+
+def main(argv: list[str]) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    trainer = Trainer(load_config(argv))
+    trainer.train()
+    print("REPORT " + json.dumps(report(trainer)), flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
