@@ -1,7 +1,8 @@
-"""Every data-parallel layout gives the losses of one process training on the same global batch,
-and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses bitwise. The reference and
-the FSDP2 run on 2 ranks also validate on a corpus the test writes (the validation loss's
-all-reduce and division over data-parallel ranks) and the 2-rank run writes profiler traces."""
+"""Every data-parallel layout gives the losses and gradient norms of one process training on the
+same global batch, and SimpleFSDP (eager and compiled with aot_eager) gives FSDP2's losses
+bitwise. The reference and the FSDP2 run on 2 ranks also validate on a corpus the test writes (the
+validation loss's all-reduce and division over data-parallel ranks) and the 2-rank run writes
+profiler traces."""
 
 import collections
 import json
@@ -10,7 +11,7 @@ import random
 
 import pytest
 
-from tests.launch import losses, run_train
+from tests.launch import GRAD_NORM_RTOL, grad_norms, losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 # Validation after steps 5 and 10, 2 batches each; profiler traces of steps 5 and 10.
@@ -136,10 +137,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("layout, impl", CASES)
-def test_losses_match(layout, impl, reference_losses, layout_losses):
+def test_losses_match(layout, impl, reference_losses, layout_losses, reference_run, layout_runs):
     got = layout_losses(layout, impl)
     assert len(got) == len(reference_losses) == 10
     assert got == pytest.approx(reference_losses, rel=1e-5, abs=0)
+    # A gradient scaled by the same factor everywhere barely moves the losses under AdamW and
+    # clipping, but shows in every norm (see tests.launch.GRAD_NORM_RTOL for the tolerance).
+    norms = grad_norms(_records(layout_runs(layout, impl), "metrics.jsonl"))
+    assert norms == pytest.approx(grad_norms(_records(reference_run, "metrics.jsonl")), rel=GRAD_NORM_RTOL, abs=0)
     # The model must actually learn, or equal losses would prove little.
     assert got[-1] < got[0]
     if impl == "fsdp2":
