@@ -13,7 +13,7 @@ back only the small files it writes itself (``.metadata``, ``config.toml``) when
 marker. No file is read again to save it. On load every rank verifies a share of the files
 (balanced by size) and the verdicts are gathered, so verifying takes the time of reading
 1/world_size of the checkpoint. CRC-32 (zlib) because it is the fastest checksum in the standard
-library (1.6-4 GB/s on one core of this machine, 1.3-2x sha1 and sha256, 3-4x blake2b; nothing
+library (1-4 GB/s on one core of this machine, 1.3-2.3x sha1 and sha256, 3-4.5x blake2b; nothing
 faster is installed), releases the GIL on large buffers, and catches every error burst up to 32
 bits and all but 2^-32 of other changes: it guards against storage corruption, not tampering.
 ``python bench/checksum.py`` measures it.
@@ -275,7 +275,7 @@ def write_marker(path: str, step: int, checksums: dict[str, str]) -> None:
     files, crcs = {}, {}
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
-        if name != COMPLETE_MARKER and not name.startswith(COMPLETE_MARKER) and os.path.isfile(file):
+        if not name.startswith(COMPLETE_MARKER) and os.path.isfile(file):  # the marker, a left-over .tmp
             files[name] = os.path.getsize(file)
             crcs[name] = checksums.get(name) or file_crc32(file)
     tmp = os.path.join(path, COMPLETE_MARKER + ".tmp")
