@@ -1,14 +1,16 @@
-"""A hundred mistakes through ./run_train.sh: each ends with one `error:` line naming the option or
-path, exit code 2, no traceback, and no rank started (the pre-launch check catches them)."""
+"""A hundred mistakes: each ends with one `error:` line naming the option or path, exit code 2, no
+traceback, and no rank started (run_train.sh's pre-launch check, trainer/preflight.py, catches them)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 
 import pytest
 
-from tests.launch import run_script
+from tests.launch import REPO, run_script
+from trainer import preflight
 
 # (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
 CASES: list[tuple[str, list[str], str]] = [
@@ -179,31 +181,54 @@ def _prepare(d) -> None:
     (d / "empty_folder").mkdir()
 
 
-@pytest.mark.slow  # a hundred launches of run_train.sh
-def test_a_hundred_mistakes_each_get_one_line(tmp_path):
+def _one_error_line(code: int, stderr: str, expected: str) -> bool:
+    lines = [line for line in stderr.splitlines() if not line.startswith("warning:")]
+    return code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+
+
+def test_a_hundred_mistakes_each_get_one_line(tmp_path, capsys):
+    """Every case through the pre-launch check, in this process: what run_train.sh runs before it
+    starts any rank (the launches below show the script passes its line on unchanged)."""
     assert len(CASES) >= 100, len(CASES)
     _prepare(tmp_path)
-    cases = [[arg.format(d=tmp_path) for arg in args] for _, args, _ in CASES]
+    config = os.path.join(REPO, "configs", "debug_model.toml")
+    failures = []
+    for kind, args, expected in CASES:
+        args = [arg.format(d=tmp_path) for arg in args]
+        argv = ["--nnodes", "1", "--nproc-per-node", "2", "--job.config_file", config]
+        argv += ["--job.dump_folder", str(tmp_path / "dump"), *args]
+        try:
+            code = preflight.main(argv)
+        except BaseException as e:  # a traceback in the real launch
+            code = f"raised {e!r}"
+        out = capsys.readouterr()
+        if not _one_error_line(code, out.err, expected.format(d=tmp_path)) or out.out:
+            failures.append(f"{kind} {args}: exit {code}, stdout {out.out!r}, stderr {out.err[-600:]!r}")
+    assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
 
-    def launch(args: list[str]):
-        return run_script(str(tmp_path / "dump"), *args, check=False, timeout=300)
+
+@pytest.mark.slow  # ten launches of run_train.sh
+def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
+    """The first case of each class, as users meet it: one line from the script, exit 2, no
+    traceback, no rank started."""
+    _prepare(tmp_path)
+    firsts = {kind: (args, expected) for kind, args, expected in reversed(CASES)}
+    assert len(firsts) == 10, sorted(firsts)
+
+    def launch(case: tuple[list[str], str]):
+        args = [arg.format(d=tmp_path) for arg in case[0]]
+        return args, run_script(str(tmp_path / "dump"), *args, check=False, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(launch, cases))
-    failures = []
-    for (kind, _, expected), args, result in zip(CASES, cases, results):
-        lines = [line for line in result.stderr.splitlines() if not line.startswith("warning:")]
-        ok = (
-            result.returncode == 2
-            and len(lines) == 1
-            and lines[0].startswith("error: ")
-            and expected.format(d=tmp_path) in lines[0]
-            and "Traceback" not in result.stderr + result.stdout
-            and "[rank" not in result.stderr + result.stdout  # caught before any rank started
-        )
-        if not ok:
-            failures.append(f"{kind} {args}: exit {result.returncode}, stderr {result.stderr[-600:]!r}")
-    assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
+        results = list(pool.map(launch, firsts.values()))
+    failures = [
+        f"{args}: exit {result.returncode}, stderr {result.stderr[-600:]!r}"
+        for (args, result), (_, expected) in zip(results, firsts.values())
+        if not _one_error_line(result.returncode, result.stderr, expected.format(d=tmp_path))
+        or "Traceback" in result.stderr + result.stdout
+        or "[rank" in result.stderr + result.stdout  # caught before any rank started
+    ]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow  # launches run_train.sh
