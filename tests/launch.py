@@ -157,10 +157,55 @@ def unloadable_checkpoints(dump_folder: str) -> list[str]:
     return sorted(name for name in os.listdir(folder) if name.endswith(".unloadable")) if os.path.isdir(folder) else []
 
 
-def compile_reports(output: str) -> list[dict]:
-    """TRAIN_AND_REPORT's "REPORT {json}" lines, one per rank, in rank order."""
+def compile_reports(output: str, run: int = 0) -> list[dict]:
+    """TRAIN_AND_REPORT's "REPORT {json}" lines of its ``run``-th run, one per rank, in rank order."""
     reports = [json.loads(line[len("REPORT ") :]) for line in output.splitlines() if line.startswith("REPORT ")]
-    return sorted(reports, key=lambda r: r["rank"])
+    return sorted((r for r in reports if r["run"] == run), key=lambda r: r["rank"])
+
+
+class RunBatch:
+    """Named train.py runs (name -> (ranks, overrides)), trained when first asked for: all runs on
+    the same number of ranks in one launch of TRAIN_AND_REPORT, one after the other, since a
+    launch's start-up (interpreters, imports, the process group) costs more than a tiny run. A
+    failed launch fails every run of it, with its output."""
+
+    def __init__(self, root: str, runs: dict[str, tuple[int, list[str]]], timeout: float = 900):
+        self.root, self.runs, self.timeout = root, runs, timeout
+        self._launched: dict[int, subprocess.CompletedProcess | AssertionError] = {}
+
+    def folder(self, name: str) -> str:
+        """The run's dump folder, once it has trained."""
+        self._output(self.runs[name][0])
+        return os.path.join(self.root, name)
+
+    def records(self, name: str) -> list[dict]:
+        return read_metrics(self.folder(name))
+
+    def reports(self, name: str) -> list[dict]:
+        """The run's compile reports, one per rank."""
+        nproc = self.runs[name][0]
+        names = [n for n, (ranks, _) in self.runs.items() if ranks == nproc]
+        return compile_reports(self._output(nproc).stdout, run=names.index(name))
+
+    def _output(self, nproc: int) -> subprocess.CompletedProcess:
+        if nproc not in self._launched:
+            batch = []
+            for name, (ranks, overrides) in self.runs.items():
+                if ranks == nproc:
+                    batch += ["---", *TINY_RUN, "--job.dump_folder", os.path.join(self.root, name), *overrides]
+            command = train_command(self.root, nproc, script=TRAIN_AND_REPORT)
+            command = command[: command.index(TRAIN_AND_REPORT) + 1] + batch[1:]
+            try:
+                self._launched[nproc] = subprocess.run(
+                    command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=self.timeout, check=True
+                )
+            except subprocess.SubprocessError as e:
+                self._launched[nproc] = AssertionError(
+                    f"{nproc}-rank batch failed: {e}\n{str(e.stdout)[-2000:]}\n{str(e.stderr)[-4000:]}"
+                )
+        if isinstance(self._launched[nproc], AssertionError):
+            raise self._launched[nproc]
+        return self._launched[nproc]
 
 
 def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, timeout: float = 900) -> str:

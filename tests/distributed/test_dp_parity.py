@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tests.launch import GRAD_NORM_RTOL, grad_norms, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, RunBatch, grad_norms, losses, run_train
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 # Validation after steps 5 and 10, 2 batches each; profiler traces of steps 5 and 10.
@@ -101,18 +101,27 @@ def reference_losses(reference_run):
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, validation_corpus):
-    """Dump folders of (layout, impl) runs, each trained once per module."""
-    cache: dict[tuple[str, str], str] = {}
+    """``layout_runs(layout, impl)``: the run's dump folder. The fast case is launched alone (it
+    validates and profiles too), the others in one launch per world size."""
+    batch = RunBatch(
+        str(tmp_path_factory.mktemp("layouts")),
+        {
+            f"{layout}-{impl}": (nproc, [*overrides, *impl_overrides, *GLOBAL_BATCH])
+            for layout, (nproc, overrides) in LAYOUTS.items()
+            for impl, impl_overrides in IMPLEMENTATIONS.items()
+            if (layout, impl) != FAST_CASE
+        },
+    )
+    fast = str(tmp_path_factory.mktemp("fast"))
 
     def get(layout: str, impl: str) -> str:
-        if (layout, impl) not in cache:
+        if (layout, impl) != FAST_CASE:
+            return batch.folder(f"{layout}-{impl}")
+        if not os.path.exists(os.path.join(fast, "metrics.jsonl")):
             nproc, overrides = LAYOUTS[layout]
-            if (layout, impl) == FAST_CASE:
-                overrides = [*overrides, *VALIDATION, "--validation.dataset", validation_corpus, *PROFILING]
-            folder = str(tmp_path_factory.mktemp(f"{layout}-{impl}"))
-            run_train(folder, nproc, *overrides, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH)
-            cache[layout, impl] = folder
-        return cache[layout, impl]
+            extra = [*VALIDATION, "--validation.dataset", validation_corpus, *PROFILING]
+            run_train(fast, nproc, *overrides, *extra, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH)
+        return fast
 
     return get
 

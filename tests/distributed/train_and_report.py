@@ -12,15 +12,19 @@
   data-parallel ones among them.
 
 Usage: torchrun --nproc-per-node N tests/distributed/train_and_report.py <train.py arguments>
+[--- <train.py arguments> ...]: several runs, one after the other in the same processes and process
+group (each a new Trainer, seeded as train.py seeds it), their reports tagged ``run`` 0, 1, ...
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.utils import counters
@@ -34,10 +38,11 @@ def _compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def report(trainer: Trainer) -> dict:
+def report(trainer: Trainer, run: int) -> dict:
     parts = trainer.model.parts
     blocks = [block for part in parts for block in part.layers.values()]
     return {
+        "run": run,
         "rank": dist.get_rank(),
         "graphs": counters["stats"]["unique_graphs"],
         "aot_graphs": counters["aot_autograd"]["ok"],
@@ -60,10 +65,19 @@ def main(argv: list[str]) -> None:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    trainer = Trainer(load_config(argv))
-    trainer.train()
-    print("REPORT " + json.dumps(report(trainer)), flush=True)
-    trainer.close()
+    runs = [[]]
+    for arg in argv:
+        runs.append([]) if arg == "---" else runs[-1].append(arg)
+    for run, args in enumerate(runs):
+        # Counters and compiled code of the previous run must not count for this one.
+        torch._dynamo.reset()
+        counters.clear()
+        trainer = Trainer(load_config(args))
+        trainer.train()
+        print("REPORT " + json.dumps(report(trainer, run)), flush=True)
+        trainer.close()
+        del trainer
+        gc.collect()
 
 
 if __name__ == "__main__":
