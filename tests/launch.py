@@ -183,9 +183,17 @@ class RunBatch:
 
     def reports(self, name: str) -> list[dict]:
         """The run's compile reports, one per rank."""
+        return compile_reports(self._output(self.runs[name][0]).stdout, run=self._index(name))
+
+    def log(self, name: str) -> str:
+        """Rank 0's log of the run (the launch's stderr from the run's first line to the next run's)."""
         nproc = self.runs[name][0]
-        names = [n for n, (ranks, _) in self.runs.items() if ranks == nproc]
-        return compile_reports(self._output(nproc).stdout, run=names.index(name))
+        sections = re.split(r"INFO batch run \d+ of \d+\n", self._output(nproc).stderr)
+        return sections[1 + self._index(name)]
+
+    def _index(self, name: str) -> int:
+        nproc = self.runs[name][0]
+        return [n for n, (ranks, _) in self.runs.items() if ranks == nproc].index(name)
 
     def _output(self, nproc: int) -> subprocess.CompletedProcess:
         if nproc not in self._launched:

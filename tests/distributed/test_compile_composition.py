@@ -15,8 +15,8 @@ bitwise too. Torch's graph logs show the checkpointing inside the compiled graph
 the graphs dynamo captured, and the forward matmuls the compiled backward graphs recompute. No
 compiled case hits a graph break.
 
-Launches: 1 reference process, 2 pipelined runs, 1 worker (13 cases in one process group): about
-1 min 45 s of CPU time, 2 min 40 s wall on 2 busy CPU cores.
+Launches: 1 reference process, 1 launch of the 2 pipelined runs (tests.launch.RunBatch), 1 worker
+(13 cases in one process group).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 
 import pytest
 
-from tests.launch import TRAIN_AND_REPORT, compile_reports, launch_train, losses, read_metrics, run_train, run_worker
+from tests.launch import RunBatch, losses, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -67,22 +67,25 @@ PIPELINED = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    """Losses of one eager process on the whole global batch."""
-    return losses(run_train(str(tmp_path_factory.mktemp("reference")), 1, *STEPS, *GLOBAL_BATCH))
+def pipelined(tmp_path_factory) -> RunBatch:
+    """One eager process on the whole global batch ("reference") and the pipelined runs, in one
+    launch per world size."""
+    runs = {"reference": (1, []), **{name: (2, overrides) for name, overrides in PIPELINED.items()}}
+    root = str(tmp_path_factory.mktemp("pipelined"))
+    return RunBatch(root, {name: (nproc, [*STEPS, *GLOBAL_BATCH, *more]) for name, (nproc, more) in runs.items()})
 
 
 @pytest.mark.parametrize("layout", PIPELINED)
-def test_pipelined_compile_matches_single_process(layout, reference, tmp_path):
-    result = launch_train(str(tmp_path), 2, *STEPS, *GLOBAL_BATCH, *PIPELINED[layout], script=TRAIN_AND_REPORT)
-    got = losses(read_metrics(str(tmp_path)))
+def test_pipelined_compile_matches_single_process(layout, pipelined):
+    reference = losses(pipelined.records("reference"))
+    got = losses(pipelined.records(layout))
     assert len(got) == len(reference) == 5
     # Measured: within 1e-7 (pipeline microbatches sum in another order), bitwise equal to eager pipelining.
     assert got == pytest.approx(reference, rel=1e-5, abs=0)
     assert got[-1] < got[0]
     # What each rank compiled: an eager fallback, or a compile that does nothing, passes the above.
-    reports = compile_reports(result.stdout)
-    assert [r["rank"] for r in reports] == [0, 1], result.stdout[-3000:]
+    reports = pipelined.reports(layout)
+    assert [r["rank"] for r in reports] == [0, 1], reports
     for report in reports:
         # Captured whole (no break) and compiled through AOT autograd, forward and backward: one
         # graph for the rank's blocks or stage, and on the last stage's rank one for the loss.

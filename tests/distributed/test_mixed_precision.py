@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import launch_train, losses, read_metrics
+from tests.launch import RunBatch, losses
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun
 
@@ -65,18 +65,18 @@ MIXED_PRECISION_LINE = "mixed precision: bfloat16 parameters in forward and back
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     """``bf16_run(name)``: the losses of that layout ("reference": one process), trained once per
-    module; checks that the run said it casts."""
-    cache: dict[str, list[float]] = {}
+    module in one launch per world size; checks that the run said it casts."""
+    runs = {"reference": (1, ["--training.local_batch_size", "8"]), **LAYOUTS}
+    batch = RunBatch(
+        str(tmp_path_factory.mktemp("bf16")),
+        {name: (nproc, [*overrides, *BF16, *GLOBAL_BATCH]) for name, (nproc, overrides) in runs.items()},
+    )
 
     def get(name: str) -> list[float]:
-        if name not in cache:
-            nproc, overrides = (1, ["--training.local_batch_size", "8"]) if name == "reference" else LAYOUTS[name]
-            folder = str(tmp_path_factory.mktemp(name))
-            result = launch_train(folder, nproc, *overrides, *BF16, *GLOBAL_BATCH)
-            assert MIXED_PRECISION_LINE in result.stdout + result.stderr
-            cache[name] = losses(read_metrics(folder))
-            assert len(cache[name]) == 10 and cache[name][-1] < cache[name][0]
-        return cache[name]
+        assert MIXED_PRECISION_LINE in batch.log(name)
+        got = losses(batch.records(name))
+        assert len(got) == 10 and got[-1] < got[0]
+        return got
 
     return get
 

@@ -12,7 +12,7 @@ import pytest
 from config.job_config import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
-from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, grad_norms, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
@@ -67,28 +67,28 @@ def _validation_losses(folder: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[dict], list[float]]:
-    """(metrics.jsonl records, validation losses) of one process."""
-    folder = str(tmp_path_factory.mktemp("reference"))
-    records = run_train(folder, 1, *LOCAL_8, *GLOBAL_BATCH, *VALIDATION)
-    return records, _validation_losses(folder)
+def batch(tmp_path_factory) -> RunBatch:
+    """Every layout and the reference (one process), in one launch per world size."""
+    runs = {"reference": (1, [*LOCAL_8, *VALIDATION]), **LAYOUTS}
+    root = str(tmp_path_factory.mktemp("pp"))
+    return RunBatch(root, {name: (nproc, [*overrides, *GLOBAL_BATCH]) for name, (nproc, overrides) in runs.items()})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_losses_match_single_process(layout, reference, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    records = run_train(str(tmp_path), nproc, *overrides, *GLOBAL_BATCH)
+def test_losses_match_single_process(layout, batch):
+    records = batch.records(layout)
+    reference_records = batch.records("reference")
     got = losses(records)
-    reference_records, reference_validation = reference
     assert len(got) == len(reference_records) == 10
     assert got == pytest.approx(losses(reference_records), rel=1e-5, abs=0)
     # The stages' gradient norms combined: a gradient scaled on one stage, or by the same factor
     # everywhere, barely moves the losses under AdamW and clipping but shows here.
     assert grad_norms(records) == pytest.approx(grad_norms(reference_records), rel=GRAD_NORM_RTOL, abs=0)
     assert got[-1] < got[0]
-    if "--validation.enable" in overrides:
-        assert _validation_losses(str(tmp_path)) == pytest.approx(reference_validation, rel=1e-5, abs=0)
+    if "--validation.enable" in LAYOUTS[layout][1]:
+        expected = _validation_losses(batch.folder("reference"))
+        assert _validation_losses(batch.folder(layout)) == pytest.approx(expected, rel=1e-5, abs=0)
 
 
 def _layout(*overrides: str):

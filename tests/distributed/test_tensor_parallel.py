@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, grad_norms, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -52,25 +52,24 @@ def _max_rel_diff(got: list[float], expected: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[dict], str]:
-    """One process on the whole global batch: (metrics records, dump folder)."""
-    folder = str(tmp_path_factory.mktemp("reference"))
-    return run_train(folder, 1, "--training.local_batch_size", "8", *GLOBAL_BATCH, *VALIDATION), folder
+def batch(tmp_path_factory) -> RunBatch:
+    """Every layout and the reference, in one launch per world size."""
+    reference = (1, ["--training.local_batch_size", "8", *VALIDATION])
+    runs = {"reference": reference, **LAYOUTS}
+    root = str(tmp_path_factory.mktemp("tp"))
+    return RunBatch(root, {name: (nproc, [*overrides, *GLOBAL_BATCH]) for name, (nproc, overrides) in runs.items()})
 
 
 @pytest.fixture(scope="module")
-def layout_run(tmp_path_factory):
-    """``layout_run(name)``: (metrics records, dump folder) of that layout, trained once per module."""
-    cache: dict[str, tuple[list[dict], str]] = {}
+def reference(batch) -> tuple[list[dict], str]:
+    """One process on the whole global batch: (metrics records, dump folder)."""
+    return batch.records("reference"), batch.folder("reference")
 
-    def get(name: str) -> tuple[list[dict], str]:
-        if name not in cache:
-            nproc, overrides = LAYOUTS[name]
-            folder = str(tmp_path_factory.mktemp(name))
-            cache[name] = run_train(folder, nproc, *overrides, *GLOBAL_BATCH), folder
-        return cache[name]
 
-    return get
+@pytest.fixture(scope="module")
+def layout_run(batch):
+    """``layout_run(name)``: (metrics records, dump folder) of that layout."""
+    return lambda name: (batch.records(name), batch.folder(name))
 
 
 @pytest.mark.parametrize("layout", SINGLE_PROCESS_PARITY)

@@ -72,6 +72,7 @@ def main(argv: list[str]) -> None:
         # Counters and compiled code of the previous run must not count for this one.
         torch._dynamo.reset()
         counters.clear()
+        logging.info("batch run %d of %d", run, len(runs))
         trainer = Trainer(load_config(args))
         trainer.train()
         print("REPORT " + json.dumps(report(trainer, run)), flush=True)
