@@ -63,7 +63,15 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "python_docs"
-    """'python_docs' (the interpreter's own documentation) or a .txt/.jsonl file or a folder of them."""
+    """'python_docs' (the interpreter's own documentation); local files, a folder of them or a
+    comma-separated list: .txt/.jsonl, or Parquet/Arrow/JSON shards read through the Hugging Face
+    `datasets` library; or a Hugging Face hub dataset name (streamed; 'c4' is allenai/c4 'en')."""
+    dataset_config: str = ""
+    """Configuration (subset) of a hub dataset, e.g. 'en' for allenai/c4; empty = its default."""
+    dataset_split: str = "train"
+    """Split of a hub dataset; local files are read whole."""
+    dataset_text_field: str = "text"
+    """The record field holding a document's text (.jsonl, Parquet, Arrow, JSON, hub datasets)."""
     seq_len: int = 256
     """Tokens per training sequence."""
     local_batch_size: int = 8
@@ -245,7 +253,13 @@ class Validation:
     enable: bool = False
     """Evaluate the loss on a held-out dataset."""
     dataset: str = "python_docs"
-    """Validation corpus, same forms as training.dataset."""
+    """Validation corpus, same forms as training.dataset: held-out files, or a hub dataset's split."""
+    dataset_config: str = ""
+    """Configuration (subset) of a hub validation dataset; empty = its default."""
+    dataset_split: str = "validation"
+    """Split of a hub validation dataset; local files are read whole."""
+    dataset_text_field: str = "text"
+    """The record field holding a document's text in the validation corpus."""
     freq: int = 10
     """Validate every this many steps."""
     steps: int = 4

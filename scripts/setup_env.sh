@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenizers matplotlib"
+modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenizers matplotlib datasets pyarrow"
 [ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest ruff"
 
 has_deps() {

@@ -1,10 +1,12 @@
 """Text corpora: the default one (the running interpreter's own documentation, so training
-works on any machine without downloads), local ``.txt``/``.jsonl`` files and folders, and the
-file cache that tokenizers and token streams are built into once."""
+works on any machine without downloads), local ``.txt``/``.jsonl`` files, local Parquet/Arrow/JSON
+shards and Hugging Face hub datasets (both read through the ``datasets`` library), and the file
+cache that tokenizers and token streams are built into once."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import fcntl
 import functools
 import importlib
@@ -14,12 +16,26 @@ import sys
 import sysconfig
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from config.job_config import JobConfig
+
 DEFAULT_DATASET = "python_docs"
-CORPUS_SUFFIXES = (".txt", ".jsonl")
+# Formats read through `datasets`, by the name of its builder for them.
+DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
+CORPUS_SUFFIXES = (".txt", ".jsonl", *DATASETS_BUILDERS)
+_SUFFIX_NAMES = ", ".join(CORPUS_SUFFIXES)
+# Files `Dataset.save_to_disk` writes next to its .arrow shards: metadata, not records.
+_SAVE_TO_DISK_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+# torchtitan's dataset names: 'c4' and 'c4_validation' stream from the hub; 'c4_test' is a folder
+# in torchtitan's repository.
+TORCHTITAN_HUB_DATASETS = {"c4": ("allenai/c4", "en", "train"), "c4_validation": ("allenai/c4", "en", "validation")}
+_TORCHTITAN_LOCAL_DATASETS = frozenset({"c4_test"})
+TORCHTITAN_DATASETS = _TORCHTITAN_LOCAL_DATASETS | set(TORCHTITAN_HUB_DATASETS)
+_HUB_TIMEOUT_S = 10
 
 # Folders of the standard library that hold tests, test data or third-party code.
 _SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -82,29 +98,79 @@ def _docstrings_in_source_order(node: ast.AST) -> Iterator[str]:
         yield from _docstrings_in_source_order(child)
 
 
-def local_corpus_texts(path: str) -> Iterator[str]:
-    """Documents of a local corpus: a ``.txt`` file (one document), a ``.jsonl``
-    file (one document per line, from its ``text`` field) or a folder of such
-    files (recursively, in sorted order)."""
-    for file_path in local_corpus_files(path):
+@dataclass(frozen=True)
+class Corpus:
+    """Where a run's documents come from: ``dataset`` is ``"python_docs"``, local paths (comma-separated)
+    or a Hugging Face hub dataset; ``config_name`` and ``split`` choose a hub dataset's part."""
+
+    dataset: str
+    config_name: str = ""
+    split: str = "train"
+    text_field: str = "text"
+
+
+def corpus_of(config: JobConfig, option: str) -> Corpus:
+    """The corpus that ``option`` (``training.dataset`` or ``validation.dataset``) names, with its
+    section's config, split and text field; torchtitan's hub names mapped to the hub's."""
+    section = getattr(config, option.partition(".")[0])
+    corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
+    if corpus.dataset in TORCHTITAN_HUB_DATASETS:
+        name, config_name, split = TORCHTITAN_HUB_DATASETS[corpus.dataset]
+        corpus = dataclasses.replace(corpus, dataset=name, config_name=config_name, split=split)
+    return corpus
+
+
+def is_local(dataset: str) -> bool:
+    """Whether ``dataset`` names local files (existing or meant to be) rather than a hub dataset."""
+    if "," in dataset or dataset in _TORCHTITAN_LOCAL_DATASETS:
+        return True
+    path = Path(dataset).expanduser()
+    return path.exists() or path.suffix in CORPUS_SUFFIXES or dataset.startswith(("/", ".", "~"))
+
+
+def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
+    """Documents of a local corpus: ``.txt`` files (one document each), ``.jsonl`` files (one
+    document per line, from its ``text_field``), or Parquet/Arrow/JSON shards (one document per
+    record, read through ``datasets``); files in the order ``local_corpus_files`` gives."""
+    files = local_corpus_files(path)
+    if files[0].suffix in DATASETS_BUILDERS:
+        builder = DATASETS_BUILDERS[files[0].suffix]
+        records = _streamed_records(path, builder, data_files=[str(p) for p in files], split="train")
+        yield from _record_texts(records, path, text_field)
+        return
+    for file_path in files:
         if file_path.suffix == ".txt":
             yield _read_text(file_path)
         else:
-            yield from _jsonl_texts(file_path)
+            yield from _jsonl_texts(file_path, text_field)
 
 
 def local_corpus_files(path: str) -> list[Path]:
-    """The ``.txt``/``.jsonl`` files that make up the corpus at ``path``."""
-    root = Path(path)
+    """The files that make up the local corpus at ``path``: a file, a folder (its corpus files,
+    recursively, in sorted order) or a comma-separated list of them; all .txt/.jsonl, or all of one
+    format read through ``datasets``."""
+    files = [file for part in path.split(",") if part for file in _corpus_files(part)]
+    kinds = {DATASETS_BUILDERS.get(p.suffix, "text") for p in files}
+    if len(kinds) > 1:
+        raise ValueError(f"dataset {path} mixes {', '.join(sorted(kinds))} files; give files of one format")
+    return files
+
+
+def _corpus_files(path: str) -> list[Path]:
+    root = Path(path).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"dataset path not found: {path}")
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file())
+        files = sorted(
+            p
+            for p in root.rglob("*")
+            if p.suffix in CORPUS_SUFFIXES and p.name not in _SAVE_TO_DISK_METADATA and p.is_file()
+        )
         if not files:
-            raise ValueError(f"dataset folder {path} contains no .txt or .jsonl files")
+            raise ValueError(f"dataset folder {path} contains no {_SUFFIX_NAMES} files")
         return files
     if root.suffix not in CORPUS_SUFFIXES:
-        raise ValueError(f"dataset file {path} is neither .txt nor .jsonl")
+        raise ValueError(f"dataset file {path} is not one of {_SUFFIX_NAMES}")
     return [root]
 
 
@@ -115,7 +181,7 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
+def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
     for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -123,24 +189,125 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{line_number}: expected an object with a string 'text' field")
-        yield record["text"]
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ValueError(f"{path}:{line_number}: expected an object with a string {text_field!r} field")
+        yield record[text_field]
 
 
-def corpus_texts(dataset: str) -> Iterator[str]:
-    """Documents of ``dataset``: ``"python_docs"`` or a local corpus path."""
-    if dataset == DEFAULT_DATASET:
+def _record_texts(records: Iterable[dict[str, Any]], source: str, text_field: str) -> Iterator[str]:
+    for index, record in enumerate(records):
+        text = record.get(text_field)
+        if not isinstance(text, str):
+            fields = ", ".join(record) or "none"
+            raise ValueError(f"{source}: record {index} has no string field {text_field!r} (its fields: {fields})")
+        yield text
+
+
+def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[str, Any]]:
+    """Records of ``datasets.load_dataset(path, **options)``, streamed (read once, never copied
+    into the library's cache); the library's errors as one-line ValueErrors naming ``source``."""
+    # Imported on use: it takes a second, and most runs read other corpora.
+    import datasets
+    import pyarrow
+
+    datasets.logging.set_verbosity_error()  # it would also log the errors raised below
+    datasets.disable_progress_bars()
+    try:
+        yield from datasets.load_dataset(path, streaming=True, **options)
+    except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, ValueError, OSError, KeyError) as error:
+        raise ValueError(f"{source}: {type(error).__name__}: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def hub_revision(name: str) -> str:
+    """The commit of hub dataset ``name``: one request with a timeout, no retries, so that a
+    machine without a network hears it at once."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        return HfApi().dataset_info(name, timeout=_HUB_TIMEOUT_S).sha or ""
+    except RepositoryNotFoundError:
+        raise ValueError(f"{name!r} is neither a local path nor a dataset on the Hugging Face hub") from None
+    except Exception as error:  # the hub client raises its HTTP library's errors, which vary by version
+        raise ValueError(
+            f"{name!r} is not a local path, and the Hugging Face hub cannot be reached to look it up "
+            f"({type(error).__name__}: {_first_line(error)})"
+        ) from None
+
+
+def hub_corpus_texts(corpus: Corpus, revision: str) -> Iterator[str]:
+    """Documents of a hub dataset's split at ``revision``, streamed."""
+    records = _streamed_records(
+        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=revision
+    )
+    return _record_texts(records, f"{corpus.dataset} ({corpus.split})", corpus.text_field)
+
+
+def corpus_texts(corpus: Corpus) -> Iterator[str]:
+    """Documents of ``corpus``."""
+    if corpus.dataset == DEFAULT_DATASET:
         return default_corpus_texts()
-    return local_corpus_texts(dataset)
+    if is_local(corpus.dataset):
+        return local_corpus_texts(corpus.dataset, corpus.text_field)
+    return hub_corpus_texts(corpus, hub_revision(corpus.dataset))
 
 
-def corpus_identity(dataset: str) -> dict[str, Any]:
-    """What the corpus content depends on, cheap to compute (no reading)."""
-    if dataset == DEFAULT_DATASET:
-        return {"name": dataset, "python": sys.version, "stdlib": sysconfig.get_path("stdlib")}
-    files = local_corpus_files(dataset)
-    return {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+def corpus_identity(corpus: Corpus) -> dict[str, Any]:
+    """What the corpus content depends on, cheap to compute (no reading; a hub dataset's commit)."""
+    if corpus.dataset == DEFAULT_DATASET:
+        return {"name": corpus.dataset, "python": sys.version, "stdlib": sysconfig.get_path("stdlib")}
+    if is_local(corpus.dataset):
+        files = local_corpus_files(corpus.dataset)
+        stats = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        return {"files": stats, "text_field": corpus.text_field}
+    return {**dataclasses.asdict(corpus), "revision": hub_revision(corpus.dataset)}
+
+
+def check_corpus(corpus: Corpus) -> None:
+    """Cheap checks before launch: every path exists, every Parquet/Arrow shard's schema has the
+    text field as a string, the hub answers, and the first document reads."""
+    if corpus.dataset == DEFAULT_DATASET:
+        return
+    if is_local(corpus.dataset):
+        for path in local_corpus_files(corpus.dataset):
+            _check_shard_schema(path, corpus.text_field)
+    next(corpus_texts(corpus), None)
+
+
+def _check_shard_schema(path: Path, text_field: str) -> None:
+    import pyarrow
+    import pyarrow.parquet
+
+    if path.suffix not in (".parquet", ".arrow"):
+        return
+    try:
+        if path.suffix == ".parquet":
+            schema = pyarrow.parquet.read_schema(path)
+        else:
+            with pyarrow.memory_map(str(path)) as source:
+                schema = _arrow_schema(source)
+    except (pyarrow.ArrowException, OSError) as error:
+        raise ValueError(f"{path}: unreadable {path.suffix[1:]} file ({_first_line(error)})") from None
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no field {text_field!r} (its fields: {', '.join(schema.names) or 'none'})")
+    field_type = schema.field(text_field).type
+    if not (pyarrow.types.is_string(field_type) or pyarrow.types.is_large_string(field_type)):
+        raise ValueError(f"{path}: field {text_field!r} holds {field_type}, not text")
+
+
+def _arrow_schema(source: Any) -> Any:
+    import pyarrow
+
+    # `datasets` writes Arrow's streaming format; other tools write its file format.
+    try:
+        return pyarrow.ipc.open_stream(source).schema
+    except pyarrow.ArrowInvalid:
+        source.seek(0)
+        return pyarrow.ipc.open_file(source).schema
 
 
 def create_file_once(path: str, write: Callable[[str], None]) -> None:

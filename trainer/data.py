@@ -24,7 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.job_config import JobConfig, user_input
 from parallelisms.parallel_dims import ParallelDims
-from trainer.corpus import corpus_identity, corpus_texts, create_file_once
+from trainer.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once
 from trainer.tokenizer import Tokenizer
 
 # Bump when the corpus extraction or the token file layout changes, so stale
@@ -41,17 +41,18 @@ def tokenize_corpus(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
     return np.concatenate(documents)
 
 
-def load_token_stream(dataset: str, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
-    """Token stream of ``dataset``, tokenized once and cached in ``cache_dir``.
+def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
+    """Token stream of ``corpus``, tokenized once and cached in ``cache_dir``.
 
-    The cache key covers the corpus identity (files, sizes, mtimes; or the
-    Python build for the default corpus) and the tokenizer fingerprint. The
-    returned array is memory-mapped and read-only.
+    The cache key covers the corpus identity (files, sizes, mtimes and the text
+    field; a hub dataset's name, config, split and commit; or the Python build
+    for the default corpus) and the tokenizer fingerprint. The returned array is
+    memory-mapped and read-only: each rank reads only the windows it trains on.
     """
     key = json.dumps(
         {
             "version": _TOKEN_CACHE_VERSION,
-            "corpus": corpus_identity(dataset),
+            "corpus": corpus_identity(corpus),
             "tokenizer": tokenizer.fingerprint,
         },
         sort_keys=True,
@@ -60,7 +61,7 @@ def load_token_stream(dataset: str, tokenizer: Tokenizer, cache_dir: str) -> np.
     path = os.path.join(cache_dir, f"tokens-{digest}.npy")
 
     def write_tokens(tmp_path: str) -> None:
-        tokens = tokenize_corpus(corpus_texts(dataset), tokenizer)
+        tokens = tokenize_corpus(corpus_texts(corpus), tokenizer)
         with open(tmp_path, "wb") as f:  # a file object: np.save(str) would append ".npy"
             np.save(f, tokens)
 
@@ -203,7 +204,7 @@ class PackedTokenDataset(IterableDataset):
 
 
 def build_dataset(
-    dataset: str,
+    corpus: Corpus,
     tokenizer: Tokenizer,
     *,
     seq_len: int,
@@ -213,8 +214,8 @@ def build_dataset(
     seed: int,
     cache_dir: str,
 ) -> PackedTokenDataset:
-    """This DP rank's dataset of ``dataset`` (``"python_docs"`` or a local path)."""
-    tokens = load_token_stream(dataset, tokenizer, cache_dir)
+    """This DP rank's dataset of ``corpus``."""
+    tokens = load_token_stream(corpus, tokenizer, cache_dir)
     try:
         return PackedTokenDataset(
             tokens,
@@ -225,7 +226,7 @@ def build_dataset(
             seed=seed,
         )
     except ValueError as error:
-        raise ValueError(f"dataset {dataset}: {error}") from None
+        raise ValueError(f"dataset {corpus.dataset}: {error}") from None
 
 
 def config_dataloader(
@@ -234,10 +235,9 @@ def config_dataloader(
     """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus that
     ``option`` (``training.dataset`` or ``validation.dataset``) names; a one-line ConfigError
     naming ``option`` for a bad corpus."""
-    section, _, name = option.partition(".")
     with user_input(option):
         dataset = build_dataset(
-            getattr(getattr(config, section), name),
+            corpus_of(config, option),
             tokenizer,
             seq_len=config.training.seq_len,
             local_batch_size=config.training.local_batch_size,

@@ -17,14 +17,11 @@ from config.manager import batch_layout, load_config
 from models.builder import model_args
 from models.registry import get_model_spec
 from parallelisms.device import accelerator_count
-from trainer.corpus import DEFAULT_DATASET, local_corpus_texts
+from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
 from trainer.distributed import parallel_dims_from_config
 from trainer.hf_checkpoint import check_hf_config, is_hf_folder
 from trainer.optim import build_optimizer_and_schedule
 from trainer.tokenizer import build_tokenizer
-
-# Dataset names torchtitan downloads; Tessera reads local files only.
-_TORCHTITAN_DATASETS = {"c4", "c4_test", "c4_validation"}
 
 
 def check(argv: list[str], world_size: int) -> None:
@@ -67,16 +64,13 @@ def check_files(config: JobConfig) -> None:
 
 
 def _dataset_problem(config: JobConfig, option: str) -> str | None:
-    section, _, name = option.partition(".")
-    dataset = getattr(getattr(config, section), name)
-    if dataset == DEFAULT_DATASET:
-        return None
+    name = getattr(config, option.partition(".")[0]).dataset
     try:
-        next(local_corpus_texts(dataset), None)
+        check_corpus(corpus_of(config, option))
     except (ValueError, OSError) as e:
-        hint = ""
-        if dataset in _TORCHTITAN_DATASETS:
-            hint = f" ('{dataset}' is a dataset torchtitan downloads; give a local .txt/.jsonl with --{option}_path)"
+        hint = (
+            f" ('{name}' is torchtitan's; give local files with --{option}_path)" if name in TORCHTITAN_DATASETS else ""
+        )
         return f"{option}: {e}{hint}"
     return None
 

@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainer.corpus
 from tests.unit.conftest import CharTokenizer
-from trainer.corpus import default_corpus_texts, local_corpus_texts
+from trainer.corpus import Corpus, default_corpus_texts, local_corpus_texts
 from trainer.data import (
     PackedTokenDataset,
     build_dataset,
@@ -49,7 +49,7 @@ def arange_loader(
 
 
 def build_dataloader(dataset: str, tokenizer: Tokenizer, **dataset_options) -> StatefulDataLoader:
-    return packed_dataloader(build_dataset(dataset, tokenizer, **dataset_options))
+    return packed_dataloader(build_dataset(Corpus(dataset), tokenizer, **dataset_options))
 
 
 def global_order(length: int) -> list[int]:
@@ -80,7 +80,7 @@ def write_corpus(root: Path, files: dict[str, str]) -> Path:
 
 def test_packing_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path / "corpus", {"a.txt": "ab", "b.txt": "cde"})
-    tokens = load_token_stream(str(corpus), char_tokenizer, str(tmp_path / "cache"))
+    tokens = load_token_stream(Corpus(str(corpus)), char_tokenizer, str(tmp_path / "cache"))
     # [bos a b eos] [bos c d e eos] concatenated.
     assert tokens.tolist() == [1, 97, 98, 2, 1, 99, 100, 101, 2]
     dataset = PackedTokenDataset(tokens, seq_len=3, local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0)
@@ -284,9 +284,9 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
             cache_dir=str(tmp_path / "cache"),
         )
     empty = write_corpus(tmp_path / "empty", {"readme.md": "no corpus here"})
-    with pytest.raises(ValueError, match="empty contains no .txt or .jsonl"):
+    with pytest.raises(ValueError, match="empty contains no .txt, .jsonl, .parquet"):
         list(local_corpus_texts(str(empty)))
-    with pytest.raises(ValueError, match="readme.md is neither"):
+    with pytest.raises(ValueError, match="readme.md is not one of .txt, .jsonl"):
         list(local_corpus_texts(str(empty / "readme.md")))
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="latin1.txt: not UTF-8"):
@@ -299,11 +299,11 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
 def test_token_stream_is_cached_and_invalidated_by_changes(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path / "corpus", {"a.txt": "abc"})
     cache_dir = str(tmp_path / "cache")
-    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
-    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
+    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
+    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
     assert char_tokenizer.encode_calls == 1
     (corpus / "a.txt").write_text("abcd")
-    assert load_token_stream(str(corpus), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 100, 2]
+    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 100, 2]
     assert char_tokenizer.encode_calls == 2
     assert not [name for name in os.listdir(cache_dir) if name.endswith(".tmp")]
 

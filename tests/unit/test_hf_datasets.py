@@ -1,0 +1,143 @@
+"""Corpora read through the Hugging Face ``datasets`` library: local Parquet, Arrow and JSON shards
+(files, folders, comma-separated lists) with a configurable text field, the hub's names, and the
+pre-launch check's one line for every bad input (through ``trainer.preflight``'s main, in-process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from config.manager import load_config
+from tests.unit.conftest import CharTokenizer
+from trainer import preflight
+from trainer.corpus import Corpus, corpus_of, corpus_texts, local_corpus_files
+from trainer.data import load_token_stream
+
+
+def write_parquet(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({field: texts, "id": list(range(len(texts)))}), path)
+    return path
+
+
+def test_parquet_shards_as_files_folder_and_list(tmp_path: Path) -> None:
+    """A folder reads its shards in sorted order (recursively), a comma-separated list in its own
+    order; every record is one document."""
+    folder = tmp_path / "shards"
+    write_parquet(folder / "part-1.parquet", ["c", "d"])
+    write_parquet(folder / "part-0.parquet", ["a", "b"])
+    write_parquet(folder / "more" / "part-2.parquet", ["e"])
+    assert list(corpus_texts(Corpus(str(folder)))) == ["e", "a", "b", "c", "d"]  # "more/" sorts before "part-0"
+    listed = f"{folder / 'part-1.parquet'},{folder / 'part-0.parquet'}"
+    assert list(corpus_texts(Corpus(listed))) == ["c", "d", "a", "b"]
+    assert list(corpus_texts(Corpus(str(folder / "part-0.parquet")))) == ["a", "b"]
+
+
+def test_arrow_folder_from_save_to_disk_and_json_shards(tmp_path: Path) -> None:
+    """``Dataset.save_to_disk``'s folder reads as its .arrow shards (its JSON metadata skipped);
+    JSON shards as JSON Lines or one array; the text field is whichever the option names."""
+    datasets.Dataset.from_dict({"content": ["x", "y", "z"]}).save_to_disk(str(tmp_path / "saved"))
+    assert list(corpus_texts(Corpus(str(tmp_path / "saved"), text_field="content"))) == ["x", "y", "z"]
+    (tmp_path / "lines.json").write_text("".join(json.dumps({"body": t}) + "\n" for t in ["j1", "j2"]))
+    (tmp_path / "array.json").write_text(json.dumps([{"body": "j3"}]))
+    listed = f"{tmp_path / 'lines.json'},{tmp_path / 'array.json'}"
+    assert list(corpus_texts(Corpus(listed, text_field="body"))) == ["j1", "j2", "j3"]
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"body": "own reader"}) + "\n")
+    assert list(corpus_texts(Corpus(str(tmp_path / "doc.jsonl"), text_field="body"))) == ["own reader"]
+
+
+def test_token_stream_of_parquet_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    shards = [write_parquet(tmp_path / f"{i}.parquet", texts) for i, texts in enumerate([["ab"], ["c", "de"]])]
+    tokens = load_token_stream(Corpus(",".join(map(str, shards))), char_tokenizer, str(tmp_path / "cache"))
+    assert tokens.tolist() == [1, 97, 98, 2, 1, 99, 2, 1, 100, 101, 2]
+
+
+def test_formats_do_not_mix(tmp_path: Path) -> None:
+    write_parquet(tmp_path / "a.parquet", ["a"])
+    (tmp_path / "b.json").write_text(json.dumps({"text": "b"}) + "\n")
+    with pytest.raises(ValueError, match="mixes json, parquet files"):
+        local_corpus_files(str(tmp_path))
+
+
+def test_torchtitan_names_and_the_hub(tmp_path: Path) -> None:
+    """torchtitan's 'c4' and 'c4_validation' are allenai/c4 'en' on the hub; other names that are
+    no local path are hub names with this section's config and split."""
+    config = load_config(["--training.dataset", "c4", "--validation.dataset", "c4_validation"])
+    assert corpus_of(config, "training.dataset") == Corpus("allenai/c4", "en", "train", "text")
+    assert corpus_of(config, "validation.dataset") == Corpus("allenai/c4", "en", "validation", "text")
+    config = load_config(["--training.dataset", "org/data", "--training.dataset_config", "sub"])
+    assert corpus_of(config, "training.dataset") == Corpus("org/data", "sub", "train", "text")
+
+
+def preflight_error(capsys: pytest.CaptureFixture, *options: str) -> str:
+    """The one stderr line of trainer.preflight's main for ``options`` (exit code 2)."""
+    assert preflight.main(["--world-size", "1", *options]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    folder = tmp_path / "shards"
+    for i in range(3):
+        write_parquet(folder / f"part-{i}.parquet", [f"document {i}.{j}" for j in range(4)])
+    return folder
+
+
+def test_preflight_accepts_good_shards(shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    validation = write_parquet(tmp_path / "held_out" / "val.parquet", ["held out"])
+    options = ["--validation.enable", "--validation.dataset", str(validation)]
+    assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), *options]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_preflight_names_a_missing_shard(shards: Path, capsys: pytest.CaptureFixture) -> None:
+    listed = f"{shards / 'part-0.parquet'},{shards / 'part-9.parquet'}"
+    line = preflight_error(capsys, "--training.dataset", listed)
+    assert line == f"error: training.dataset: dataset path not found: {shards / 'part-9.parquet'}"
+
+
+def test_preflight_names_a_wrong_text_field_in_any_shard(shards: Path, capsys: pytest.CaptureFixture) -> None:
+    line = preflight_error(capsys, "--training.dataset", str(shards), "--training.dataset_text_field", "body")
+    assert line == f"error: training.dataset: {shards / 'part-0.parquet'}: no field 'body' (its fields: text, id)"
+    write_parquet(shards / "part-1.parquet", ["x"], field="content")  # only the second shard lacks it
+    line = preflight_error(capsys, "--validation.enable", "--validation.dataset", str(shards))
+    assert line == f"error: validation.dataset: {shards / 'part-1.parquet'}: no field 'text' (its fields: content, id)"
+
+
+def test_preflight_names_an_unreadable_shard(shards: Path, capsys: pytest.CaptureFixture) -> None:
+    (shards / "part-2.parquet").write_bytes(b"not parquet at all")
+    line = preflight_error(capsys, "--training.dataset", str(shards))
+    assert line.startswith(f"error: training.dataset: {shards / 'part-2.parquet'}: unreadable parquet file (")
+
+
+def test_preflight_names_a_field_that_is_not_text(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [1, 2]}), path)
+    line = preflight_error(capsys, "--training.dataset", str(path))
+    assert line == f"error: training.dataset: {path}: field 'text' holds int64, not text"
+
+
+def test_preflight_names_a_json_record_without_the_field(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps({"content": "x"}) + "\n")
+    line = preflight_error(capsys, "--training.dataset", str(path))
+    assert line == f"error: training.dataset: {path}: record 0 has no string field 'text' (its fields: content)"
+
+
+def test_preflight_says_when_the_hub_cannot_answer(capsys: pytest.CaptureFixture) -> None:
+    """Without a network the hub is asked once, with no retries: one line, at once. (With a network
+    the name does not exist there: one line too.)"""
+    line = preflight_error(capsys, "--training.dataset", "tessera-test/no-such-dataset")
+    assert line.startswith("error: training.dataset: 'tessera-test/no-such-dataset' is ")
+    assert "Hugging Face hub" in line
+    line = preflight_error(capsys, "--training.dataset", "c4")
+    assert line.startswith("error: training.dataset: 'allenai/c4' ") and "('c4' is torchtitan's" in line
