@@ -1,0 +1,49 @@
+"""torchrun worker: train.py's run (the same Trainer, config and output files), also appending each
+batch this rank trains on to ``<dump_folder>/samples-rank<R>.jsonl``: one line per batch, its input
+rows as lists of token ids. The checkpoint still saves the real loader's position; only iteration
+goes through the recorder.
+
+Usage: torchrun --nproc-per-node N tests/distributed/record_samples.py <train.py arguments>
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+
+import torch.distributed as dist
+
+from config.manager import load_config
+from trainer.trainer import Trainer
+
+
+class RecordingLoader:
+    """Iterates ``loader`` and writes every batch's inputs to ``path`` as it hands the batch on."""
+
+    def __init__(self, loader: Iterable, path: str):
+        self.loader = loader
+        self.path = path
+
+    def __iter__(self) -> Iterator:
+        for batch in self.loader:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(batch[0].tolist()) + "\n")
+            yield batch
+
+
+def main(argv: list[str]) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(message)s")
+    config = load_config(argv)
+    trainer = Trainer(config)
+    path = os.path.join(config.job.dump_folder, f"samples-rank{dist.get_rank()}.jsonl")
+    trainer.dataloader = RecordingLoader(trainer.dataloader, path)
+    trainer.train()
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
