@@ -31,10 +31,12 @@ _SUFFIX_NAMES = ", ".join(CORPUS_SUFFIXES)
 # Files `Dataset.save_to_disk` writes next to its .arrow shards: metadata, not records.
 _SAVE_TO_DISK_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
 # torchtitan's dataset names: 'c4' and 'c4_validation' stream from the hub; 'c4_test' is a folder
-# in torchtitan's repository.
-TORCHTITAN_HUB_DATASETS = {"c4": ("allenai/c4", "en", "train"), "c4_validation": ("allenai/c4", "en", "validation")}
-_TORCHTITAN_LOCAL_DATASETS = frozenset({"c4_test"})
-TORCHTITAN_DATASETS = _TORCHTITAN_LOCAL_DATASETS | set(TORCHTITAN_HUB_DATASETS)
+# of JSON lines in torchtitan's repository, found from the working folder as torchtitan finds it.
+TORCHTITAN_DATASETS = {
+    "c4": ("allenai/c4", "en", "train"),
+    "c4_validation": ("allenai/c4", "en", "validation"),
+    "c4_test": ("tests/assets/c4_test", "", "train"),
+}
 _HUB_TIMEOUT_S = 10
 
 # Folders of the standard library that hold tests, test data or third-party code.
@@ -107,6 +109,8 @@ class Corpus:
     config_name: str = ""
     split: str = "train"
     text_field: str = "text"
+    revision: str = ""
+    """A hub dataset's commit, once ``pin_revision`` asked the hub for it."""
 
 
 def corpus_of(config: JobConfig, option: str) -> Corpus:
@@ -114,15 +118,15 @@ def corpus_of(config: JobConfig, option: str) -> Corpus:
     section's config, split and text field; torchtitan's hub names mapped to the hub's."""
     section = getattr(config, option.partition(".")[0])
     corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
-    if corpus.dataset in TORCHTITAN_HUB_DATASETS:
-        name, config_name, split = TORCHTITAN_HUB_DATASETS[corpus.dataset]
+    if corpus.dataset in TORCHTITAN_DATASETS:
+        name, config_name, split = TORCHTITAN_DATASETS[corpus.dataset]
         corpus = dataclasses.replace(corpus, dataset=name, config_name=config_name, split=split)
     return corpus
 
 
 def is_local(dataset: str) -> bool:
     """Whether ``dataset`` names local files (existing or meant to be) rather than a hub dataset."""
-    if "," in dataset or dataset in _TORCHTITAN_LOCAL_DATASETS:
+    if "," in dataset or dataset.count("/") > 1:  # hub names are 'name' or 'owner/name'
         return True
     path = Path(dataset).expanduser()
     return path.exists() or path.suffix in CORPUS_SUFFIXES or dataset.startswith(("/", ".", "~"))
@@ -239,10 +243,19 @@ def hub_revision(name: str) -> str:
         ) from None
 
 
-def hub_corpus_texts(corpus: Corpus, revision: str) -> Iterator[str]:
-    """Documents of a hub dataset's split at ``revision``, streamed."""
+def pin_revision(corpus: Corpus) -> Corpus:
+    """``corpus`` with a hub dataset's current commit, so that what its cache key says and the
+    documents read are the same version (other corpora as they are)."""
+    if corpus.dataset == DEFAULT_DATASET or is_local(corpus.dataset) or corpus.revision:
+        return corpus
+    return dataclasses.replace(corpus, revision=hub_revision(corpus.dataset))
+
+
+def hub_corpus_texts(corpus: Corpus) -> Iterator[str]:
+    """Documents of a hub dataset's split at its pinned commit, streamed."""
+    corpus = pin_revision(corpus)
     records = _streamed_records(
-        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=revision
+        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
     )
     return _record_texts(records, f"{corpus.dataset} ({corpus.split})", corpus.text_field)
 
@@ -253,7 +266,7 @@ def corpus_texts(corpus: Corpus) -> Iterator[str]:
         return default_corpus_texts()
     if is_local(corpus.dataset):
         return local_corpus_texts(corpus.dataset, corpus.text_field)
-    return hub_corpus_texts(corpus, hub_revision(corpus.dataset))
+    return hub_corpus_texts(corpus)
 
 
 def corpus_identity(corpus: Corpus) -> dict[str, Any]:
@@ -264,7 +277,7 @@ def corpus_identity(corpus: Corpus) -> dict[str, Any]:
         files = local_corpus_files(corpus.dataset)
         stats = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
         return {"files": stats, "text_field": corpus.text_field}
-    return {**dataclasses.asdict(corpus), "revision": hub_revision(corpus.dataset)}
+    return dataclasses.asdict(pin_revision(corpus))
 
 
 def check_corpus(corpus: Corpus) -> None:

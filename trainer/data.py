@@ -24,7 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.job_config import JobConfig, user_input
 from parallelisms.parallel_dims import ParallelDims
-from trainer.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once
+from trainer.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
 from trainer.tokenizer import Tokenizer
 
 # Bump when the corpus extraction or the token file layout changes, so stale
@@ -49,6 +49,7 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
     for the default corpus) and the tokenizer fingerprint. The returned array is
     memory-mapped and read-only: each rank reads only the windows it trains on.
     """
+    corpus = pin_revision(corpus)  # one question to the hub, for both the key and the documents
     key = json.dumps(
         {
             "version": _TOKEN_CACHE_VERSION,

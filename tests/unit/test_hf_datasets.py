@@ -140,4 +140,19 @@ def test_preflight_says_when_the_hub_cannot_answer(capsys: pytest.CaptureFixture
     assert line.startswith("error: training.dataset: 'tessera-test/no-such-dataset' is ")
     assert "Hugging Face hub" in line
     line = preflight_error(capsys, "--training.dataset", "c4_test")
-    assert line.endswith("c4_test ('c4_test' is torchtitan's; give local files with --training.dataset_path)")
+    assert line.endswith(
+        "tests/assets/c4_test ('c4_test' is torchtitan's; give local files with --training.dataset_path)"
+    )
+
+
+def test_torchtitans_c4_test_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """'c4_test' is the folder torchtitan's configs read from the working folder: C4's JSON lines
+    in data.json, read through ``datasets``."""
+    folder = tmp_path / "tests" / "assets" / "c4_test"
+    folder.mkdir(parents=True)
+    records = [{"text": f"c4 document {i}", "timestamp": "2019-04-25T00:00:00Z", "url": f"u{i}"} for i in range(3)]
+    (folder / "data.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.chdir(tmp_path)
+    corpus = corpus_of(load_config(["--training.dataset", "c4_test"]), "training.dataset")
+    assert list(corpus_texts(corpus)) == ["c4 document 0", "c4 document 1", "c4 document 2"]
+    assert preflight.main(["--world-size", "1", "--training.dataset", "c4_test"]) == 0

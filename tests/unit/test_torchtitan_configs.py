@@ -168,7 +168,10 @@ def test_preflight_names_every_missing_path_in_one_line(tmp_path):
         check(["--job.config_file", write(tmp_path, TITAN_DEBUG)], world_size=2)
     message = str(error.value)
     assert "\n" not in message
-    assert "training.dataset: dataset path not found: c4_test" in message and "--training.dataset_path" in message
+    assert (
+        "training.dataset: dataset path not found: tests/assets/c4_test" in message
+        and "--training.dataset_path" in message
+    )
     assert "model.tokenizer_path: tokenizer path not found: ./tests/assets/tokenizer" in message
 
 
