@@ -156,3 +156,34 @@ def test_torchtitans_c4_test_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     corpus = corpus_of(load_config(["--training.dataset", "c4_test"]), "training.dataset")
     assert list(corpus_texts(corpus)) == ["c4 document 0", "c4 document 1", "c4 document 2"]
     assert preflight.main(["--world-size", "1", "--training.dataset", "c4_test"]) == 0
+
+
+def test_hub_dataset_is_streamed_at_the_commit_its_cache_key_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, char_tokenizer: CharTokenizer
+) -> None:
+    """No network here, so the hub and the library stand in: one question for the commit, then the
+    split streamed at that commit with the config; the token cache follows the commit."""
+    import huggingface_hub
+
+    commits, calls = ["c1"], []
+
+    def dataset_info(self, name, timeout=None):
+        calls.append(("info", name, timeout))
+        return huggingface_hub.hf_api.DatasetInfo(id=name, sha=commits[-1])
+
+    def load_dataset(path, **options):
+        calls.append(("load", path, options))
+        return iter([{"content": "ab"}, {"content": "c"}])
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    corpus = Corpus("org/data", "sub", "test", "content")
+    cache = str(tmp_path / "cache")
+    assert load_token_stream(corpus, char_tokenizer, cache).tolist() == [1, 97, 98, 2, 1, 99, 2]
+    options = {"streaming": True, "name": "sub", "split": "test", "revision": "c1"}
+    assert calls == [("info", "org/data", 10), ("load", "org/data", options)]
+    load_token_stream(corpus, char_tokenizer, cache)
+    assert [call[0] for call in calls] == ["info", "load", "info"]  # same commit: the cached tokens
+    commits.append("c2")
+    load_token_stream(corpus, char_tokenizer, cache)
+    assert calls[-1] == ("load", "org/data", {**options, "revision": "c2"})
