@@ -115,7 +115,7 @@ class Corpus:
 
 def corpus_of(config: JobConfig, option: str) -> Corpus:
     """The corpus that ``option`` (``training.dataset`` or ``validation.dataset``) names, with its
-    section's config, split and text field; torchtitan's hub names mapped to the hub's."""
+    section's config, split and text field; torchtitan's names mapped to what they stand for."""
     section = getattr(config, option.partition(".")[0])
     corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
     if corpus.dataset in TORCHTITAN_DATASETS:
@@ -154,6 +154,8 @@ def local_corpus_files(path: str) -> list[Path]:
     recursively, in sorted order) or a comma-separated list of them; all .txt/.jsonl, or all of one
     format read through ``datasets``."""
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
+    if not files:
+        raise ValueError(f"dataset {path!r} names no files")
     kinds = {DATASETS_BUILDERS.get(p.suffix, "text") for p in files}
     if len(kinds) > 1:
         raise ValueError(f"dataset {path} mixes {', '.join(sorted(kinds))} files; give files of one format")
