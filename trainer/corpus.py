@@ -216,7 +216,8 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
     import datasets
     import pyarrow
 
-    datasets.logging.set_verbosity_error()  # it would also log the errors raised below
+    # It logs the errors it raises too: they reach the user once, as the line raised below.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
         yield from datasets.load_dataset(path, streaming=True, **options)

@@ -187,3 +187,15 @@ def test_hub_dataset_is_streamed_at_the_commit_its_cache_key_names(
     commits.append("c2")
     load_token_stream(corpus, char_tokenizer, cache)
     assert calls[-1] == ("load", "org/data", {**options, "revision": "c2"})
+
+
+def test_preflight_names_a_broken_json_shard_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The library logs the error it raises; only the one line reaches the user."""
+    path = tmp_path / "broken.json"
+    path.write_text('{"text": "ok"}\n{not json\n')
+    with caplog.at_level("WARNING"):
+        line = preflight_error(capsys, "--training.dataset", str(path))
+    assert line.startswith(f"error: training.dataset: {path}: ArrowInvalid: JSON parse error")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("datasets")] == []
