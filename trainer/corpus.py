@@ -24,8 +24,9 @@ from typing import Any
 from config.job_config import JobConfig
 
 DEFAULT_DATASET = "python_docs"
-# Formats read through `datasets`, by the name of its builder for them.
-DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
+# Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
+# form C4's and many hub datasets' JSON shards are kept in).
+DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".json.gz": "json", ".jsonl.gz": "json"}
 CORPUS_SUFFIXES = (".txt", ".jsonl", *DATASETS_BUILDERS)
 _SUFFIX_NAMES = ", ".join(CORPUS_SUFFIXES)
 # Files `Dataset.save_to_disk` writes next to its .arrow shards: metadata, not records.
@@ -129,7 +130,12 @@ def is_local(dataset: str) -> bool:
     if "," in dataset or dataset.count("/") > 1:  # hub names are 'name' or 'owner/name'
         return True
     path = Path(dataset).expanduser()
-    return path.exists() or path.suffix in CORPUS_SUFFIXES or dataset.startswith(("/", ".", "~"))
+    return path.exists() or corpus_suffix(path) in CORPUS_SUFFIXES or dataset.startswith(("/", ".", "~"))
+
+
+def corpus_suffix(path: Path) -> str:
+    """The suffix that names a corpus file's format: ``.gz`` with the one before it."""
+    return "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
 
 
 def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
@@ -137,8 +143,8 @@ def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
     document per line, from its ``text_field``), or Parquet/Arrow/JSON shards (one document per
     record, read through ``datasets``); files in the order ``local_corpus_files`` gives."""
     files = local_corpus_files(path)
-    if files[0].suffix in DATASETS_BUILDERS:
-        builder = DATASETS_BUILDERS[files[0].suffix]
+    if corpus_suffix(files[0]) in DATASETS_BUILDERS:
+        builder = DATASETS_BUILDERS[corpus_suffix(files[0])]
         records = _streamed_records(path, builder, data_files=[str(p) for p in files], split="train")
         yield from _record_texts(records, path, text_field)
         return
@@ -156,7 +162,7 @@ def local_corpus_files(path: str) -> list[Path]:
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
     if not files:
         raise ValueError(f"dataset {path!r} names no files")
-    kinds = {DATASETS_BUILDERS.get(p.suffix, "text") for p in files}
+    kinds = {DATASETS_BUILDERS.get(corpus_suffix(p), "text") for p in files}
     if len(kinds) > 1:
         raise ValueError(f"dataset {path} mixes {', '.join(sorted(kinds))} files; give files of one format")
     return files
@@ -170,12 +176,12 @@ def _corpus_files(path: str) -> list[Path]:
         files = sorted(
             p
             for p in root.rglob("*")
-            if p.suffix in CORPUS_SUFFIXES and p.name not in _SAVE_TO_DISK_METADATA and p.is_file()
+            if corpus_suffix(p) in CORPUS_SUFFIXES and p.name not in _SAVE_TO_DISK_METADATA and p.is_file()
         )
         if not files:
             raise ValueError(f"dataset folder {path} contains no {_SUFFIX_NAMES} files")
         return files
-    if root.suffix not in CORPUS_SUFFIXES:
+    if corpus_suffix(root) not in CORPUS_SUFFIXES:
         raise ValueError(f"dataset file {path} is not one of {_SUFFIX_NAMES}")
     return [root]
 

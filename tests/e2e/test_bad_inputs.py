@@ -147,7 +147,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--job.config_file", "{d}/broken.toml"], "invalid TOML"),
     ("files", ["--training.dataset", "{d}/missing.jsonl"], "dataset path not found: {d}/missing.jsonl"),
     ("files", ["--training.dataset", "tessera-test/no-such-dataset"], "Hugging Face hub"),  # offline or not
-    ("files", ["--training.dataset", "{d}/empty_folder"], "contains no .txt, .jsonl, .parquet, .arrow, .json files"),
+    (
+        "files",
+        ["--training.dataset", "{d}/empty_folder"],
+        "contains no .txt, .jsonl, .parquet, .arrow, .json, .json.gz, .jsonl.gz files",
+    ),
     ("files", ["--training.dataset", "{d}/bad.jsonl"], "invalid JSON"),
     ("files", ["--training.dataset", "{d}/no_text.jsonl"], "expected an object with a string 'text' field"),
     ("files", ["--training.dataset", "{d}/corpus.csv"], "is not one of .txt, .jsonl, .parquet, .arrow, .json"),

@@ -4,6 +4,7 @@ pre-launch check's one line for every bad input (through ``trainer.preflight``'s
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -40,13 +41,20 @@ def test_parquet_shards_as_files_folder_and_list(tmp_path: Path) -> None:
 
 def test_arrow_folder_from_save_to_disk_and_json_shards(tmp_path: Path) -> None:
     """``Dataset.save_to_disk``'s folder reads as its .arrow shards (its JSON metadata skipped);
-    JSON shards as JSON Lines or one array; the text field is whichever the option names."""
+    JSON shards as JSON Lines or one array, gzipped or not; the text field is whichever the option
+    names."""
     datasets.Dataset.from_dict({"content": ["x", "y", "z"]}).save_to_disk(str(tmp_path / "saved"))
     assert list(corpus_texts(Corpus(str(tmp_path / "saved"), text_field="content"))) == ["x", "y", "z"]
     (tmp_path / "lines.json").write_text("".join(json.dumps({"body": t}) + "\n" for t in ["j1", "j2"]))
     (tmp_path / "array.json").write_text(json.dumps([{"body": "j3"}]))
     listed = f"{tmp_path / 'lines.json'},{tmp_path / 'array.json'}"
     assert list(corpus_texts(Corpus(listed, text_field="body"))) == ["j1", "j2", "j3"]
+    with gzip.open(tmp_path / "c4-train.00000-of-01024.json.gz", "wt") as f:  # C4's shards are kept so
+        f.write(json.dumps({"body": "gz1"}) + "\n" + json.dumps({"body": "gz2"}) + "\n")
+    assert list(corpus_texts(Corpus(str(tmp_path / "c4-train.00000-of-01024.json.gz"), text_field="body"))) == [
+        "gz1",
+        "gz2",
+    ]
     (tmp_path / "doc.jsonl").write_text(json.dumps({"body": "own reader"}) + "\n")
     assert list(corpus_texts(Corpus(str(tmp_path / "doc.jsonl"), text_field="body"))) == ["own reader"]
 
