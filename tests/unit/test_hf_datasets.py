@@ -49,12 +49,10 @@ def test_arrow_folder_from_save_to_disk_and_json_shards(tmp_path: Path) -> None:
     (tmp_path / "array.json").write_text(json.dumps([{"body": "j3"}]))
     listed = f"{tmp_path / 'lines.json'},{tmp_path / 'array.json'}"
     assert list(corpus_texts(Corpus(listed, text_field="body"))) == ["j1", "j2", "j3"]
-    with gzip.open(tmp_path / "c4-train.00000-of-01024.json.gz", "wt") as f:  # C4's shards are kept so
+    gzipped = tmp_path / "c4-train.00000-of-01024.json.gz"  # how C4 keeps its shards
+    with gzip.open(gzipped, "wt") as f:
         f.write(json.dumps({"body": "gz1"}) + "\n" + json.dumps({"body": "gz2"}) + "\n")
-    assert list(corpus_texts(Corpus(str(tmp_path / "c4-train.00000-of-01024.json.gz"), text_field="body"))) == [
-        "gz1",
-        "gz2",
-    ]
+    assert list(corpus_texts(Corpus(str(gzipped), text_field="body"))) == ["gz1", "gz2"]
     (tmp_path / "doc.jsonl").write_text(json.dumps({"body": "own reader"}) + "\n")
     assert list(corpus_texts(Corpus(str(tmp_path / "doc.jsonl"), text_field="body"))) == ["own reader"]
 
