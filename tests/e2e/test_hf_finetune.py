@@ -98,14 +98,15 @@ def finetuned(tmp_path_factory) -> dict[str, tuple[str, str, list[str], float]]:
     return runs
 
 
-def trained_model(dump: str, options: list[str]) -> Transformer:
-    """The trained model as Tessera builds it (one process), with the last DCP checkpoint's weights."""
+def trained_model(dump: str, options: list[str]) -> tuple[Transformer, dict[str, torch.Tensor]]:
+    """The trained model as Tessera builds it (one process), with the last DCP checkpoint's weights,
+    and those weights as saved (each name read into a tensor of its own)."""
     args = dataclasses.replace(job_model_args(load_config(options), vocab_size=300), max_seq_len=SEQ_LEN)
     model = Transformer(args).eval()
-    state = {"model": model.state_dict()}
+    state = {"model": {name: tensor.clone() for name, tensor in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=os.path.join(dump, "checkpoint", "step-3"))
     model.load_state_dict(state["model"])
-    return model
+    return model, state["model"]
 
 
 @pytest.mark.slow  # three launches of run_train.sh
@@ -124,9 +125,10 @@ def test_finetuned_export_loads_in_transformers_with_the_trained_logits(name, fi
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 1)
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(os.listdir(export))
 
-    ours = trained_model(dump, options)
-    if config["tie_word_embeddings"]:
-        assert torch.equal(ours.output.weight, ours.tok_embeddings.weight)  # still tied after training
+    ours, saved = trained_model(dump, options)
+    # A tied table stayed one parameter through sharding and training; an untied one did not.
+    tied_after_training = torch.equal(saved["output.weight"], saved["tok_embeddings.weight"])
+    assert tied_after_training == config["tie_word_embeddings"]
     hf = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     original = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokens = torch.randint(0, config["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0))
