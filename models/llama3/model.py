@@ -211,6 +211,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def check_args(args: TransformerModelArgs) -> None:
+    """ValueError unless the heads divide the width evenly into heads of even width."""
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
+        raise ValueError(
+            f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
+            f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
+        )
+
+
 class Transformer(nn.Module):
     """Llama 3 decoder: embeddings, ``n_layers`` blocks, final RMSNorm and output head (the
     embedding table itself with ``tie_word_embeddings``).
@@ -222,12 +232,7 @@ class Transformer(nn.Module):
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
-        n_kv_heads = args.n_kv_heads or args.n_heads
-        if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
-            raise ValueError(
-                f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
-                f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
-            )
+        check_args(args)
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # Non-persistent: derived from args, so it stays out of checkpoints.
@@ -269,8 +274,12 @@ class Transformer(nn.Module):
         weights do not depend on the parallel layout, the pipeline split or the init order.
         """
         self.rope_cache = precompute_rope_cache(self.args, buffer_device or self.rope_cache.device)
-        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight  # to_empty gave each module its own tensor
+        if self.args.tie_word_embeddings:
+            # to_empty gives each module a tensor of its own. The registered parameters, not the
+            # attributes: under SimpleFSDP those are the gathered weights.
+            table = self.tok_embeddings._parameters["weight"]
+            if self.output._parameters["weight"] is not table:
+                self.output.register_parameter("weight", table)
         for name, param in self.named_parameters():
             name = clean_name(name)  # the model's own name, whatever wrappers were applied
             _init_param_(param, _init_fn(name, self.args), seed=seed, name=name)

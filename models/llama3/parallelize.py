@@ -30,7 +30,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
-from .model import Transformer, TransformerModelArgs
+from .model import Transformer, TransformerModelArgs, check_args
 from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,8 @@ def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
 def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
     """Raises the one-line ConfigError that ``parallelize_llama`` or ``pipeline_llama`` would raise
     for this layout; builds the model on the meta device only."""
+    with user_input("model"):
+        check_args(model_args)
     _check_tied(model_args, parallel_dims)
     if parallel_dims.tp_enabled:
         with torch.device("meta"):

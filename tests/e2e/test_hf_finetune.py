@@ -1,5 +1,6 @@
 """The README's fine-tune recipe end to end: Llama 3.0-, 3.2- (tied) and custom-shaped folders made
-by transformers, fine-tuned 3 steps through ./run_train.sh on 2 CPU ranks and exported; transformers
+by transformers, fine-tuned 3 steps through ./run_train.sh on 2 CPU ranks (FSDP2, SimpleFSDP, DDP)
+and exported; transformers
 loads each export, and its logits equal those of the trained model read from the run's own DCP
 checkpoint by Tessera's model (float32, 1e-5)."""
 
@@ -45,6 +46,12 @@ SOURCES = {
     ),
 }
 SEQ_LEN = 64
+# Each folder under another data-parallel implementation: the tied table under SimpleFSDP too.
+LAYOUTS = {
+    "llama3.0": [],
+    "llama3.2": ["--parallelism.data_parallel_impl", "simple_fsdp"],
+    "custom": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+}
 
 
 def make_source(folder: str, config: dict) -> None:
@@ -91,7 +98,7 @@ def finetuned(tmp_path_factory) -> dict[str, tuple[str, str, list[str], float]]:
     for name, config in SOURCES.items():
         source, dump = str(root / name), str(root / f"{name}_run")
         make_source(source, config)
-        options = recipe(source, str(corpus))
+        options = recipe(source, str(corpus)) + LAYOUTS[name]
         start = time.monotonic()
         run_script(dump, *options, timeout=300)
         runs[name] = source, dump, options, time.monotonic() - start

@@ -257,3 +257,20 @@ def test_export_keeps_the_source_ids_and_generation_config(tmp_path, corpus):
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused():
     with pytest.raises(ConfigError, match="the tokenizer has 4000 tokens but model.vocab_size is 3000"):
         job_model_args(load_config(["--model.vocab_size", "3000"]), vocab_size=4000)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model.dim", "0"], "error: model.dim must be positive, got 0"),
+        (["--model.rope_theta", "-1"], "error: model.rope_theta must be positive, got -1.0"),
+        (["--model.n_heads", "5"], "error: model: need dim % n_heads == 0"),
+        (
+            ["--model.architecture", "/nonexistent"],
+            "error: model.architecture: HF checkpoint: /nonexistent does not exist",
+        ),
+    ],
+)
+def test_impossible_sizes_get_one_line(args, expected, capsys):
+    assert preflight.main(["--world-size", "2", *args]) == 2
+    assert capsys.readouterr().err.strip().startswith(expected)
