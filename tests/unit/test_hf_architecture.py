@@ -101,6 +101,9 @@ def test_model_fields_override_the_flavor_and_the_folder(tmp_path, corpus):
     folder = write_llama_folder(str(tmp_path / "f"), FOLDERS["llama3.2"])
     args = job_model_args(load_config(folder_args(folder, corpus, "--model.tie_word_embeddings", "false")), 300)
     assert not args.tie_word_embeddings and args.use_rope_scaling
+    # A folder's (or its config.json's) sizes without loading its weights.
+    args = job_model_args(load_config(["--model.architecture", os.path.join(folder, "config.json")]), 300)
+    assert (args.dim, args.n_layers, ffn_hidden_dim(args), args.tie_word_embeddings) == (64, 2, 192, True)
     # The flavor alone, when asked.
     args = job_model_args(load_config(folder_args(folder, corpus, "--model.architecture", "flavor")), 300)
     assert dataclasses.replace(args, vocab_size=2048, max_seq_len=2048) == llama3_flavors["debugmodel"]
