@@ -51,7 +51,50 @@ class Model:
     name: str = "llama3"
     """Model family from the registry."""
     flavor: str = "debugmodel"
-    """Size of the model within its family: debugmodel, debugmodel_wide, 8B, 70B, 405B."""
+    """Size of the model within its family: debugmodel, debugmodel_wide, 1B, 3B (Llama 3.2), 8B,
+    70B, 405B (Llama 3.1)."""
+    architecture: str = "auto"
+    """Where the model's sizes come from: 'flavor' (model.flavor alone), a Hugging Face folder (or
+    its config.json) whose sizes replace the flavor's, or 'auto' (checkpoint.initial_load_path when
+    it is a Hugging Face folder, else the flavor). The fields below override either."""
+    dim: int | None = None
+    """Width of the residual stream (HF hidden_size); unset = the architecture's."""
+    n_layers: int | None = None
+    """Transformer blocks (HF num_hidden_layers); unset = the architecture's."""
+    n_heads: int | None = None
+    """Query heads (HF num_attention_heads); unset = the architecture's."""
+    n_kv_heads: int | None = None
+    """Key/value heads of grouped-query attention (HF num_key_value_heads); unset = the architecture's."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden width (HF intermediate_size); unset = the architecture's, or derived from
+    ffn_dim_multiplier and multiple_of when either is set."""
+    ffn_dim_multiplier: float | None = None
+    """Factor on the default SwiGLU width int(8 * dim / 3); unset = the architecture's."""
+    multiple_of: int | None = None
+    """The derived SwiGLU width is rounded up to a multiple of this; unset = the architecture's."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (HF rms_norm_eps); unset = the architecture's."""
+    rope_theta: float | None = None
+    """RoPE base (HF rope_theta); unset = the architecture's."""
+    use_rope_scaling: bool | None = None
+    """Llama 3.1 RoPE frequency scaling (HF rope_type llama3); unset = the architecture's."""
+    rope_scaling_factor: float | None = None
+    """RoPE scaling: divisor of the low-frequency bands (HF factor); unset = the architecture's."""
+    rope_low_freq_factor: float | None = None
+    """RoPE scaling: HF low_freq_factor; unset = the architecture's."""
+    rope_high_freq_factor: float | None = None
+    """RoPE scaling: HF high_freq_factor; unset = the architecture's."""
+    rope_original_max_position_embeddings: int | None = None
+    """RoPE scaling: the original context length (HF original_max_position_embeddings); unset = the
+    architecture's."""
+    max_position_embeddings: int | None = None
+    """Context length written to a Hugging Face export's config.json; unset = the architecture's
+    (the source folder's, a published flavor's), else training.seq_len."""
+    tie_word_embeddings: bool | None = None
+    """The output head reuses the token embedding table; unset = the architecture's."""
+    vocab_size: int | None = None
+    """Vocabulary of the embedding and output head; unset = the Hugging Face folder's when the
+    architecture comes from one, else the tokenizer's. Must hold every id of the tokenizer."""
     tokenizer_path: str = ""
     """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json; torchtitan's
     model.hf_assets_path) or tokenizer.json, a sentencepiece .model or a tiktoken BPE file; empty =

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from config.job_config import DTYPES, JobConfig
+from config.job_config import DTYPES, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
 from parallelisms.parallel_dims import ParallelDims
@@ -53,17 +53,64 @@ class BuiltModel:
         return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()
 
 
-def model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
-    """The configured flavor's hyper-parameters for ``training.seq_len``, with the tokenizer's
-    ``vocab_size`` when given."""
-    args = get_flavor(get_model_spec(config.model.name), config.model.flavor)
-    args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
+# [model] fields that override the architecture's value of the model args field of the same name.
+SIZE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "ffn_dim_multiplier",
+    "multiple_of",
+    "norm_eps",
+    "rope_theta",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "vocab_size",
+)
+
+
+def model_args(
+    config: JobConfig, vocab_size: int | None = None, hf_config: dict | None = None, source: str = ""
+) -> Any:
+    """The model's hyper-parameters for ``training.seq_len``: the flavor's, replaced by those of
+    ``hf_config`` (a Hugging Face ``config.json`` read from ``source``) when given, then by the
+    [model] fields that are set. The vocabulary is the tokenizer's (``vocab_size``) unless a
+    [model] field or the file gives one, which must then hold every token id. ValueError naming
+    ``source`` when the file describes a model the family cannot build."""
+    spec = get_model_spec(config.model.name)
+    args = get_flavor(spec, config.model.flavor)
+    if hf_config is not None:
+        args = spec.args_from_hf_fn(hf_config, args, source)
+    overrides = {name: value for name in SIZE_FIELDS if (value := getattr(config.model, name)) is not None}
+    if overrides.keys() & {"ffn_dim_multiplier", "multiple_of"} and "ffn_dim" not in overrides:
+        overrides["ffn_dim"] = None  # derive the width from what was asked
+    args = dataclasses.replace(args, max_seq_len=config.training.seq_len, **overrides)
     if vocab_size is None or vocab_size == args.vocab_size:
+        return args
+    if "vocab_size" in overrides or hf_config is not None:
+        if vocab_size > args.vocab_size:
+            given = "model.vocab_size" if "vocab_size" in overrides else f"vocab_size of {source}"
+            raise ConfigError(
+                f"model.tokenizer_path: the tokenizer has {vocab_size} tokens but {given} is {args.vocab_size}"
+            )
         return args
     # As in torchtitan, the embedding and output follow the tokenizer, whatever the flavor says.
     flavor = f"{config.model.name} {config.model.flavor}"
     logger.warning("model vocabulary: %d tokens from the tokenizer (%s has %d)", vocab_size, flavor, args.vocab_size)
     return dataclasses.replace(args, vocab_size=vocab_size)
+
+
+def _describe(config: JobConfig, args: Any) -> str:
+    """The flavor's name and the fields where ``args`` differ from it (a folder's or [model]'s sizes)."""
+    flavor = dataclasses.asdict(get_flavor(get_model_spec(config.model.name), config.model.flavor))
+    changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items() if v != flavor[k] and k != "max_seq_len"]
+    return config.model.flavor + (f" with {', '.join(changed)}" if changed else "")
 
 
 def compute_dtype(config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype:
@@ -105,7 +152,7 @@ def build_model(
     with torch.device("meta"):
         model = spec.model_cls(args)
     logger.info(
-        "%s %s: %.2fM parameters", spec.name, config.model.flavor, sum(p.numel() for p in model.parameters()) / 1e6
+        "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
     _log_precision(config, parallel_dims)

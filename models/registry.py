@@ -28,10 +28,14 @@ class ModelSpec:
     pipelining would raise, without building the model's weights."""
     flops_per_token_fn: Callable[[Any, nn.Module, int], float]
     """Training FLOPs per token of (model args, model, sequence length), for MFU."""
+    args_from_hf_fn: Callable[[dict, Any, str], Any]
+    """(Hugging Face config.json, model args giving what it lacks, its path) -> model args;
+    ValueError naming the path and every field the family cannot build."""
 
 
 def _llama3_spec() -> ModelSpec:
     from models.llama3 import Transformer, flops_per_token, llama3_flavors, num_params
+    from models.llama3.hf_adapter import args_from_hf_config
     from models.llama3.parallelize import check_llama_layout, parallelize_llama
     from models.llama3.pipeline import pipeline_llama
 
@@ -39,7 +43,14 @@ def _llama3_spec() -> ModelSpec:
         return flops_per_token(args, num_params(model, exclude_embedding=True), seq_len)
 
     return ModelSpec(
-        "llama3", Transformer, llama3_flavors, parallelize_llama, pipeline_llama, check_llama_layout, llama_flops
+        "llama3",
+        Transformer,
+        llama3_flavors,
+        parallelize_llama,
+        pipeline_llama,
+        check_llama_layout,
+        llama_flops,
+        args_from_hf_config,
     )
 
 

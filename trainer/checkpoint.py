@@ -63,7 +63,7 @@ from torch.futures import Future
 
 from config.job_config import CHECKPOINT_PARTS, DTYPES, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
-from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
+from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -566,11 +566,11 @@ class CheckpointManager:
         self.write(0, parts=["model"])
         logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
 
-    def export_hf(self, model_args: Any) -> str:
-        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``);
-        returns that folder."""
+    def export_hf(self, model_args: Any, assets: ExportAssets) -> str:
+        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)
+        with ``assets``; returns that folder."""
         folder = os.path.join(self.folder, "hf")
-        export_hf(self.model_parts, model_args, folder, DTYPES[self.config.export_dtype])
+        export_hf(self.model_parts, model_args, folder, DTYPES[self.config.export_dtype], assets=assets)
         logger.info("Hugging Face export (%s) written to %s", self.config.export_dtype, folder)
         return folder
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from config.job_config import JobConfig, user_input
+from models.builder import model_args
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     config_mismatches,
@@ -31,6 +34,7 @@ from models.llama3.hf_adapter import (
 )
 from models.llama3.model import TransformerModelArgs
 from parallelisms.names import clean_name
+from trainer.tokenizer import default_tokenizer_path
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -101,32 +105,100 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
     return shards
 
 
-def _write_folder(folder: str, tensors: dict[str, torch.Tensor], config: dict, max_shard_bytes: int) -> None:
+@dataclass
+class ExportAssets:
+    """What an export holds besides the weights, so that it loads like an official folder."""
+
+    config: dict = field(default_factory=dict)
+    """Fields added to config.json (bos/eos ids)."""
+    generation_config: dict | None = None
+    """generation_config.json's content; None: no such file."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Name in the export -> path of a file copied there (the tokenizer's)."""
+
+
+# The files of a Hugging Face tokenizer folder that an export copies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) -> ExportAssets:
+    """The assets of an export of a model fine-tuned from the HF folder ``source`` (empty: none)
+    with the tokenizer at ``tokenizer_path`` (a folder or one file). The source's bos/eos ids and
+    generation config are kept (official folders list several eos ids); else the tokenizer's."""
+    source_config = read_hf_config(source) if source else {}
+    ids = {
+        "bos_token_id": source_config.get("bos_token_id", bos_id),
+        "eos_token_id": source_config.get("eos_token_id", eos_id),
+    }
+    generation_path = os.path.join(source, GENERATION_CONFIG)
+    generation = _read_json(generation_path) if source and os.path.isfile(generation_path) else dict(ids)
+    if os.path.isdir(tokenizer_path):
+        candidates = {name: os.path.join(tokenizer_path, name) for name in TOKENIZER_FILES}
+        files = {name: path for name, path in candidates.items() if os.path.isfile(path)}
+    else:  # a tokenizer.json, or a sentencepiece / tiktoken file: HF names the latter tokenizer.model
+        files = {"tokenizer.json" if tokenizer_path.endswith(".json") else "tokenizer.model": tokenizer_path}
+    return ExportAssets(config=ids, generation_config=generation, files=files)
+
+
+def job_export_assets(config: JobConfig, bos_id: int, eos_id: int) -> ExportAssets:
+    """The export assets of the job: from the HF folder it started from (its weights, else its
+    architecture) and its tokenizer (the default one's file when model.tokenizer_path is empty)."""
+    model = config.model
+    source = config.checkpoint.initial_load_path
+    if not (source and is_hf_folder(source)):
+        source = found[1] if (found := architecture_folder(config)) else ""
+    tokenizer_path = model.tokenizer_path or default_tokenizer_path(
+        config.job.cache_dir, model.default_tokenizer_vocab_size
+    )
+    return export_assets(source, tokenizer_path, bos_id, eos_id)
+
+
+def _make_folder_beside(folder: str, kind: str) -> str:
+    """A new empty folder next to ``folder``, created with the umask's mode (not mkdtemp's 0700)."""
+    path = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.{kind}-{uuid.uuid4().hex[:12]}")
+    os.mkdir(path)
+    return path
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _write_folder(
+    folder: str, tensors: dict[str, torch.Tensor], config: dict, max_shard_bytes: int, assets: ExportAssets
+) -> None:
     """Writes the export into a temporary sibling folder and renames it to ``folder``, so a crash
     never leaves a half-written export under the final name."""
     folder = os.path.abspath(folder)
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=parent)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = _make_folder_beside(folder, "tmp")
     try:
+        _write_json(os.path.join(tmp, CONFIG_NAME), {**config, **assets.config})
+        # safetensors writes 0600 files; give the weights the mode open() gave config.json (umask).
+        mode = os.stat(os.path.join(tmp, CONFIG_NAME)).st_mode & 0o777
         shards = _plan_shards(tensors, max_shard_bytes)
         metadata = {"format": "pt"}  # transformers refuses safetensors files without it
-        if len(shards) == 1:
-            save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata=metadata)
-        else:
-            weight_map = {}
-            for i, keys in enumerate(shards):
-                filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file({k: tensors[k] for k in keys}, os.path.join(tmp, filename), metadata=metadata)
-                weight_map.update(dict.fromkeys(keys, filename))
+        names = (
+            [SINGLE_FILE]
+            if len(shards) == 1
+            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        )
+        for filename, keys in zip(names, shards):
+            save_file({k: tensors[k] for k in keys}, os.path.join(tmp, filename), metadata=metadata)
+            os.chmod(os.path.join(tmp, filename), mode)
+        if len(shards) > 1:
+            weight_map = {key: filename for filename, keys in zip(names, shards) for key in keys}
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2)
+            _write_json(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if assets.generation_config is not None:
+            _write_json(os.path.join(tmp, GENERATION_CONFIG), assets.generation_config)
+        for name, path in assets.files.items():
+            shutil.copyfile(path, os.path.join(tmp, name))
         if os.path.exists(folder):
             # Move the old export aside first: the final name always holds a complete folder.
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.old-", dir=parent)
+            old = _make_folder_beside(folder, "old")
             os.rename(folder, os.path.join(old, "export"))
             os.rename(tmp, folder)
             shutil.rmtree(old, ignore_errors=True)
@@ -143,24 +215,26 @@ def export_hf(
     folder: str,
     dtype: torch.dtype,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    assets: ExportAssets | None = None,
 ) -> None:
     """Writes the model as an HF ``LlamaForCausalLM`` folder (``config.json`` + safetensors in
-    ``dtype``). Collective under ``torch.distributed``: every rank calls it with its own parts;
-    rank 0 writes, and every rank returns once the folder is complete (or raises if it failed)."""
+    ``dtype``, a tied table once, plus ``assets``). Collective under ``torch.distributed``: every
+    rank calls it with its own parts; rank 0 writes, and every rank returns once the folder is
+    complete (or raises if it failed)."""
     local = _full_cpu_state_dict(model_parts)
     merged = _gather_to_rank0(local)
     del local
     failure: Exception | None = None
     if _rank() == 0:
         try:
-            expected = hf_param_shapes(model_args)
+            expected = hf_param_shapes(model_args, tied=model_args.tie_word_embeddings)
             hf = to_hf_state_dict(merged, model_args)
             missing = [k for k in expected if k not in hf]
             if missing:
                 raise ValueError(f"HF export to {folder}: the model parts do not hold '{missing[0]}'")
             # Order as HF does (by layer); contiguous, since save_file needs it.
             tensors = {k: hf[k].to(dtype).contiguous() for k in expected}
-            _write_folder(folder, tensors, hf_config(model_args, dtype), max_shard_bytes)
+            _write_folder(folder, tensors, hf_config(model_args, dtype), max_shard_bytes, assets or ExportAssets())
         except Exception as exc:
             if not _distributed():
                 raise
@@ -249,16 +323,68 @@ def _model_args(model_parts: list[nn.Module]) -> TransformerModelArgs:
     return args
 
 
-def check_hf_config(folder: str, args: TransformerModelArgs) -> dict:
-    """The folder's ``config.json``; ValueError naming every way it differs from ``args``."""
+def read_hf_config(folder: str) -> dict:
+    """The ``config.json`` of the HF folder ``folder``; ValueError naming what is missing."""
     if not os.path.isdir(folder):
         raise ValueError(f"HF checkpoint: {folder} does not exist or is not a folder")
+    return _read_json(os.path.join(folder, CONFIG_NAME))
+
+
+def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
+    """(option, folder) of the HF folder whose config.json gives the model's sizes
+    (``model.architecture``), or None when they are the flavor's."""
+    architecture = config.model.architecture
+    if architecture == "flavor":
+        return None
+    if architecture == "auto":
+        path = config.checkpoint.initial_load_path
+        return ("checkpoint.initial_load_path", path) if path and is_hf_folder(path) else None
+    folder = os.path.dirname(architecture) if os.path.basename(architecture) == CONFIG_NAME else architecture
+    return "model.architecture", folder
+
+
+def job_model_args(config: JobConfig, vocab_size: int | None = None) -> TransformerModelArgs:
+    """The model args of the job: the flavor's, an HF folder's (``model.architecture``), the [model]
+    fields (``models.builder.model_args``); ConfigError naming the option when the folder cannot
+    give them."""
+    found = architecture_folder(config)
+    if found is None:
+        return model_args(config, vocab_size)
+    option, folder = found
+    with user_input(option):
+        return model_args(config, vocab_size, read_hf_config(folder), os.path.join(folder, CONFIG_NAME))
+
+
+def _listed(keys: list[str], limit: int = 4) -> str:
+    shown = ", ".join(f"'{key}'" for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, tuple[str, tuple[int, ...]]], bool]:
+    """(HF key -> (file, shape) of every weight, whether the folder's table is tied) of the folder
+    the model of ``args`` will load. ValueError naming the folder and every way its config.json
+    differs from ``args`` (or, when it matches, every missing, unexpected or misshapen tensor)."""
     config_path = os.path.join(folder, CONFIG_NAME)
-    config = _read_json(config_path)
+    config = read_hf_config(folder)
     mismatches = config_mismatches(args_from_hf_config(config, base=args, source=config_path), args)
     if mismatches:
         raise ValueError(f"HF checkpoint: {config_path} does not match the model: {'; '.join(mismatches)}")
-    return config
+    # Old HF exports also saved the (recomputable) rotary table; it is not a weight.
+    files = {k: v for k, v in _weight_files(folder).items() if not k.endswith("rotary_emb.inv_freq")}
+    # Tied checkpoints (e.g. Llama 3.2 1B) have no lm_head: an untied output starts as a copy.
+    tied = bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
+    expected = hf_param_shapes(args, tied=tied or args.tie_word_embeddings)
+    problems = []
+    if missing := [k for k in expected if k not in files]:
+        problems.append(f"is missing {_listed(missing)}")
+    if unexpected := [k for k in files if k not in expected]:
+        problems.append(f"has unexpected {_listed(unexpected)}")
+    for key, (_, shape) in files.items():
+        if key in expected and shape != expected[key]:
+            problems.append(f"'{key}' has shape {list(shape)}, expected {list(expected[key])}")
+    if problems:
+        raise ValueError(f"HF checkpoint: {folder} {'; '.join(problems)}")
+    return files, tied
 
 
 def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
@@ -269,33 +395,16 @@ def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
     match the parts' args; otherwise ValueError naming the folder and what differs.
     """
     args = _model_args(model_parts)
-    config = check_hf_config(folder, args)
-
-    # Old HF exports also saved the (recomputable) rotary table; it is not a weight.
-    files = {k: v for k, v in _weight_files(folder).items() if not k.endswith("rotary_emb.inv_freq")}
-    # Tied checkpoints (e.g. Llama 3.2 1B) have no lm_head: our untied output starts as a copy.
-    tied = bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
-    expected = hf_param_shapes(args, tied=tied)
-    missing = [k for k in expected if k not in files]
-    if missing:
-        raise ValueError(f"HF checkpoint: {folder} is missing '{missing[0]}'")
-    unexpected = [k for k in files if k not in expected]
-    if unexpected:
-        raise ValueError(f"HF checkpoint: {folder} has unexpected key '{unexpected[0]}'")
-    for key, (_, shape) in files.items():
-        if shape != expected[key]:
-            raise ValueError(
-                f"HF checkpoint: {folder}: '{key}' has shape {list(shape)}, expected {list(expected[key])}"
-            )
-
+    files, tied = check_hf_folder(folder, args)
+    expected = hf_param_shapes(args, tied=tied or args.tie_word_embeddings)
     for part in model_parts:
         targets = part.state_dict()
         wanted = {clean_name(name) for name in targets}
         hf_keys = [k for k in expected if from_hf_key(k) in wanted]
-        if tied and "output.weight" in wanted:
+        if "lm_head.weight" not in expected and "output.weight" in wanted:
             hf_keys.append("model.embed_tokens.weight")
         hf_tensors = _read_tensors(files, set(hf_keys))
-        if tied and "output.weight" in wanted:
+        if "lm_head.weight" not in expected and "output.weight" in wanted:
             hf_tensors["lm_head.weight"] = hf_tensors["model.embed_tokens.weight"]
         ours = from_hf_state_dict(hf_tensors, args)
         new_state = {name: _like(ours[clean_name(name)], target) for name, target in targets.items()}

@@ -14,12 +14,11 @@ import torch
 
 from config.job_config import ConfigError, JobConfig
 from config.manager import batch_layout, load_config
-from models.builder import model_args
 from models.registry import get_model_spec
 from parallelisms.device import accelerator_count
 from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
 from trainer.distributed import parallel_dims_from_config
-from trainer.hf_checkpoint import check_hf_config, is_hf_folder
+from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
 from trainer.optim import build_optimizer_and_schedule
 from trainer.tokenizer import build_tokenizer
 
@@ -33,30 +32,36 @@ def check(argv: list[str], world_size: int) -> None:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
     if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
-    get_model_spec(config.model.name).check_layout_fn(model_args(config), dims, config)
+    get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_files(config)
 
 
 def check_files(config: JobConfig) -> None:
     """Reads the start of every corpus, the tokenizer and the Hugging Face folder the run will
-    use; one line names every one that is missing or broken."""
+    use; one line names every one that is missing or broken, and every way the folder differs
+    from the model."""
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems = [problem for option in options if (problem := _dataset_problem(config, option))]
-    vocab_size = None
-    if config.model.tokenizer_path:  # the default one is trained on first use: nothing to read yet
+    # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
+    vocab_size = config.model.default_tokenizer_vocab_size
+    if config.model.tokenizer_path:
         try:
             vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
         except (ValueError, OSError) as e:
             problems.append(f"model.tokenizer_path: {e}")
-    if vocab_size is not None:
-        model_args(config, vocab_size)  # says when the tokenizer's vocabulary replaces the flavor's
+            vocab_size = None
+    args = None
+    try:
+        args = job_model_args(config, vocab_size)  # says when the tokenizer's vocabulary replaces the flavor's
+    except ConfigError as e:
+        problems.append(str(e))
     path = config.checkpoint.initial_load_path
     if path and os.path.isdir(path) and not (is_hf_folder(path) or os.path.isfile(os.path.join(path, ".metadata"))):
         problems.append(f"checkpoint.initial_load_path: {path} is neither a DCP checkpoint nor a Hugging Face folder")
-    if path and is_hf_folder(path) and vocab_size is not None:
+    if path and is_hf_folder(path) and args is not None:
         try:
-            check_hf_config(path, model_args(config, vocab_size))
+            check_hf_folder(path, args)
         except ValueError as e:
             problems.append(f"checkpoint.initial_load_path: {e}")
     if problems:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from config.job_config import JobConfig, user_input
 from config.manager import batch_layout, to_toml
-from models.builder import build_model, compute_dtype, model_args
+from models.builder import build_model, compute_dtype
 from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.tensor_parallel import local_loss
@@ -21,6 +21,7 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
 from trainer.distributed import init_distributed, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
+from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
@@ -56,7 +57,7 @@ class Trainer:
         self.dataloader = config_dataloader(
             config, "training.dataset", self.tokenizer, self.parallel_dims, config.debug.seed
         )
-        args = model_args(config, self.tokenizer.vocab_size)
+        args = job_model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
 
@@ -189,7 +190,10 @@ class Trainer:
                 self._after_step(step_metrics, microbatches, log=step == first_step)
                 if profiler is not None:
                     profiler.step()
-        hf_folder = self.checkpointer.export_hf(self.model.args) if config.checkpoint.export_hf else None
+        hf_folder = None
+        if config.checkpoint.export_hf:
+            assets = job_export_assets(config, self.tokenizer.bos_id, self.tokenizer.eos_id)
+            hf_folder = self.checkpointer.export_hf(self.model.args, assets)
         checkpoints = self.checkpointer.folder if config.checkpoint.enable else None
         self.metrics.summary(checkpoint_folder=checkpoints, hf_folder=hf_folder)
         self.metrics.close()

@@ -25,8 +25,17 @@ __all__ = [
     "rope_inv_freq",
 ]
 
-# What every published Llama 3.1 size shares.
-_LLAMA31 = dict(n_kv_heads=8, vocab_size=128256, norm_eps=1e-5, rope_theta=500000, use_rope_scaling=True)
+# What every published Llama 3.1 and 3.2 size shares.
+_LLAMA31 = dict(
+    n_kv_heads=8,
+    vocab_size=128256,
+    norm_eps=1e-5,
+    rope_theta=500000,
+    use_rope_scaling=True,
+    max_position_embeddings=131072,
+)
+# Llama 3.2 1B and 3B: tied embeddings, a 8192-wide FFN and RoPE scaling by 32.
+_LLAMA32 = dict(_LLAMA31, ffn_dim=8192, rope_scaling_factor=32.0, tie_word_embeddings=True)
 
 llama3_flavors: dict[str, TransformerModelArgs] = {
     # Small models for tests and smoke runs; vocab_size is replaced by the tokenizer's.
@@ -36,7 +45,9 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel_wide": TransformerModelArgs(
         dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
-    # Published Llama 3.1 hyper-parameters.
+    # Published Llama 3.2 and 3.1 hyper-parameters.
+    "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, **_LLAMA32),
+    "3B": TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, **_LLAMA32),
     "8B": TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31),
     "70B": TransformerModelArgs(
         dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31

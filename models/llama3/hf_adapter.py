@@ -143,36 +143,44 @@ def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": args.max_position_embeddings or args.max_seq_len,
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
 
 
-def _rope_args(config: dict[str, Any], source: str) -> dict[str, Any]:
+def _rope_args(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     """Our RoPE fields from an HF config; transformers >= 5 nests theta and scaling in
     ``rope_parameters``, older files keep them at the top level."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default or llama3)")
+        problems.append(f"rope_type {rope_type!r} is not supported (default or llama3)")
     rope_theta = rope.get("rope_theta", config.get("rope_theta"))
     if rope_theta is None:
-        raise ValueError(f"{source}: missing field 'rope_theta'")
-    fields = {"rope_theta": float(rope_theta), "use_rope_scaling": rope_type == "llama3"}
+        problems.append("missing field 'rope_theta'")
+    fields = {"rope_theta": float(rope_theta or 0), "use_rope_scaling": rope_type == "llama3"}
     if rope_type == "llama3":
         names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        absent = [name for name in names if name not in rope]
-        if absent:
-            raise ValueError(f"{source}: llama3 rope scaling without '{absent[0]}'")
-        fields["rope_scaling_factor"] = float(rope["factor"])
-        fields["rope_low_freq_factor"] = float(rope["low_freq_factor"])
-        fields["rope_high_freq_factor"] = float(rope["high_freq_factor"])
-        fields["rope_original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+        problems.extend(f"llama3 rope scaling without '{name}'" for name in names if name not in rope)
+        fields["rope_scaling_factor"] = float(rope.get("factor", 0))
+        fields["rope_low_freq_factor"] = float(rope.get("low_freq_factor", 0))
+        fields["rope_high_freq_factor"] = float(rope.get("high_freq_factor", 0))
+        fields["rope_original_max_position_embeddings"] = int(rope.get("original_max_position_embeddings", 0))
     return fields
+
+
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "rms_norm_eps",
+    "intermediate_size",
+)
 
 
 def args_from_hf_config(
@@ -181,39 +189,38 @@ def args_from_hf_config(
     """``TransformerModelArgs`` of an HF Llama ``config``.
 
     Fields HF does not store (``multiple_of``, ``ffn_dim_multiplier``, ``max_seq_len``,
-    ``depth_init``) come from ``base`` (default args if None). The FFN width is derived from
-    them, so it must equal the file's ``intermediate_size``: ValueError naming ``source`` if not.
+    ``depth_init``) come from ``base`` (default args if None); ``ffn_dim`` is set only when they do
+    not give the file's ``intermediate_size``. ValueError naming ``source`` and every feature of
+    the file a Llama 3 of ours does not have (biases, another activation or RoPE, ...).
     """
     base = base or TransformerModelArgs()
-
-    def field(name: str) -> Any:
-        if name not in config:
-            raise ValueError(f"{source}: missing field '{name}'")
-        return config[name]
-
+    problems = [f"missing field '{name}'" for name in _REQUIRED if name not in config]
     for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(name, expected) != expected:
-            raise ValueError(f"{source}: {name}={config[name]!r} is not supported (need {expected!r})")
-    n_heads = field("num_attention_heads")
+            problems.append(f"{name}={config[name]!r} is not supported (need {expected!r})")
+    rope = _rope_args(config, problems)
+    if problems:
+        raise ValueError(f"{source}: {'; '.join(problems)}")
+    n_heads = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads") or n_heads
     args = dataclasses.replace(
         base,
-        dim=field("hidden_size"),
-        n_layers=field("num_hidden_layers"),
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,  # our flavors' spelling of MHA
-        vocab_size=field("vocab_size"),
-        norm_eps=field("rms_norm_eps"),
-        **_rope_args(config, source),
+        vocab_size=config["vocab_size"],
+        norm_eps=config["rms_norm_eps"],
+        ffn_dim=None,
+        max_position_embeddings=config.get("max_position_embeddings", base.max_position_embeddings),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **rope,
     )
+    if ffn_hidden_dim(args) != config["intermediate_size"]:
+        args = dataclasses.replace(args, ffn_dim=config["intermediate_size"])
     if config.get("head_dim", args.head_dim) != args.head_dim:
         raise ValueError(
             f"{source}: head_dim={config['head_dim']} but hidden_size / num_attention_heads = {args.head_dim}"
-        )
-    if ffn_hidden_dim(args) != field("intermediate_size"):
-        raise ValueError(
-            f"{source}: intermediate_size={config['intermediate_size']} but multiple_of={args.multiple_of}, "
-            f"ffn_dim_multiplier={args.ffn_dim_multiplier} give {ffn_hidden_dim(args)}"
         )
     return args
 
@@ -224,6 +231,7 @@ ARG_TO_HF_FIELD = {
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
     "vocab_size": "vocab_size",
     "norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
@@ -232,18 +240,29 @@ ARG_TO_HF_FIELD = {
     "rope_low_freq_factor": "rope_scaling.low_freq_factor",
     "rope_high_freq_factor": "rope_scaling.high_freq_factor",
     "rope_original_max_position_embeddings": "rope_scaling.original_max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
 }
 
 
+def _compared(args: TransformerModelArgs, name: str) -> Any:
+    """The value of ``args``' field ``name`` as the file would spell it."""
+    if name == "n_kv_heads":
+        return args.n_kv_heads or args.n_heads
+    if name == "ffn_dim":
+        return ffn_hidden_dim(args)
+    return getattr(args, name)
+
+
 def config_mismatches(file_args: TransformerModelArgs, model_args: TransformerModelArgs) -> list[str]:
-    """Human-readable differences between the args read from a config and the model's args."""
+    """Human-readable differences between the args read from a config and the model's args. An
+    untied model may start from a tied file (its output head starts as a copy of the table)."""
     out = []
     for name, hf_name in ARG_TO_HF_FIELD.items():
         if name.startswith("rope_") and name != "rope_theta" and not model_args.use_rope_scaling:
             continue  # scaling parameters are unused without scaling
-        ours, theirs = getattr(model_args, name), getattr(file_args, name)
-        if name == "n_kv_heads":
-            ours, theirs = ours or model_args.n_heads, theirs or file_args.n_heads
+        if name == "tie_word_embeddings" and not model_args.tie_word_embeddings:
+            continue
+        ours, theirs = _compared(model_args, name), _compared(file_args, name)
         if ours != theirs:
             out.append(f"{hf_name}={theirs} but the model has {name}={ours}")
     return out

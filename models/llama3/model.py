@@ -46,6 +46,9 @@ class TransformerModelArgs:
     """The SwiGLU hidden width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     """Optional factor applied to the default SwiGLU hidden width ``int(8 * dim / 3)``."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden width (Hugging Face's ``intermediate_size``); ``None``: derived from ``dim``,
+    ``ffn_dim_multiplier`` and ``multiple_of``."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     rope_theta: float = 500000.0
@@ -62,6 +65,10 @@ class TransformerModelArgs:
     """Llama 3.1 scaling: context length the model was originally trained with."""
     max_seq_len: int = 2048
     """Longest sequence the rotary table covers; the trainer sets it to the training length."""
+    max_position_embeddings: int | None = None
+    """Context length of the published model, written to an export's config; ``None``: max_seq_len."""
+    tie_word_embeddings: bool = False
+    """The output head reuses the token embedding table (Llama 3.2 1B and 3B)."""
     depth_init: bool = True
     """Scale the init std of wo/w2 by each layer's depth instead of by the total layer count."""
 
@@ -163,7 +170,10 @@ class Attention(nn.Module):
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """SwiGLU hidden width: 2/3 of 4 * dim (same FLOPs as a 4x GELU MLP), scaled, rounded up."""
+    """SwiGLU hidden width: ``ffn_dim`` if set, else 2/3 of 4 * dim (same FLOPs as a 4x GELU MLP),
+    scaled, rounded up."""
+    if args.ffn_dim is not None:
+        return args.ffn_dim
     hidden = int(2 * 4 * args.dim / 3)
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
@@ -201,8 +211,19 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def check_args(args: TransformerModelArgs) -> None:
+    """ValueError unless the heads divide the width evenly into heads of even width."""
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
+        raise ValueError(
+            f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
+            f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
+        )
+
+
 class Transformer(nn.Module):
-    """Llama 3 decoder: embeddings, ``n_layers`` blocks, final RMSNorm and untied output head.
+    """Llama 3 decoder: embeddings, ``n_layers`` blocks, final RMSNorm and output head (the
+    embedding table itself with ``tie_word_embeddings``).
 
     ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of
     ``layers`` deleted (pipeline stages); ``forward`` then passes its input straight
@@ -211,12 +232,7 @@ class Transformer(nn.Module):
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
-        n_kv_heads = args.n_kv_heads or args.n_heads
-        if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
-            raise ValueError(
-                f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
-                f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
-            )
+        check_args(args)
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # Non-persistent: derived from args, so it stays out of checkpoints.
@@ -224,6 +240,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            # One parameter under two names: state dicts list both, named_parameters() one.
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map token ids [batch, seqlen] (or hidden states [batch, seqlen, dim] on a
@@ -248,12 +267,19 @@ class Transformer(nn.Module):
         - wo/w2: same with std ``0.02 / sqrt(2 * (layer_id + 1))`` (depth_init) or
           ``0.02 / sqrt(2 * n_layers)``: they write into the residual stream, and shrinking
           them with depth keeps its variance from growing with the number of layers;
-        - tok_embeddings: normal, std 1; output: truncated normal, std dim**-0.5, cut at 3 std.
+        - tok_embeddings: normal, std 1; output: truncated normal, std dim**-0.5, cut at 3 std
+          (a tied table is initialized as the output, whose scale the logits need).
 
         Each parameter draws from its own generator seeded by ``seed`` and its name, so the
         weights do not depend on the parallel layout, the pipeline split or the init order.
         """
         self.rope_cache = precompute_rope_cache(self.args, buffer_device or self.rope_cache.device)
+        if self.args.tie_word_embeddings:
+            # to_empty gives each module a tensor of its own. The registered parameters, not the
+            # attributes: under SimpleFSDP those are the gathered weights.
+            table = self.tok_embeddings._parameters["weight"]
+            if self.output._parameters["weight"] is not table:
+                self.output.register_parameter("weight", table)
         for name, param in self.named_parameters():
             name = clean_name(name)  # the model's own name, whatever wrappers were applied
             _init_param_(param, _init_fn(name, self.args), seed=seed, name=name)
@@ -265,9 +291,9 @@ def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, t
     def trunc_normal(std: float, cutoff_stds: float):
         return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -cutoff_stds * std, cutoff_stds * std, generator=g)
 
-    if name == "tok_embeddings.weight":
+    if name == "tok_embeddings.weight" and not args.tie_word_embeddings:
         return lambda t, g: nn.init.normal_(t, 0.0, 1.0, generator=g)
-    if name == "output.weight":
+    if name in ("output.weight", "tok_embeddings.weight"):
         return trunc_normal(args.dim**-0.5, 3.0)
     if name.endswith("norm.weight"):
         return lambda t, g: nn.init.ones_(t)
@@ -305,13 +331,15 @@ def _init_param_(
 
 
 def num_params(model: nn.Module, exclude_embedding: bool) -> int:
-    """Number of (global, if sharded) parameters of ``model``.
+    """Number of (global, if sharded) parameters of ``model`` (a tied table counts once).
 
-    ``exclude_embedding`` drops the token embedding table, whose lookup costs no FLOPs.
+    ``exclude_embedding`` drops the token embedding table, whose lookup costs no FLOPs (unless it
+    is tied: then it is also the output head's matmul).
     """
     total = sum(p.numel() for p in model.parameters())
     embeddings = getattr(model, "tok_embeddings", None)
-    if exclude_embedding and embeddings is not None:
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    if exclude_embedding and embeddings is not None and not tied:
         total -= embeddings.weight.numel()
     return total
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from config.job_config import DTYPES, JobConfig, user_input
+from config.job_config import DTYPES, ConfigError, JobConfig, user_input
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
     BucketPlan,
@@ -30,7 +30,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
-from .model import Transformer, TransformerModelArgs
+from .model import Transformer, TransformerModelArgs, check_args
 from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     """Applies the configured parallelisms to ``model`` (built on the meta device) in place, on
     ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
     reports tell what each compiled graph holds), else None."""
+    _check_tied(model.args, parallel_dims)
     if parallel_dims.tp_enabled:
         with user_input():
             apply_tp(
@@ -186,6 +187,9 @@ def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
 def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
     """Raises the one-line ConfigError that ``parallelize_llama`` or ``pipeline_llama`` would raise
     for this layout; builds the model on the meta device only."""
+    with user_input("model"):
+        check_args(model_args)
+    _check_tied(model_args, parallel_dims)
     if parallel_dims.tp_enabled:
         with torch.device("meta"):
             model = Transformer(model_args)
@@ -194,3 +198,14 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)
+
+
+def _check_tied(model_args: TransformerModelArgs, parallel_dims: ParallelDims) -> None:
+    """A tied table is one parameter used by the first and the last layer: it cannot be split by
+    tensor parallelism (vocabulary-sharded twice) nor live on two pipeline stages."""
+    if model_args.tie_word_embeddings and (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+        raise ConfigError(
+            f"model.tie_word_embeddings: a tied embedding table does not work with tensor parallelism "
+            f"(degree {parallel_dims.tp}) or pipeline parallelism (degree {parallel_dims.pp}); "
+            "--model.tie_word_embeddings false trains an untied copy"
+        )
