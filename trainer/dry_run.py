@@ -19,6 +19,7 @@ split backward runs as one full backward at the input-gradient action.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -89,21 +90,24 @@ class DryRunReport:
     seconds: float
 
     def summary(self) -> str:
-        gib = 2**30
         mesh = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
         lines = [
             f"dry run: rank 0 of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages, "
             f"{STEPS} steps in {self.seconds:.0f}s",
-            f"  peak memory per rank {self.peak_bytes / gib:.2f} GiB in step {STEPS} (live tensors as MemTracker "
+            f"  peak memory per rank {_size(self.peak_bytes)} in step {STEPS} (live tensors as MemTracker "
             "counts them; per-tensor optimizer step)",
         ]
         for name in CATEGORIES:
             lines.append(
-                f"    {name.lower():<11} {self.peak.get(name, 0) / gib:9.2f} GiB at the peak, "
-                f"{self.after_forward.get(name, 0) / gib:9.2f} GiB at the end of forward"
+                f"    {name.lower():<11} {_size(self.peak.get(name, 0)):>11} at the peak, "
+                f"{_size(self.after_forward.get(name, 0)):>11} at the end of forward"
             )
-        lines.append(f"  checkpoint state dict {self.state_dict_bytes / gib:.2f} GiB on this rank")
+        lines.append(f"  checkpoint state dict {_size(self.state_dict_bytes)} on this rank")
         return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _fake_batch(config: JobConfig, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,10 +194,6 @@ def measure_steps(
     """Runs ``STEPS`` training steps of ``accumulation`` microbatches from ``make_batch()``; returns
     the last step's peak and its end of forward, bytes by MemTracker category (and "Total").
     Fake or real tensors alike: the dry run estimates with this, a real run measures with it."""
-    for group in optimizer.param_groups:
-        # MemTracker counts the in-place list operations of foreach (and fused) steps on fake
-        # tensors as new optimizer state (100 GiB for 8B on 8 ranks): estimate per tensor.
-        group.update(foreach=False, fused=False)
     device = next(built.parts[0].parameters()).device
     after_forward: dict[str, int] = {}
     tracker = _PeakTracker()
@@ -207,6 +207,10 @@ def measure_steps(
             # Warm-up: the optimizer state and the wrappers' lazily built buffers come to be.
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, lambda: None)
             continue
+        for group in optimizer.param_groups:
+            # MemTracker counts the in-place list operations of foreach (and fused) steps on fake
+            # tensors as new optimizer state (100 GiB for 8B on 8 ranks): measure per tensor.
+            group.update(foreach=False, fused=False)
         tracker.track_external(*built.parts, optimizer)
         with tracker:
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, mark)
@@ -229,6 +233,12 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
+    if config.compile.enable:
+        logger.warning(
+            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
+            "tensors' dispatch mode); the estimate is eager's"
+        )
+        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors

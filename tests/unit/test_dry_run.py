@@ -122,17 +122,20 @@ def _real_peak(rank: int, port: int, world: int, argv: list[str], out: str) -> N
     "world,argv",
     [
         (1, ["--training.mixed_precision_param", "bfloat16"]),
-        (2, []),
-        (2, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
         (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2"]),
+        (4, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
     ],
-    ids=["1rank_bf16", "fsdp2_fp32", "fsdp2_bf16_full_ac", "wide_fsdp2_fp32"],
+    ids=["1rank_bf16", "wide_fsdp2_2_fp32", "fsdp2_4_bf16_full_ac"],
 )
-def test_estimate_within_ten_percent_of_a_real_run(tmp_path, world, argv):
+def test_estimate_equals_a_real_runs_tracked_peak(tmp_path, world, argv):
     argv = ["--training.seq_len", "64", *argv]
     estimate = _dry_run(world, *argv)
     out = str(tmp_path / "real.json")
     assert spawn_ranks(_real_peak, world, world, argv, out, timeout_s=180) == [0] * world
     with open(out) as f:
         real = json.load(f)
-    assert abs(estimate["peak_bytes"] - real["Total"]) <= 0.10 * real["Total"], (estimate, real)
+    print(f"estimate {estimate['peak_bytes']} bytes, real {real['Total']} bytes")
+    # The fake tensors' storages are the real ones' sizes, so the estimate is exact (the issue asks
+    # for 10%), and so is every category of the breakdown.
+    assert estimate["peak_bytes"] == real["Total"]
+    assert estimate["peak"] == {k: v for k, v in real.items() if k != "Total"}
