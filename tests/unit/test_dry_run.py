@@ -139,3 +139,26 @@ def test_estimate_equals_a_real_runs_tracked_peak(tmp_path, world, argv):
     # for 10%), and so is every category of the breakdown.
     assert estimate["peak_bytes"] == real["Total"]
     assert estimate["peak"] == {k: v for k, v in real.items() if k != "Total"}
+
+
+@pytest.mark.slow
+def test_8b_on_8_ranks_at_real_size():
+    """Llama 3.1 8B (128,256 vocabulary, seq 8192, bf16, full checkpointing) as rank 0 of 8: the
+    optimizer state is the hand count (every dimension divides by 8: 2 fp32 moments of an eighth
+    of 8,030,261,248 parameters, plus a step count for each of the 291 tensors) and it fits 80 GiB."""
+    report = _dry_run(
+        8,
+        "--model.flavor",
+        "8B",
+        "--training.seq_len",
+        "8192",
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "full",
+    )
+    assert report["parameters"] == 8_030_261_248
+    assert report["peak"]["Optstate"] == 2 * 4 * 8_030_261_248 // 8 + 4 * 291
+    assert report["peak_bytes"] < 80 * 2**30
