@@ -63,7 +63,8 @@ def test_dry_run_optimizer_state_is_the_hand_counted_shard():
     assert report["peak_bytes"] == sum(report["peak"].values())
 
 
-def test_bad_layout_at_the_simulated_world_size_is_one_line(tmp_path):
+@pytest.mark.slow
+def test_bad_layout_at_the_simulated_world_size_is_one_line():
     """A TP degree that does not divide the 8B model's 8 kv heads, at 1,024 simulated ranks."""
     env = dict(os.environ, COMM_MODE="fake", NGPU="1024", PYTHON=sys.executable)
     proc = subprocess.run(
