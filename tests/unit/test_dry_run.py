@@ -163,3 +163,22 @@ def test_8b_on_8_ranks_at_real_size():
     assert report["parameters"] == 8_030_261_248
     assert report["peak"]["Optstate"] == 2 * 4 * 8_030_261_248 // 8 + 4 * 291
     assert report["peak_bytes"] < 80 * 2**30
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_with_tp_and_fsdp_runs_rank_0s_stages():
+    """PP 2 x FSDP 2 x TP 2 with Interleaved1F1B on 8 fake ranks: rank 0 runs stages 0, 2 and 4 of
+    six one-block stages (layers 0, 2, 4) and the first holds the embedding, counted by hand."""
+    report = _dry_run(
+        8,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+    )
+    assert report["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
+    block = 4 * 256 * 256 + 3 * 768 * 256 + 2 * 256
+    assert report["parameters"] == 2048 * 256 + 3 * block
+    assert report["after_forward"]["Activation"] > 0
