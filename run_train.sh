@@ -6,6 +6,8 @@
 #   MAX_RESTARTS  times torchrun restarts the whole group after a rank dies (default 3); with
 #                 checkpoint.enable each attempt resumes from the newest complete checkpoint
 #   NNODES, RDZV_ENDPOINT (host:port of node 0), RDZV_ID   multi-node jobs (c10d rendezvous)
+#   COMM_MODE     fake: a dry run in one process playing rank 0 of NNODES x NGPU ranks (fake process
+#                 group and tensors: real model sizes, no memory), printing its peak memory
 # Extra arguments are config overrides, e.g. NGPU=2 ./run_train.sh --training.steps 30
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,6 +20,12 @@ NNODES=${NNODES:-1}
 LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   --job.config_file "$CONFIG_FILE" "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
+if [ "${COMM_MODE:-}" = fake ]; then
+  exec "$PY" -m trainer.dry_run --world-size "$((NNODES * NGPU))" --job.config_file "$CONFIG_FILE" "$@"
+elif [ -n "${COMM_MODE:-}" ]; then
+  echo "error: COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake" >&2
+  exit 2
+fi
 if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

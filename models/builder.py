@@ -4,6 +4,7 @@ sharded). The trainer, the tests and the benchmarks all build through ``build_mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from config.job_config import DTYPES, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
@@ -145,9 +147,11 @@ def build_model(
     device: torch.device,
     args: Any,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    fake_mode: FakeTensorMode | None = None,
 ) -> BuiltModel:
     """Builds the model of ``args`` on ``parallel_dims.mesh`` as ``config`` asks; ``loss_fn`` is
-    what the last pipeline stage computes (needed only under pipeline parallelism)."""
+    what the last pipeline stage computes (needed only under pipeline parallelism). With
+    ``fake_mode`` (a dry run) the weights are allocated as fake tensors: no memory, no values."""
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -161,8 +165,9 @@ def build_model(
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)
         if graph_pass is not None:
             built.graph_passes.append(graph_pass)
-        module.to_empty(device=device)
-        with torch.no_grad():
+        # Parallelizing stays outside fake mode: the mesh's coordinate lookups need real tensors.
+        with fake_mode or contextlib.nullcontext(), torch.no_grad():
+            module.to_empty(device=device)
             module.init_weights(buffer_device=device, seed=config.debug.seed)
         return module.train()
 

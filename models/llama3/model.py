@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallelisms.names import clean_name
@@ -314,6 +315,8 @@ def _init_param_(
     each rank keeps its own shard: the values equal those of an unsharded model.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
+    if is_fake(local):  # a dry run's tensors hold no values (and rejection sampling would need them)
+        return
     generator = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if not isinstance(param, DTensor):
         init(param, generator)

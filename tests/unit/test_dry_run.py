@@ -1,0 +1,184 @@
+"""The dry run (``COMM_MODE=fake``): one process playing rank 0 of a large world on fake tensors.
+
+Each dry run is its own process (the fake process group is the process's default group)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+from tests.spawn import spawn_ranks
+
+# Print the report's numbers (bytes) as one JSON line, after the dry run of argv on world ranks.
+_REPORT = """
+import dataclasses, json, sys
+from config.manager import load_config
+from trainer.dry_run import dry_run
+report = dry_run(load_config(sys.argv[2:]), int(sys.argv[1]))
+print("REPORT " + json.dumps(dataclasses.asdict(report)))
+"""
+
+
+def _dry_run(world: int, *argv: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPORT, str(world), "--training.seq_len", "64", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("REPORT "))
+    return json.loads(line[len("REPORT ") :])
+
+
+def _debugmodel_shapes(dim: int = 256, n_layers: int = 6, vocab: int = 2048) -> list[tuple[int, ...]]:
+    hidden = 768  # debugmodel: int(2 * 4 * 256 / 3) rounded up to a multiple of 256
+    per_block = [(dim, dim)] * 4 + [(hidden, dim), (dim, hidden), (hidden, dim)] + [(dim,)] * 2
+    return [(vocab, dim)] + per_block * n_layers + [(dim,), (vocab, dim)]
+
+
+def _adamw_state_bytes(world: int) -> int:
+    """Rank 0's AdamW state for the debug model sharded on dim 0 over ``world`` ranks, by hand: two
+    fp32 moments of each shard (FSDP2 pads: rank 0 holds ceil(rows / world) rows) and one fp32
+    step count per parameter."""
+    shapes = _debugmodel_shapes()
+    return sum(2 * math.ceil(s[0] / world) * math.prod(s[1:]) * 4 for s in shapes) + 4 * len(shapes)
+
+
+def test_dry_run_optimizer_state_is_the_hand_counted_shard():
+    """FSDP over 8 fake ranks: the optimizer state at the peak is the hand count, to the byte."""
+    report = _dry_run(8, "--training.local_batch_size", "8")
+    assert report["mesh"] == {"dp_shard": 8}
+    assert report["peak"]["Optstate"] == _adamw_state_bytes(8)
+    assert report["after_forward"]["Activation"] > 0
+    assert report["peak_bytes"] == sum(report["peak"].values())
+
+
+@pytest.mark.slow
+def test_bad_layout_at_the_simulated_world_size_is_one_line():
+    """A TP degree that does not divide the 8B model's 8 kv heads, at 1,024 simulated ranks."""
+    env = dict(os.environ, COMM_MODE="fake", NGPU="1024", PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["./run_train.sh", "--model.flavor", "8B", "--parallelism.tensor_parallel_degree", "16"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "kv" in lines[0], proc.stderr
+
+
+def _real_peak(rank: int, port: int, world: int, argv: list[str], out: str) -> None:
+    """A real gloo run of the same config, measured the same way (MemTracker on real tensors)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    from config.manager import batch_layout, load_config
+    from models.builder import build_model, model_args
+    from trainer.distributed import parallel_dims_from_config
+    from trainer.dry_run import measure_steps
+    from trainer.loss import Loss
+    from trainer.optim import build_optimizer_and_schedule
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = load_config(argv)
+    dims = parallel_dims_from_config(config.parallelism, world)
+    dims.build_mesh("cpu")
+    global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
+    loss = Loss(config, dims, global_batch * config.training.seq_len)
+    args = model_args(config)
+    built = build_model(config, dims, torch.device("cpu"), args, loss)
+    optimizer, schedule = build_optimizer_and_schedule(config, built.parts)
+    shape = (config.training.local_batch_size, config.training.seq_len)
+    peak, _ = measure_steps(
+        built,
+        loss,
+        optimizer,
+        schedule,
+        lambda: (torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)),
+        accumulation,
+        dims,
+    )
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(peak, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,argv",
+    [
+        (1, ["--training.mixed_precision_param", "bfloat16"]),
+        (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2"]),
+        (4, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
+    ],
+    ids=["1rank_bf16", "wide_fsdp2_2_fp32", "fsdp2_4_bf16_full_ac"],
+)
+def test_estimate_equals_a_real_runs_tracked_peak(tmp_path, world, argv):
+    argv = ["--training.seq_len", "64", *argv]
+    estimate = _dry_run(world, *argv)
+    out = str(tmp_path / "real.json")
+    assert spawn_ranks(_real_peak, world, world, argv, out, timeout_s=180) == [0] * world
+    with open(out) as f:
+        real = json.load(f)
+    print(f"estimate {estimate['peak_bytes']} bytes, real {real['Total']} bytes")
+    # The fake tensors' storages are the real ones' sizes, so the estimate is exact (the issue asks
+    # for 10%), and so is every category of the breakdown.
+    assert estimate["peak_bytes"] == real["Total"]
+    assert estimate["peak"] == {k: v for k, v in real.items() if k != "Total"}
+
+
+@pytest.mark.slow
+def test_8b_on_8_ranks_at_real_size():
+    """Llama 3.1 8B (128,256 vocabulary, seq 8192, bf16, full checkpointing) as rank 0 of 8: the
+    optimizer state is the hand count (every dimension divides by 8: 2 fp32 moments of an eighth
+    of 8,030,261,248 parameters, plus a step count for each of the 291 tensors) and it fits 80 GiB."""
+    report = _dry_run(
+        8,
+        "--model.flavor",
+        "8B",
+        "--training.seq_len",
+        "8192",
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "full",
+    )
+    assert report["parameters"] == 8_030_261_248
+    assert report["peak"]["Optstate"] == 2 * 4 * 8_030_261_248 // 8 + 4 * 291
+    assert report["peak_bytes"] < 80 * 2**30
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_with_tp_and_fsdp_runs_rank_0s_stages():
+    """PP 2 x FSDP 2 x TP 2 with Interleaved1F1B on 8 fake ranks: rank 0 runs stages 0, 2 and 4 of
+    six one-block stages (layers 0, 2, 4) and the first holds the embedding, counted by hand."""
+    report = _dry_run(
+        8,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+    )
+    assert report["mesh"] == {"pp": 2, "dp_shard": 2, "tp": 2}
+    block = 4 * 256 * 256 + 3 * 768 * 256 + 2 * 256
+    assert report["parameters"] == 2048 * 256 + 3 * block
+    assert report["after_forward"]["Activation"] > 0

@@ -1,0 +1,295 @@
+"""Dry run at any world size: one process plays rank 0 of ``--world-size`` ranks.
+
+``python -m trainer.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
+joins torch's fake process group (every collective returns at once, moving nothing) and builds
+the run's real mesh, model (``build_model``: pipeline split, tensor parallel, activation
+checkpointing, data parallel), optimizer and LR schedule with the weights as fake tensors, so a
+405B model costs no memory. It then runs two training steps (forward, backward, clip, optimizer
+step) on fake token batches, takes the checkpoint's model and optimizer state dicts, and prints
+rank 0's peak memory with its breakdown as ``MemTracker`` counts it (every tensor's storage, by
+what it holds). A config the real run would refuse exits 2 with the same one line.
+
+Pipeline parallelism: torch's schedules agree on a warm-up by reading values the other ranks
+send, which a fake group cannot deliver. The dry run replays instead the action list torch's
+schedule gives rank 0 (``pipeline_order``: forward and backward of which stage on which
+microbatch, in order), with the stage boundaries' sends and receives on the fake group, so the
+microbatches in flight and their saved activations are the schedule's. Zero-bubble schedules'
+split backward runs as one full backward at the input-gradient action.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.tensor import DTensor
+
+from config.job_config import ConfigError, JobConfig
+from config.manager import batch_layout, load_config
+from models.builder import BuiltModel, build_model, model_args
+from parallelisms.parallel_dims import ParallelDims
+from trainer.checkpoint import ModelState, OptimizerState, whole_model
+from trainer.distributed import parallel_dims_from_config
+from trainer.loss import Loss
+from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
+from trainer.preflight import check
+from trainer.tokenizer import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+STEPS = 2
+"""Training steps a dry run takes; the last one is measured, with the optimizer state and the
+wrappers' buffers that the first step allocates."""
+
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
+"""MemTracker's categories, in the order the summary prints them."""
+
+
+class _PeakTracker(MemTracker):
+    """MemTracker keeping only the whole rank's peak: its per-module peaks walk every module at
+    every operator (an 8B model's two steps took 500 s instead of 30 s)."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
+        # MemTracker refuses a root module's second forward (it keeps one call's stats per module):
+        # each microbatch through a model part or stage starts its stats afresh.
+        parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
+@dataclass
+class DryRunReport:
+    """What a dry run found for rank 0."""
+
+    world_size: int
+    mesh: dict[str, int]
+    parameters: int
+    """Parameters of rank 0's model parts (all of them without pipelining), before sharding."""
+    peak_bytes: int
+    """Rank 0's peak of live tensor storage in the last step (the first one is a warm-up)."""
+    peak: dict[str, int]
+    """The peak's bytes by MemTracker category."""
+    after_forward: dict[str, int]
+    """Bytes by category at the end of the last step's forward (the activations saved for backward)."""
+    state_dict_bytes: int
+    """Bytes of this rank's checkpoint state dicts (model and optimizer)."""
+    seconds: float
+
+    def summary(self) -> str:
+        mesh = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
+        lines = [
+            f"dry run: rank 0 of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages, "
+            f"{STEPS} steps in {self.seconds:.0f}s",
+            f"  peak memory per rank {_size(self.peak_bytes)} in step {STEPS} (live tensors as MemTracker "
+            "counts them; per-tensor optimizer step)",
+        ]
+        for name in CATEGORIES:
+            lines.append(
+                f"    {name.lower():<11} {_size(self.peak.get(name, 0)):>11} at the peak, "
+                f"{_size(self.after_forward.get(name, 0)):>11} at the end of forward"
+            )
+        lines.append(f"  checkpoint state dict {_size(self.state_dict_bytes)} on this rank")
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _fake_batch(config: JobConfig, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (config.training.local_batch_size, config.training.seq_len)
+    return torch.randint(vocab_size, shape), torch.randint(vocab_size, shape)
+
+
+def _forward_backward(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
+    logits = built.parts[0](inputs)
+    with loss.context():
+        value = loss(logits, labels)
+        mark()
+        value.backward()
+
+
+def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
+    dist.send((tensor.to_local() if isinstance(tensor, DTensor) else tensor).contiguous(), dst=peer, group=group)
+
+
+def _receive_like(template: torch.Tensor, peer: int, group: dist.ProcessGroup) -> torch.Tensor:
+    buffer = torch.empty_like(template)
+    dist.recv(buffer.to_local() if isinstance(buffer, DTensor) else buffer, src=peer, group=group)
+    return buffer
+
+
+def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
+    """Rank 0's share of one schedule step: its actions, in torch's order (see the module doc).
+    ``mark()`` is called before the first backward, when the most microbatches are in flight."""
+    schedule = built.schedule
+    pipeline_stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    stages = {stage.stage_index: stage for stage in pipeline_stages}
+    n_stages, group = schedule._num_stages, pipeline_stages[0].group
+    ranks = dist.get_process_group_ranks(group)
+    stage_ranks = getattr(schedule, "stage_index_to_group_rank", None) or {s: s for s in range(n_stages)}
+    peer = {s: ranks[r] for s, r in stage_ranks.items()}
+    micro_inputs = inputs.tensor_split(schedule._n_microbatches)
+    micro_labels = labels.tensor_split(schedule._n_microbatches)
+    template: torch.Tensor | None = None
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    for action in schedule.pipeline_order[0]:
+        if action is None:
+            continue
+        s, kind, mb = action.stage_index, action.computation_type.value, action.microbatch_index
+        stage = stages.get(s)
+        if stage is None:
+            continue
+        if kind == "F":
+            if s == 0:
+                x, out = None, stage.submod(micro_inputs[mb])
+                template = out
+            else:
+                x = _receive_like(template, peer[s - 1], group).detach().requires_grad_()
+                out = stage.submod(x)
+            if s < n_stages - 1:
+                _send(out, peer[s + 1], group)
+            saved[(s, mb)] = (x, out)
+        elif kind in ("B", "I"):
+            if mark is not None:
+                mark()
+                mark = None
+            x, out = saved.pop((s, mb))
+            with loss.context():
+                if s == n_stages - 1:
+                    loss(out, micro_labels[mb]).backward()
+                else:
+                    out.backward(_receive_like(out, peer[s + 1], group))
+            if x is not None:
+                _send(x.grad, peer[s - 1], group)
+
+
+def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches, pp_mesh, mark) -> None:
+    optimizer.zero_grad()
+    for inputs, labels in batches:
+        (_pipeline_step if built.schedule is not None else _forward_backward)(built, loss, inputs, labels, mark)
+    params = [p for part in built.parts for p in part.parameters() if p.grad is not None]
+    clip_grad_norm_(params, float("inf"), pp_mesh=pp_mesh)
+    optimizer.step()
+    lr_scheduler.step()
+
+
+def measure_steps(
+    built: BuiltModel, loss: Loss, optimizer, lr_scheduler, make_batch, accumulation: int, dims: ParallelDims
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Runs ``STEPS`` training steps of ``accumulation`` microbatches from ``make_batch()``; returns
+    the last step's peak and its end of forward, bytes by MemTracker category (and "Total").
+    Fake or real tensors alike: the dry run estimates with this, a real run measures with it."""
+    device = next(built.parts[0].parameters()).device
+    after_forward: dict[str, int] = {}
+    tracker = _PeakTracker()
+
+    def mark() -> None:
+        after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
+
+    for step in range(STEPS):
+        batches = [make_batch() for _ in range(accumulation)]
+        if step < STEPS - 1:
+            # Warm-up: the optimizer state and the wrappers' lazily built buffers come to be.
+            _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, lambda: None)
+            continue
+        for group in optimizer.param_groups:
+            # MemTracker counts the in-place list operations of foreach (and fused) steps on fake
+            # tensors as new optimizer state (100 GiB for 8B on 8 ranks): measure per tensor.
+            group.update(foreach=False, fused=False)
+        tracker.track_external(*built.parts, optimizer)
+        with tracker:
+            _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, mark)
+    return tracker.get_tracker_snapshot("peak").get(device, {}), after_forward
+
+
+def _bytes_of(tree) -> int:
+    total = 0
+    for value in tree.values():
+        if isinstance(value, dict):
+            total += _bytes_of(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
+    """Rank 0's build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    start = time.perf_counter()
+    if config.compile.enable:
+        logger.warning(
+            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
+            "tensors' dispatch mode); the estimate is eager's"
+        )
+        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dims = parallel_dims_from_config(config.parallelism, world_size)
+    dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors
+    global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
+    loss = Loss(config, dims, global_batch * config.training.seq_len)
+    vocab_size = None
+    if config.model.tokenizer_path:
+        vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
+    args = model_args(config, vocab_size)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device("cpu")
+    built = build_model(config, dims, device, args, loss, fake_mode=fake_mode)
+    with fake_mode:
+        optimizer, lr_scheduler = build_optimizer_and_schedule(config, built.parts)
+        peak, after_forward = measure_steps(
+            built, loss, optimizer, lr_scheduler, lambda: _fake_batch(config, args.vocab_size), accumulation, dims
+        )
+        model = whole_model(built.parts)
+        state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(
+            OptimizerState(model, optimizer).state_dict()
+        )
+    return DryRunReport(
+        world_size=world_size,
+        mesh=dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape, strict=True)),
+        parameters=sum(p.numel() for part in built.parts for p in part.parameters()),
+        peak_bytes=peak.get(_TOTAL_KEY, 0),
+        peak={k: v for k, v in peak.items() if k != _TOTAL_KEY},
+        after_forward=after_forward,
+        state_dict_bytes=state_bytes,
+        seconds=time.perf_counter() - start,
+    )
+
+
+USAGE = "usage: python -m trainer.dry_run --world-size N [config options]"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit() or int(argv[1]) < 1:
+        print(USAGE, file=sys.stderr)
+        return 2
+    world_size, argv = int(argv[1]), argv[2:]
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    try:
+        check(argv, world_size)  # the pre-launch check of the real run, at the simulated world size
+        report = dry_run(load_config(argv), world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
