@@ -103,6 +103,11 @@ class Model:
     """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty."""
 
 
+# The [model] fields that, when set, override the architecture's model args field of the same name
+# (all and only the fields unset by default).
+MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default is None)
+
+
 @dataclass
 class Training:
     dataset: str = "python_docs"

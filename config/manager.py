@@ -17,7 +17,7 @@ import types
 import typing
 
 from config import torchtitan
-from config.job_config import CHECKPOINT_PARTS, ConfigError, JobConfig, Training
+from config.job_config import CHECKPOINT_PARTS, MODEL_SIZE_FIELDS, ConfigError, JobConfig, Training
 
 logger = logging.getLogger(__name__)
 
@@ -275,26 +275,6 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
 
 
-# The [model] sizes that, when set, must be positive numbers.
-_MODEL_SIZES = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "ffn_dim_multiplier",
-    "multiple_of",
-    "norm_eps",
-    "rope_theta",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-    "max_position_embeddings",
-    "vocab_size",
-)
-
-
 def validate(config: JobConfig) -> None:
     """Checks value ranges that do not depend on the world size (choices are checked on loading;
     the optimizer's and the LR schedule's values when they are built)."""
@@ -322,7 +302,8 @@ def validate(config: JobConfig) -> None:
     for key, (value, smallest) in at_least.items():
         if value < smallest:
             raise ConfigError(f"{key} must be {'positive' if smallest == 1 else '>= 0'}, got {value}")
-    sizes = {f"model.{name}": getattr(c.model, name) for name in _MODEL_SIZES}
+    # Every size but the two switches (use_rope_scaling, tie_word_embeddings) must be positive when set.
+    sizes = {f"model.{n}": v for n in MODEL_SIZE_FIELDS if not isinstance(v := getattr(c.model, n), bool)}
     rates = {"metrics.peak_flops": c.metrics.peak_flops, "compile.compute_flops": c.compile.compute_flops, **sizes}
     for key, value in {**rates, "compile.bucket_memory_cap_mb": c.compile.bucket_memory_cap_mb}.items():
         if value is not None and value <= 0:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config.job_config import DTYPES, ConfigError, JobConfig
+from config.job_config import DTYPES, MODEL_SIZE_FIELDS, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
 from parallelisms.parallel_dims import ParallelDims
@@ -55,28 +55,6 @@ class BuiltModel:
         return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()
 
 
-# [model] fields that override the architecture's value of the model args field of the same name.
-SIZE_FIELDS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "ffn_dim_multiplier",
-    "multiple_of",
-    "norm_eps",
-    "rope_theta",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "vocab_size",
-)
-
-
 def model_args(
     config: JobConfig, vocab_size: int | None = None, hf_config: dict | None = None, source: str = ""
 ) -> Any:
@@ -89,7 +67,7 @@ def model_args(
     args = get_flavor(spec, config.model.flavor)
     if hf_config is not None:
         args = spec.args_from_hf_fn(hf_config, args, source)
-    overrides = {name: value for name in SIZE_FIELDS if (value := getattr(config.model, name)) is not None}
+    overrides = {name: value for name in MODEL_SIZE_FIELDS if (value := getattr(config.model, name)) is not None}
     if overrides.keys() & {"ffn_dim_multiplier", "multiple_of"} and "ffn_dim" not in overrides:
         overrides["ffn_dim"] = None  # derive the width from what was asked
     args = dataclasses.replace(args, max_seq_len=config.training.seq_len, **overrides)

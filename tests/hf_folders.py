@@ -76,6 +76,31 @@ def llama_config(**fields) -> dict:
     return {**config, **fields}
 
 
+LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Tiny config.json's of three Llama shapes (see llama_config for the rest).
+SHAPES = {
+    # Llama 3.0: no RoPE scaling, an 8K context, another FFN width.
+    "llama3.0": llama_config(intermediate_size=224),
+    # Llama 3.2: tied embeddings, RoPE scaled by 32, a 128K context.
+    "llama3.2": llama_config(tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=LLAMA32_ROPE),
+    # No published size: 8 heads of 8, full multi-head attention, another FFN width, base and eps.
+    "custom": llama_config(
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=160,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+    ),
+}
+
+
 def hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every weight of the LlamaForCausalLM ``config`` describes, from the
     HF field meanings (written out here, not taken from the code under test)."""

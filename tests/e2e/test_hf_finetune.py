@@ -19,32 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config.manager import load_config
 from models.llama3 import Transformer
-from tests.hf_folders import corpus_text, llama_config, write_tokenizer
+from tests.hf_folders import SHAPES, corpus_text, write_tokenizer
 from tests.launch import run_script
 from trainer.hf_checkpoint import job_model_args
 
-LLAMA32_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-SOURCES = {
-    # Llama 3.0: no RoPE scaling, an 8K context.
-    "llama3.0": llama_config(intermediate_size=224),
-    # Llama 3.2: tied embeddings, RoPE scaled by 32, a 128K context.
-    "llama3.2": llama_config(tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=LLAMA32_ROPE),
-    # No published size: 8 heads of 8, full multi-head attention, another FFN width, base and eps.
-    "custom": llama_config(
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=160,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-    ),
-}
 SEQ_LEN = 64
 # Each folder under another data-parallel implementation: the tied table under SimpleFSDP too.
 LAYOUTS = {
@@ -95,7 +73,7 @@ def finetuned(tmp_path_factory) -> dict[str, tuple[str, str, list[str], float]]:
     corpus = root / "corpus.txt"
     corpus.write_text(corpus_text())
     runs = {}
-    for name, config in SOURCES.items():
+    for name, config in SHAPES.items():
         source, dump = str(root / name), str(root / f"{name}_run")
         make_source(source, config)
         options = recipe(source, str(corpus)) + LAYOUTS[name]
@@ -117,14 +95,14 @@ def trained_model(dump: str, options: list[str]) -> tuple[Transformer, dict[str,
 
 
 @pytest.mark.slow  # three launches of run_train.sh
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", SHAPES)
 def test_finetuned_export_loads_in_transformers_with_the_trained_logits(name, finetuned):
     source, dump, options, seconds = finetuned[name]
     print(f"{name}: run_train.sh took {seconds:.1f} s")
     export = os.path.join(dump, "checkpoint", "hf")
     with open(os.path.join(export, "config.json")) as f:
         exported = json.load(f)
-    config = SOURCES[name]
+    config = SHAPES[name]
     assert exported["max_position_embeddings"] == config["max_position_embeddings"]
     assert exported["tie_word_embeddings"] == config["tie_word_embeddings"]
     assert exported["intermediate_size"] == config["intermediate_size"]

@@ -19,25 +19,9 @@ from models.builder import build_model
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3.model import ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
-from tests.hf_folders import corpus_text, llama_config, write_llama_folder, write_tokenizer
+from tests.hf_folders import SHAPES, corpus_text, llama_config, write_llama_folder, write_tokenizer
 from trainer import preflight
 from trainer.hf_checkpoint import export_hf, job_export_assets, job_model_args, load_hf_weights
-
-LLAMA32_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-# Llama 3.0 (no RoPE scaling), 3.2 (tied, scaled RoPE, another FFN width) and a custom size.
-FOLDERS = {
-    "llama3.0": llama_config(intermediate_size=224),
-    "llama3.2": llama_config(tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=LLAMA32_ROPE),
-    "custom": llama_config(
-        num_attention_heads=8, num_key_value_heads=8, intermediate_size=160, rope_theta=10000.0, rms_norm_eps=1e-6
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +45,9 @@ def folder_args(folder: str, corpus: str, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("name", FOLDERS)
+@pytest.mark.parametrize("name", SHAPES)
 def test_the_folder_gives_the_architecture(name, tmp_path, corpus):
-    source = FOLDERS[name]
+    source = SHAPES[name]
     folder = write_llama_folder(str(tmp_path / name), source)
     args = job_model_args(load_config(folder_args(folder, corpus)), vocab_size=300)
     expected = {
@@ -98,7 +82,7 @@ def test_model_fields_override_the_flavor_and_the_folder(tmp_path, corpus):
     # A multiplier asks for the derived width, even where the architecture had an explicit one.
     args = job_model_args(load_config(["--model.flavor", "1B", "--model.ffn_dim_multiplier", "1.0"]))
     assert ffn_hidden_dim(args) == 5632 and args.tie_word_embeddings
-    folder = write_llama_folder(str(tmp_path / "f"), FOLDERS["llama3.2"])
+    folder = write_llama_folder(str(tmp_path / "f"), SHAPES["llama3.2"])
     args = job_model_args(load_config(folder_args(folder, corpus, "--model.tie_word_embeddings", "false")), 300)
     assert not args.tie_word_embeddings and args.use_rope_scaling
     # A folder's (or its config.json's) sizes without loading its weights.
@@ -202,7 +186,7 @@ def one_process_model(args, seed: int) -> Transformer:
 
 
 def test_tied_model_exports_one_table_and_loads_back(tmp_path, corpus):
-    folder = write_llama_folder(str(tmp_path / "src"), FOLDERS["llama3.2"])
+    folder = write_llama_folder(str(tmp_path / "src"), SHAPES["llama3.2"])
     config = load_config(folder_args(folder, corpus, "--checkpoint.enable", "--checkpoint.export_hf"))
     args = job_model_args(config, 300)
     model = one_process_model(args, seed=1)
