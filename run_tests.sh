@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=$(scripts/setup_env.sh test)
-exec "$PY" -m pytest "$@"
+# Two test files at a time (TEST_WORKERS, pytest-xdist; 0 = in this process): a launched test spends
+# much of its time starting processes and waiting on collectives, so one file alone keeps about one
+# of two cores busy. A file's tests stay on one worker, which shares the file's launches among them.
+exec "$PY" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
