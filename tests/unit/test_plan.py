@@ -42,6 +42,7 @@ def test_8b_fits_8_devices_of_80_gib_with_fsdp_and_the_written_config_loads(tmp_
     assert (config.model.flavor, config.training.seq_len, config.training.global_batch_size) == ("8B", 8192, 64)
 
 
+@pytest.mark.slow
 def test_405b_on_8_devices_is_one_line_and_exit_2():
     result = _run("--model.flavor", "405B", "--plan.devices", "8", *REAL)
     assert result.returncode == 2
