@@ -332,6 +332,34 @@ class Debug:
 
 
 @dataclass
+class Plan:
+    devices: int = 8
+    """Devices (GPUs) the layout planner (python -m trainer.plan) lays the run out on."""
+    device_memory_gib: float = 80.0
+    """Memory per device, GiB: a layout fits when its estimated per-rank peak is at most this."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak of one device, TFLOP/s (989 for an H100 SXM)."""
+    mfu: float = 0.4
+    """Fraction of the peak the matmuls reach (model FLOPs utilization) in the planner's time model."""
+    intra_node_gbps: float = 450.0
+    """Bandwidth of one device's links inside a node, GB/s (NVLink)."""
+    inter_node_gbps: float = 50.0
+    """Bandwidth of one device's links between nodes, GB/s (e.g. one 400 Gb/s NIC per device)."""
+    link_latency_us: float = 10.0
+    """Latency of one hop of a ring collective or one send, microseconds (the alpha of alpha-beta)."""
+    devices_per_node: int = 8
+    """Devices in a node: mesh dimensions within a node use intra_node_gbps, the others inter_node_gbps."""
+    activation_checkpoint_modes: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    """Activation checkpointing modes the planner tries (none, selective, full)."""
+    max_measured: int = 8
+    """Layouts the planner estimates the memory of at most (two dry runs each), the fastest first."""
+    top: int = 5
+    """Layouts the planner prints, the fastest first."""
+    output: str = "plan.toml"
+    """Where the planner writes the best layout as a config file for run_train.sh."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -347,6 +375,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    plan: Plan = field(default_factory=Plan)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,104 @@
+"""The layout planner (trainer/plan.py): known answers at real sizes, its config file, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from config.manager import load_config
+from trainer import plan
+
+GiB = 2**30
+REAL = ["--training.seq_len", "8192"]
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.plan", *argv], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.slow
+def test_8b_fits_8_devices_of_80_gib_with_fsdp_and_the_written_config_loads(tmp_path):
+    out = tmp_path / "plan.toml"
+    argv = ["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "64", *REAL]
+    result = _run(*argv, "--plan.top", "1", "--plan.output", str(out))
+    assert result.returncode == 0, result.stderr
+    best = result.stdout.splitlines()[2]
+    assert "fsdp" in best
+    peak = float(best.split()[-3])
+    assert 0 < peak <= 80
+    config = load_config(["--job.config_file", str(out)])
+    p = config.parallelism
+    assert (
+        p.data_parallel_replicate_degree
+        * p.data_parallel_shard_degree
+        * p.tensor_parallel_degree
+        * (p.pipeline_parallel_degree)
+        == 8
+    )
+    assert (config.model.flavor, config.training.seq_len, config.training.global_batch_size) == ("8B", 8192, 64)
+
+
+@pytest.mark.slow
+def test_405b_on_8_devices_is_one_line_and_exit_2():
+    result = _run("--model.flavor", "405B", "--plan.devices", "8", *REAL)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: no layout of 405B fits 8 devices of 80 GiB: the smallest peak is ")
+    smallest = float(lines[0].split("the smallest peak is ")[1].split()[0])
+    # At least the fp32 master weights, gradients and Adam moments of an eighth of 405B parameters.
+    assert smallest > 16 * 405e9 / 8 / GiB
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model.flavor", "7B"], "model.flavor"),
+        (["--plan.devices", "0"], "error: plan.devices must be >= 1, got 0"),
+        (["--plan.mfu", "1.5"], "error: plan.mfu must be in (0, 1], got 1.5"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message):
+    result = _run(*argv)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_time_model_by_hand():
+    """One layout's step time against a hand computation of the README's model."""
+    config = load_config(["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "8", *REAL])
+    shape = plan.model_shape(config)
+    assert shape.block_params == 218_112_000 and shape.other_params == 2 * 128256 * 4096 + 4096
+    layout = plan.Layout("fsdp2", 1, 8, 1, 1, "", 1, 1, 1, "full")
+    tokens = 8 * 8192
+    flops = (6 * shape.block_params * (1 + 1 / 3) + 12 * 4096 * 8192) * 32 * tokens + 6 * shape.other_params * tokens
+    compute = flops / 8 / (989e12 * 0.4)
+    params = 32 * shape.block_params + shape.other_params
+    gather = 7 * 33 * 10e-6 + 7 / 8 * params * 2 / 450e9  # 33 collectives (32 blocks and the rest)
+    scatter = 7 * 33 * 10e-6 + 7 / 8 * params * 4 / 450e9
+    exposed = max(0.0, 2 * gather + scatter - compute) + gather / 33
+    assert plan.step_seconds(config, shape, layout) == pytest.approx(compute + exposed, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_its_405b_layout_on_512_devices_fits_by_the_estimator(tmp_path):
+    out = tmp_path / "plan.toml"
+    argv = ["--model.flavor", "405B", "--plan.devices", "512", "--training.global_batch_size", "1024", *REAL]
+    result = _run(*argv, "--plan.top", "1", "--plan.output", str(out))
+    assert result.returncode == 0, result.stderr
+    peak = float(result.stdout.splitlines()[2].split()[-3])
+    assert 0 < peak <= 80
+    config = load_config(["--job.config_file", str(out)])
+    p = config.parallelism
+    assert (
+        p.data_parallel_replicate_degree
+        * p.data_parallel_shard_degree
+        * p.tensor_parallel_degree
+        * (p.pipeline_parallel_degree)
+        == 512
+    )

@@ -1,0 +1,435 @@
+"""Layout planner: which layout of a model fits the devices, and which is fastest.
+
+``python -m trainer.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
+SimpleFSDP with their shard and replicate degrees, tensor-parallel degrees dividing the heads,
+pipeline degrees with the 1F1B and interleaved 1F1B schedules and microbatches of 1 or 2
+sequences, activation checkpointing none/selective/full), ranks them by an estimated step time
+(FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, and the exposed communication of an
+alpha-beta model per collective), and estimates the per-rank peak memory of the fastest ones with
+the dry run (``trainer.dry_run``: the real build and training step on fake tensors) until
+``plan.top`` of them fit ``plan.device_memory_gib``. It prints them as a table and writes the best
+as a config file for ``run_train.sh`` (``plan.output``).
+
+The dry run's peak grows linearly with the blocks a stage holds, so each layout is measured on
+models cut to 1 and 2 blocks per stage (same widths, vocabulary and sequence) and extrapolated to
+the model's depth; measurements are cached by shape (the replicate degree of HSDP changes no
+rank's memory, so it is measured with one replica).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from config.job_config import ConfigError, JobConfig, user_input
+from config.manager import load_config, to_toml
+from models.builder import model_args
+from models.registry import get_model_spec
+from parallelisms.pipeline import plan_pipeline
+from trainer.dry_run import dry_run
+
+GiB = 2**30
+AC_MODES = ("none", "selective", "full")
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
+"""Extra block FLOPs of each AC mode, as a fraction of forward + backward (6 FLOPs per parameter
+and token): full recomputes the forward (2 of 6), selective every second matmul (1 of 6)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    impl: str
+    replicate: int
+    shard: int
+    tp: int
+    pp: int
+    schedule: str
+    """Pipeline schedule; empty without pipelining."""
+    stages: int
+    """Pipeline stages in all (1 without pipelining)."""
+    microbatch: int
+    """Sequences per forward (a pipeline microbatch or a gradient-accumulation step)."""
+    local_batch: int
+    """training.local_batch_size: one microbatch, or a pipeline step's microbatches."""
+    ac: str
+
+    def describe(self) -> str:
+        mesh = f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}"
+        pipe = f" pp{self.pp} {self.schedule} ({self.local_batch // self.microbatch} mb)" if self.pp > 1 else ""
+        return f"{self.impl} dp {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    n_layers: int
+    dim: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    block_params: int
+    other_params: int
+    """Embedding, final norm and output head."""
+
+
+def model_shape(config: JobConfig) -> ModelShape:
+    """Parameter counts of the flavor's model, from modules built on the meta device."""
+    args = model_args(config)
+    cls = get_model_spec(config.model.name).model_cls
+    with torch.device("meta"):
+        one, two = (sum(p.numel() for p in cls(dataclasses.replace(args, n_layers=n)).parameters()) for n in (1, 2))
+    kv_heads = args.n_kv_heads or args.n_heads
+    return ModelShape(
+        config.model.flavor, args.n_layers, args.dim, args.vocab_size, args.n_heads, kv_heads, two - one, 2 * one - two
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def global_batch(config: JobConfig) -> int:
+    """Sequences per step: training.global_batch_size, or one local batch per device when unset."""
+    t = config.training
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * config.plan.devices
+
+
+def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
+    """(schedule, stages, microbatch, local batch) of each pipeline the planner tries on ``pp`` ranks
+    with ``per_rank`` sequences per data-parallel rank and step."""
+    if pp == 1:
+        yield from (("", 1, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
+        return
+    for schedule in SCHEDULES:
+        for mb in (1, 2):
+            if per_rank % mb:
+                continue
+            # The most microbatches per pipeline step up to 4 per stage: a smaller bubble.
+            n_mb = max(d for d in _divisors(per_rank // mb) if d <= 4 * pp)
+            try:
+                layout = plan_pipeline(
+                    n_layers=shape.n_layers,
+                    pp_degree=pp,
+                    schedule=schedule,
+                    layers_per_stage=None,
+                    split_points=(),
+                    local_batch_size=n_mb * mb,
+                    microbatch_size=mb,
+                )
+            except ValueError:
+                continue  # the blocks or microbatches do not split for this schedule
+            yield schedule, layout.num_stages, mb, n_mb * mb
+
+
+def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
+    plan, batch = config.plan, global_batch(config)
+    layouts = []
+    for tp in _divisors(plan.devices):
+        if tp > plan.devices_per_node or shape.n_heads % tp or shape.n_kv_heads % tp:
+            continue  # tensor parallelism stays inside a node and splits whole heads
+        for pp in (d for d in _divisors(plan.devices // tp) if d in (1, 2, 4, 8, 16) and d <= shape.n_layers):
+            dp = plan.devices // (tp * pp)
+            if batch % dp:
+                continue
+            node_shard = max(1, plan.devices_per_node // tp)  # HSDP: shard inside a node, replicate across
+            replicates = {1} | ({dp // node_shard} if node_shard < dp and dp % node_shard == 0 else set())
+            for pipeline in _pipelines(config, shape, pp, batch // dp):
+                for replicate in sorted(replicates):
+                    for impl in ("fsdp2", "simple_fsdp"):
+                        for ac in plan.activation_checkpoint_modes:
+                            layouts.append(Layout(impl, replicate, dp // replicate, tp, pp, *pipeline, ac))
+    return layouts
+
+
+def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float) -> float:
+    """A ring collective over ``group`` ranks that lie within ``span`` consecutive ranks moving
+    ``nbytes`` in ``collectives`` calls: each call pays (group - 1) hops of latency, and each rank
+    sends (group - 1) / group of the bytes at the link speed (intra-node when the span fits a node)."""
+    if group == 1:
+        return 0.0
+    gbps = plan.intra_node_gbps if span <= plan.devices_per_node else plan.inter_node_gbps
+    return collectives * (group - 1) * plan.link_latency_us * 1e-6 + (group - 1) / group * nbytes / (gbps * 1e9)
+
+
+def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
+    """The time model (README "Layout planner"): compute with the pipeline bubble, plus the
+    communication that is not hidden behind it."""
+    plan, seq, lay = config.plan, config.training.seq_len, layout
+    tokens = global_batch(config) * seq
+    block = (6 * shape.block_params + 12 * shape.dim * seq) * shape.n_layers * tokens
+    flops = block * (1 + RECOMPUTE[lay.ac] * 6 * shape.block_params / (6 * shape.block_params + 12 * shape.dim * seq))
+    flops += 6 * shape.other_params * tokens
+    compute = flops / plan.devices / (plan.peak_tflops * 1e12 * plan.mfu)
+    dp = lay.replicate * lay.shard
+    passes = global_batch(config) // dp // lay.local_batch  # gradient-accumulation steps
+    microbatches = lay.local_batch // lay.microbatch
+    if lay.pp > 1:
+        compute *= 1 + (lay.pp - 1) / (lay.stages // lay.pp * microbatches)
+    # Data parallel: bf16 all-gathers (forward and backward; once per pipeline step, which keeps
+    # the gathered weights), fp32 reduce-scatters, the replicas' fp32 all-reduce; all overlappable.
+    rank_params = (shape.block_params * shape.n_layers + shape.other_params) / (lay.tp * lay.pp)
+    gathers = 1 if lay.pp > 1 else 2
+    if lay.impl == "fsdp2":
+        calls = shape.n_layers / lay.pp + 1  # one collective per block and one for the rest
+    else:
+        calls = math.ceil(rank_params * 4 / (config.compile.bucket_memory_cap_mb * 2**20))
+    span = lay.shard * lay.tp
+    ag = _ring_seconds(plan, lay.shard, span, rank_params * 2, calls)
+    rs = _ring_seconds(plan, lay.shard, span, rank_params * 4, calls)
+    ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, calls)
+    dp_comm = passes * (gathers * ag + rs) + ar
+    exposed = max(0.0, dp_comm - compute) + ag / calls  # the first gather waits; the rest overlap compute
+    # Tensor parallel (sequence parallel): an all-gather and a reduce-scatter of the activations
+    # around attention and MLP, forward and backward: 8 per block and microbatch, all exposed.
+    activation = lay.microbatch * seq * shape.dim * 2
+    blocks = shape.n_layers / lay.pp
+    tp = _ring_seconds(
+        plan, lay.tp, lay.tp, activation * 8 * blocks * microbatches * passes, 8 * blocks * microbatches * passes
+    )
+    # Pipeline: a send forward and one backward per stage boundary and microbatch, exposed.
+    sends = 2 * (lay.stages // lay.pp) * microbatches * passes if lay.pp > 1 else 0
+    pp_link = plan.intra_node_gbps if plan.devices <= plan.devices_per_node else plan.inter_node_gbps
+    pp = sends * (plan.link_latency_us * 1e-6 + activation / lay.tp / (pp_link * 1e9))
+    return compute + exposed + tp + pp
+
+
+def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
+    """``config`` laid out as ``layout``, with bf16 compute weights (fp32 master weights, gradients,
+    optimizer state and reductions) as on GPUs."""
+    parallelism = dataclasses.replace(
+        config.parallelism,
+        data_parallel_impl=layout.impl,
+        data_parallel_replicate_degree=layout.replicate,
+        data_parallel_shard_degree=layout.shard,
+        tensor_parallel_degree=layout.tp,
+        pipeline_parallel_degree=layout.pp,
+        pipeline_parallel_schedule=layout.schedule or config.parallelism.pipeline_parallel_schedule,
+        pipeline_parallel_microbatch_size=layout.microbatch,
+    )
+    training = dataclasses.replace(
+        config.training,
+        local_batch_size=layout.local_batch,
+        global_batch_size=global_batch(config),
+        mixed_precision_param="bfloat16",
+    )
+    return dataclasses.replace(
+        config,
+        parallelism=parallelism,
+        training=training,
+        activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode=layout.ac),
+        # SimpleFSDP's bucketing (which the time model counts on) is a compiler pass.
+        compile=dataclasses.replace(config.compile, enable=layout.impl == "simple_fsdp"),
+    )
+
+
+def _peak_of(config: JobConfig, world_size: int) -> int:
+    logging.disable(logging.WARNING)  # the build's warnings, once per dry run; the planner says what matters
+    return dry_run(config, world_size).peak_bytes
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child: torch keeps meshes and process-group names per process,
+    which a second fake world in the same process would find stale; a fork costs no imports."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            result = ("ok", fn(*args))
+        except ConfigError as e:
+            result = ("error", str(e))
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            result = ("crash", f"{type(e).__name__}: {e}")
+        with os.fdopen(write, "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    status, value = pickle.loads(data) if data else ("crash", "the dry run's process died")
+    if status == "ok":
+        return value
+    raise ConfigError(value) if status == "error" else RuntimeError(value)
+
+
+class PeakEstimator:
+    """Per-rank peak bytes of layouts by the dry run, measured on 1 and 2 blocks per stage and
+    extrapolated linearly to the model's blocks per stage; cached by shape."""
+
+    def __init__(self, config: JobConfig, shape: ModelShape):
+        self.config, self.shape = config, shape
+        self.cache: dict[tuple, int] = {}
+        self.dry_runs, self.seconds = 0, 0.0
+
+    def _measure(self, layout: Layout, blocks: int) -> int:
+        key = (dataclasses.replace(layout, replicate=1), blocks)
+        if key not in self.cache:
+            config = layout_config(self.config, key[0])
+            config = dataclasses.replace(
+                config,
+                model=dataclasses.replace(config.model, n_layers=layout.stages * blocks),
+                parallelism=dataclasses.replace(
+                    config.parallelism, pipeline_parallel_layers_per_stage=blocks if layout.pp > 1 else None
+                ),
+                # One microbatch per step: accumulating more changes no peak (gradients sum in place).
+                training=dataclasses.replace(config.training, global_batch_size=-1),
+                compile=dataclasses.replace(config.compile, enable=False),  # the dry run is eager
+            )
+            start = time.perf_counter()
+            self.cache[key] = _in_child(_peak_of, config, layout.shard * layout.tp * layout.pp)
+            self.dry_runs += 1
+            self.seconds += time.perf_counter() - start
+        return self.cache[key]
+
+    def peak_bytes(self, layout: Layout) -> int:
+        one, two = self._measure(layout, 1), self._measure(layout, 2)
+        return one + (self.shape.n_layers // layout.stages - 1) * (two - one)
+
+
+def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:
+    """A lower bound of the per-rank peak: fp32 master weights, gradients and two Adam moments of
+    the rank's shard, 16 bytes per parameter."""
+    params = shape.block_params * shape.n_layers + shape.other_params
+    return 16 * params / (layout.shard * layout.tp * layout.pp)
+
+
+@dataclass
+class Planned:
+    layout: Layout
+    peak_bytes: int
+    step_seconds: float
+
+
+def _needs_more(layout: Layout, than: Layout) -> bool:
+    """Whether ``layout`` needs at least the memory of ``than``: the same but for more sequences
+    per microbatch or fewer activations recomputed."""
+    same = dataclasses.replace(layout, microbatch=than.microbatch, local_batch=than.local_batch, ac=than.ac) == than
+    more = layout.microbatch >= than.microbatch and AC_MODES.index(layout.ac) <= AC_MODES.index(than.ac)
+    return same and more
+
+
+def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator) -> tuple[list[Planned], int]:
+    """The fastest ``plan.top`` layouts that fit, fastest first, and the number of layouts tried.
+    ConfigError naming the smallest peak when none fits."""
+    plan = config.plan
+    limit = plan.device_memory_gib * GiB
+    layouts = enumerate_layouts(config, shape)
+    if not layouts:
+        raise ConfigError(f"plan.devices: no layout of {shape.name} splits {plan.devices} devices and the batch")
+    timed = sorted(layouts, key=lambda lay: (step_seconds(config, shape, lay), AC_MODES.index(lay.ac)))
+    fitting, measured = [], []
+    frugal = max(plan.activation_checkpoint_modes, key=AC_MODES.index)
+
+    def fits(layout: Layout) -> int | None:
+        """The layout's peak when it fits; None when it does not, cannot be built, or is not measured."""
+        if state_bytes_floor(shape, layout) > limit or any(
+            _needs_more(layout, lay) for peak, lay in measured if peak > limit
+        ):
+            return None
+        if len(measured) == plan.max_measured:
+            return None
+        try:
+            peak = estimator.peak_bytes(layout)
+        except ConfigError:
+            return None  # a layout the real run refuses (e.g. a pipeline split it cannot make)
+        measured.append((peak, layout))
+        return peak if peak <= limit else None
+
+    for layout in timed:
+        if len(fitting) == plan.top or len(measured) == plan.max_measured:
+            break
+        # The same layout recomputing the most goes first: when it does not fit, none of its kind does.
+        if layout.ac != frugal and fits(dataclasses.replace(layout, ac=frugal)) is None:
+            continue
+        if (peak := fits(layout)) is not None:
+            fitting.append(Planned(layout, peak, step_seconds(config, shape, layout)))
+    # Measured recomputing more than the fastest layouts, some may fit that the time order has not reached.
+    fitting = sorted(
+        (Planned(lay, peak, step_seconds(config, shape, lay)) for peak, lay in measured if peak <= limit),
+        key=lambda p: p.step_seconds,
+    )[: plan.top]
+    if fitting:
+        return fitting, len(layouts)
+    if not measured:
+        # Even the weights' state does not fit: measure the layout that shards it most, saving most.
+        smallest = min(
+            layouts, key=lambda lay: (state_bytes_floor(shape, lay), -AC_MODES.index(lay.ac), lay.microbatch)
+        )
+        measured.append((estimator.peak_bytes(smallest), smallest))
+    peak, layout = min(measured, key=lambda m: m[0])
+    raise ConfigError(
+        f"no layout of {shape.name} fits {plan.devices} devices of {plan.device_memory_gib:g} GiB: "
+        f"the smallest peak is {peak / GiB:.2f} GiB ({layout.describe()})"
+    )
+
+
+def table(config: JobConfig, planned: list[Planned]) -> str:
+    tokens = global_batch(config) * config.training.seq_len
+    rows = [f"{'#':>2}  {'layout':<58} {'peak GiB':>9} {'step s':>8} {'tokens/s/device':>16}"]
+    for i, p in enumerate(planned, 1):
+        rate = tokens / p.step_seconds / config.plan.devices
+        rows.append(
+            f"{i:>2}  {p.layout.describe():<58} {p.peak_bytes / GiB:>9.2f} {p.step_seconds:>8.2f} {rate:>16,.0f}"
+        )
+    return "\n".join(rows)
+
+
+def check_plan(config: JobConfig) -> None:
+    plan = config.plan
+    unknown = [mode for mode in plan.activation_checkpoint_modes if mode not in AC_MODES]
+    if unknown or not plan.activation_checkpoint_modes:
+        raise ConfigError(f"plan.activation_checkpoint_modes: {unknown or 'empty'}; choose from {', '.join(AC_MODES)}")
+    for key in ("devices", "devices_per_node", "top", "max_measured"):
+        if getattr(plan, key) < 1:
+            raise ConfigError(f"plan.{key} must be >= 1, got {getattr(plan, key)}")
+    for key in ("device_memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(plan, key) <= 0:
+            raise ConfigError(f"plan.{key} must be positive, got {getattr(plan, key)}")
+    if not 0 < plan.mfu <= 1:
+        raise ConfigError(f"plan.mfu must be in (0, 1], got {plan.mfu}")
+    if plan.link_latency_us < 0:
+        raise ConfigError(f"plan.link_latency_us must be >= 0, got {plan.link_latency_us}")
+
+
+def main(argv: list[str]) -> int:
+    start = time.perf_counter()
+    try:
+        config = load_config(argv)
+        check_plan(config)
+        with user_input():
+            shape = model_shape(config)
+        estimator = PeakEstimator(config, shape)
+        planned, tried = plan_layouts(config, shape, estimator)
+        best = layout_config(config, planned[0].layout)
+        with user_input("plan.output"), open(config.plan.output, "w") as f:
+            f.write(to_toml(best))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plan = config.plan
+    print(
+        f"plan: {shape.name} on {plan.devices} devices of {plan.device_memory_gib:g} GiB, "
+        f"{global_batch(config)} x {config.training.seq_len} tokens per step; {tried} layouts, "
+        f"{len(estimator.cache) // 2} measured ({estimator.dry_runs} dry runs in {estimator.seconds:.0f}s), "
+        f"{time.perf_counter() - start:.0f}s in all"
+    )
+    print(table(config, planned))
+    print(
+        "peak: the dry run's per-rank peak, measured on 1 and 2 blocks per stage, extrapolated; "
+        f"step: {plan.mfu:g} MFU of {plan.peak_tflops:g} TFLOP/s plus exposed communication (README)"
+    )
+    print(f"wrote the best layout to {plan.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
