@@ -140,3 +140,21 @@ def write_llama_folder(folder: str, config: dict, drop: tuple[str, ...] = ()) ->
     }
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+SEQ_LEN = 64
+
+
+def folder_args(folder: str, corpus: str, *extra: str) -> list[str]:
+    """Options of a run on ``folder`` (weights, sizes and tokenizer) and ``corpus``, then ``extra``."""
+    return [
+        "--checkpoint.initial_load_path",
+        folder,
+        "--model.tokenizer_path",
+        folder,
+        "--training.dataset",
+        corpus,
+        "--training.seq_len",
+        str(SEQ_LEN),
+        *extra,
+    ]

@@ -19,11 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config.manager import load_config
 from models.llama3 import Transformer
-from tests.hf_folders import SHAPES, corpus_text, write_tokenizer
+from tests.hf_folders import SEQ_LEN, SHAPES, corpus_text, folder_args, write_tokenizer
 from tests.launch import run_script
 from trainer.hf_checkpoint import job_model_args
 
-SEQ_LEN = 64
 # Each folder under another data-parallel implementation: the tied table under SimpleFSDP too.
 LAYOUTS = {
     "llama3.0": [],
@@ -42,19 +41,13 @@ def make_source(folder: str, config: dict) -> None:
 
 def recipe(folder: str, corpus: str) -> list[str]:
     """The fine-tune options of the README's recipe, with a small run's lengths."""
-    return [
-        "--checkpoint.initial_load_path",
+    return folder_args(
         folder,
-        "--model.tokenizer_path",
-        folder,
-        "--training.dataset",
         corpus,
         "--checkpoint.enable",
         "--checkpoint.export_hf",
         "--training.steps",
         "3",
-        "--training.seq_len",
-        str(SEQ_LEN),
         "--training.local_batch_size",
         "2",
         "--lr_scheduler.warmup_steps",
@@ -63,7 +56,7 @@ def recipe(folder: str, corpus: str) -> list[str]:
         "false",
         "--metrics.peak_flops",
         "1e12",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from models.builder import build_model
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3.model import ffn_hidden_dim
 from parallelisms.parallel_dims import ParallelDims
-from tests.hf_folders import SHAPES, corpus_text, llama_config, write_llama_folder, write_tokenizer
+from tests.hf_folders import SHAPES, corpus_text, folder_args, llama_config, write_llama_folder, write_tokenizer
 from trainer import preflight
 from trainer.hf_checkpoint import export_hf, job_export_assets, job_model_args, load_hf_weights
 
@@ -29,20 +29,6 @@ def corpus(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text(corpus_text())
     return str(path)
-
-
-def folder_args(folder: str, corpus: str, *extra: str) -> list[str]:
-    return [
-        "--checkpoint.initial_load_path",
-        folder,
-        "--model.tokenizer_path",
-        folder,
-        "--training.dataset",
-        corpus,
-        "--training.seq_len",
-        "64",
-        *extra,
-    ]
 
 
 @pytest.mark.parametrize("name", SHAPES)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from config.job_config import JobConfig
 from config.manager import load_config
 from trainer import plan
 
@@ -20,25 +21,26 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
-def test_8b_fits_8_devices_of_80_gib_with_fsdp_and_the_written_config_loads(tmp_path):
+def _plan(tmp_path, flavor: str, devices: int, global_batch: int) -> tuple[float, str, JobConfig]:
+    """Plans ``flavor`` on ``devices`` and loads the config it wrote: (the best layout's estimated
+    peak in GiB, its table row, the config), checking the layout uses every device."""
     out = tmp_path / "plan.toml"
-    argv = ["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "64", *REAL]
-    result = _run(*argv, "--plan.top", "1", "--plan.output", str(out))
+    argv = ["--model.flavor", flavor, "--plan.devices", str(devices), "--training.global_batch_size"]
+    result = _run(*argv, str(global_batch), *REAL, "--plan.top", "1", "--plan.output", str(out))
     assert result.returncode == 0, result.stderr
     best = result.stdout.splitlines()[2]
-    assert "fsdp" in best
-    peak = float(best.split()[-3])
-    assert 0 < peak <= 80
     config = load_config(["--job.config_file", str(out)])
     p = config.parallelism
-    assert (
-        p.data_parallel_replicate_degree
-        * p.data_parallel_shard_degree
-        * p.tensor_parallel_degree
-        * (p.pipeline_parallel_degree)
-        == 8
-    )
+    degrees = p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
+    assert degrees * p.pipeline_parallel_degree == devices
+    return float(best.split()[-3]), best, config
+
+
+@pytest.mark.slow
+def test_8b_fits_8_devices_of_80_gib_with_fsdp_and_the_written_config_loads(tmp_path):
+    peak, best, config = _plan(tmp_path, "8B", 8, 64)
+    assert "fsdp" in best
+    assert 0 < peak <= 80
     assert (config.model.flavor, config.training.seq_len, config.training.global_batch_size) == ("8B", 8192, 64)
 
 
@@ -87,18 +89,5 @@ def test_time_model_by_hand():
 
 @pytest.mark.slow
 def test_its_405b_layout_on_512_devices_fits_by_the_estimator(tmp_path):
-    out = tmp_path / "plan.toml"
-    argv = ["--model.flavor", "405B", "--plan.devices", "512", "--training.global_batch_size", "1024", *REAL]
-    result = _run(*argv, "--plan.top", "1", "--plan.output", str(out))
-    assert result.returncode == 0, result.stderr
-    peak = float(result.stdout.splitlines()[2].split()[-3])
+    peak, _, _ = _plan(tmp_path, "405B", 512, 1024)
     assert 0 < peak <= 80
-    config = load_config(["--job.config_file", str(out)])
-    p = config.parallelism
-    assert (
-        p.data_parallel_replicate_degree
-        * p.data_parallel_shard_degree
-        * p.tensor_parallel_degree
-        * (p.pipeline_parallel_degree)
-        == 512
-    )
