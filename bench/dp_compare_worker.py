@@ -34,7 +34,6 @@ from torch.profiler import ProfilerActivity, profile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from config.job_config import DTYPES
 from config.manager import load_config
 from parallelisms.device import reset_peak_memory
 from trainer.distributed import set_collective_timeout
@@ -206,7 +205,7 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
     times = [max(r["step_times_s"][i] for r in gathered) for i in range(len(mine["step_times_s"]))]
     timed = times[warmup:]
     n_params = sum(p.numel() for part in trainer.model.parts for p in part.parameters())
-    param_bytes = n_params * DTYPES[config.training.mixed_precision_param].itemsize
+    param_bytes = n_params * trainer.model.compute_dtype.itemsize
     stats = mine["collectives"]
     graph_pass = trainer.model.graph_passes[0] if trainer.model.graph_passes else None
     return {

@@ -131,8 +131,11 @@ class Training:
     """Optimizer steps to train."""
     max_norm: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping."""
-    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of parameters in forward/backward compute: float32 or bfloat16."""
+    mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the forward/backward compute: bfloat16, float32, or auto: bfloat16 where the device
+    multiplies it fast (GPUs with bf16, CPUs with AVX512-BF16 or AMX), else float32. Weights,
+    gradients and optimizer state stay float32. Data parallelism casts the parameters; without it
+    the forward runs under autocast."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
     dataloader_num_workers: int = 0

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config.job_config import DTYPES, MODEL_SIZE_FIELDS, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
+from parallelisms.device import fast_bfloat16
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import Schedule
 from parallelisms.tensor_parallel import local_loss
@@ -35,6 +36,8 @@ class BuiltModel:
     """The family's hyper-parameters (vocabulary and sequence length included)."""
     flops_per_token: float
     """Training FLOPs per token of the whole model, for MFU."""
+    compute_dtype: torch.dtype
+    """The dtype the matmuls run in (``training.mixed_precision_param``, decided)."""
     graph_passes: list[BucketingPass] = field(default_factory=list)
     """SimpleFSDP's compile passes, one per compiled part: what each compiled graph holds."""
     schedule: Schedule | None = None
@@ -93,30 +96,30 @@ def _describe(config: JobConfig, args: Any) -> str:
     return config.model.flavor + (f" with {', '.join(changed)}" if changed else "")
 
 
-def compute_dtype(config: JobConfig, parallel_dims: ParallelDims) -> torch.dtype:
-    """The dtype the matmuls run in: ``training.mixed_precision_param`` where the layout applies it
-    (``ParallelDims.mixed_precision_enabled``), else float32."""
-    if parallel_dims.mixed_precision_enabled:
-        return DTYPES[config.training.mixed_precision_param]
-    return torch.float32
+def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
+    """``config`` with ``training.mixed_precision_param = "auto"`` decided for ``device_type``:
+    bfloat16 where the device multiplies it fast, else float32; the decision is logged."""
+    training = config.training
+    if training.mixed_precision_param != "auto":
+        return config
+    fast, device = fast_bfloat16(device_type)
+    param = "bfloat16" if fast else "float32"
+    logger.info(
+        "training.mixed_precision_param auto -> %s: %s %s bf16 matmuls",
+        param,
+        device,
+        "has fast" if fast else "has no fast",
+    )
+    return dataclasses.replace(config, training=dataclasses.replace(training, mixed_precision_param=param))
 
 
 def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """One line when mixed precision is asked for: what is cast, or that this layout cannot."""
-    training = config.training
-    asked = (training.mixed_precision_param, training.mixed_precision_reduce)
-    if asked == ("float32", "float32"):
-        return
-    if parallel_dims.mixed_precision_enabled:
-        logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", *asked)
-        return
-    logger.warning(
-        "training.mixed_precision_param %s / mixed_precision_reduce %s: only data parallelism (or one process) "
-        "applies them; this layout (tp %d, pp %d, no data parallelism) trains in float32",
-        *asked,
-        parallel_dims.tp,
-        parallel_dims.pp,
-    )
+    """One line when mixed precision is on: what casts, and what stays float32."""
+    param, reduce = config.training.mixed_precision_param, config.training.mixed_precision_reduce
+    if parallel_dims.dp_enabled and (param, reduce) != ("float32", "float32"):
+        logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", param, reduce)
+    elif not parallel_dims.dp_enabled and param != "float32":
+        logger.info("mixed precision: forward under %s autocast, float32 weights and gradients", param)
 
 
 def build_model(
@@ -130,14 +133,19 @@ def build_model(
     """Builds the model of ``args`` on ``parallel_dims.mesh`` as ``config`` asks; ``loss_fn`` is
     what the last pipeline stage computes (needed only under pipeline parallelism). With
     ``fake_mode`` (a dry run) the weights are allocated as fake tensors: no memory, no values."""
+    config = resolve_precision(config, device.type)
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
         model = spec.model_cls(args)
     logger.info(
         "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
-    built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len))
+    compute_dtype = DTYPES[config.training.mixed_precision_param]
+    built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
+    # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the
+    # forward's matmuls (backward follows the forward's dtypes).
+    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)
@@ -147,6 +155,8 @@ def build_model(
         with fake_mode or contextlib.nullcontext(), torch.no_grad():
             module.to_empty(device=device)
             module.init_weights(buffer_device=device, seed=config.debug.seed)
+        if autocast:
+            module.forward = torch.autocast(device.type, dtype=compute_dtype)(module.forward)
         return module.train()
 
     if parallel_dims.pp_enabled:

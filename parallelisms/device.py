@@ -7,6 +7,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
 - ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
 - ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
+- ``fast_bfloat16``: whether bf16 matmuls beat fp32 (the default precision follows it);
 - ``pinned_memory_available``: pinned-memory staging of asynchronous checkpoints;
 - ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
 - ``profiler_activities``: CUDA kernels in profiler traces;
@@ -62,6 +63,23 @@ def supports_async_tp(device_type: str) -> bool:
     """Asynchronous tensor parallel needs CUDA: symmetric-memory collectives that the compiler fuses
     with the matmuls. Elsewhere it is turned off (it only overlaps communication)."""
     return device_type == "cuda"
+
+
+def fast_bfloat16(device_type: str) -> tuple[bool, str]:
+    """Whether this device multiplies bfloat16 matrices faster than float32, and why: GPUs that
+    support bf16 do (tensor cores); a CPU does when it has bf16 instructions (AVX512-BF16 or AMX
+    tiles), which oneDNN uses for bf16 matmuls. Elsewhere bf16 is emulated and slower."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported(), "CUDA"
+    if device_type == "cpu":
+        # torch exposes the CPU's instruction sets only under private names; absent ones count as no.
+        features = {
+            "AMX": getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+            "AVX512-BF16": getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(),
+        }
+        found = [name for name, present in features.items() if present]
+        return bool(found), f"CPU with {' and '.join(found)}" if found else "CPU without bf16 instructions"
+    return False, device_type
 
 
 def pinned_memory_available() -> bool:

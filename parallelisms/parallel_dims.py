@@ -97,19 +97,9 @@ class ParallelDims:
         return self.mesh["dp_replicate" if self.dp_replicate_enabled else "dp_shard"]
 
     @property
-    def mixed_precision_enabled(self) -> bool:
-        """Whether ``training.mixed_precision_param`` / ``_reduce`` take effect. Data parallelism
-        applies them (its wrappers cast parameters and reduce gradients), and so does one process
-        (data parallelism over its single rank); tensor or pipeline parallelism without data
-        parallelism has nothing that casts, and trains in float32 (as torchtitan does)."""
-        return self.dp_enabled or self.world_size == 1
-
-    @property
     def dp_param_mesh(self) -> DeviceMesh:
         """The data-parallel dims that hold parameters, unflattened: (dp_replicate, dp_shard) for
-        HSDP, else the one of them in use; one process: its one-rank ``dp_shard`` mesh."""
-        if self.world_size == 1:
-            return self.mesh["dp_shard"]
+        HSDP, else the one of them in use."""
         enabled = (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.fsdp_enabled))
         return self.mesh[tuple(name for name, on in enabled if on)]
 

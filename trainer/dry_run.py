@@ -239,6 +239,11 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
             "tensors' dispatch mode); the estimate is eager's"
         )
         config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    if config.training.mixed_precision_param == "auto":
+        logger.info("training.mixed_precision_param auto -> bfloat16, as on the GPUs the dry run stands for")
+        config = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, mixed_precision_param="bfloat16")
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from config.job_config import JobConfig, user_input
 from config.manager import batch_layout, to_toml
-from models.builder import build_model, compute_dtype
+from models.builder import build_model
 from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.tensor_parallel import local_loss
@@ -70,8 +70,7 @@ class Trainer:
             total_steps=config.training.steps,
             tokens_per_step=self.global_batch_size * config.training.seq_len,
         )
-        dtype = compute_dtype(config, self.parallel_dims)
-        self.peak_flops = log_peak(device_peak(self.device, dtype, config.metrics.peak_flops))
+        self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())

@@ -55,8 +55,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if config.compile.enable and not simple_fsdp:
         apply_compile_per_block(model.layers, config.compile.backend)
 
-    if parallel_dims.dp_enabled or (parallel_dims.world_size == 1 and mixed_precision(config)):
-        # One process: data parallelism over its one rank casts exactly as it does over many.
+    if parallel_dims.dp_enabled:
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
     if not (config.compile.enable and simple_fsdp):
@@ -77,12 +76,6 @@ def _async_tp(config: JobConfig, device_type: str) -> bool:
     return wanted and supports_async_tp(device_type)
 
 
-def mixed_precision(config: JobConfig) -> bool:
-    """Whether the config asks for anything but float32 parameters and reductions."""
-    training = config.training
-    return (training.mixed_precision_param, training.mixed_precision_reduce) != ("float32", "float32")
-
-
 def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bool:
     # Pipeline microbatches would re-gather every time: keep weights gathered under PP by default.
     setting = config.parallelism.fsdp_reshard_after_forward
@@ -93,7 +86,7 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
     param_dtype = DTYPES[config.training.mixed_precision_param]
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     dp_mesh = parallel_dims.dp_param_mesh
-    if parallel_dims.fsdp_enabled or not parallel_dims.dp_enabled:
+    if parallel_dims.fsdp_enabled:
         apply_fsdp2(
             model,
             dp_mesh,

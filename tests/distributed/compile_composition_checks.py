@@ -112,7 +112,8 @@ def case_name(layout: str, compiled: bool, ac: str) -> str:
 
 def build(layout: str, compiled: bool, ac: str) -> tuple[BuiltModel, ParallelDims, Loss]:
     tp, overrides = LAYOUTS[layout]
-    config = load_config([*overrides, *AC[ac], *(COMPILE if compiled else [])])
+    precision = ["--training.mixed_precision_param", "float32"]  # compiled and eager compared closely
+    config = load_config([*precision, *overrides, *AC[ac], *(COMPILE if compiled else [])])
     world = dist.get_world_size()
     dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, tp=tp, pp=1, world_size=world)
     dims.build_mesh("cpu")

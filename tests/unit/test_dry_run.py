@@ -118,12 +118,15 @@ def _real_peak(rank: int, port: int, world: int, argv: list[str], out: str) -> N
     dist.destroy_process_group()
 
 
+FLOAT32 = ["--training.mixed_precision_param", "float32"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "world,argv",
     [
         (1, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
-        (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2"]),
+        (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2", *FLOAT32]),
     ],
     ids=["1rank_bf16_full_ac", "wide_fsdp2_2_fp32"],
 )

@@ -36,7 +36,8 @@ GQA_SCALED_ARGS = dataclasses.replace(DEBUG_ARGS, n_layers=2, n_kv_heads=4, use_
 def build(args: TransformerModelArgs, seed: int) -> Transformer:
     """A one-process model of ``args``, built the way training builds it."""
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
-    return build_model(load_config(["--debug.seed", str(seed)]), dims, torch.device("cpu"), args).parts[0].eval()
+    config = load_config(["--debug.seed", str(seed), "--training.mixed_precision_param", "float32"])
+    return build_model(config, dims, torch.device("cpu"), args).parts[0].eval()
 
 
 def hf_weights(folder: str) -> dict[str, torch.Tensor]:
