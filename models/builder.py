@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config.job_config import DTYPES, MODEL_SIZE_FIELDS, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
-from parallelisms.device import fast_bfloat16
+from parallelisms.device import attention_dtype, fast_bfloat16
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import Schedule
 from parallelisms.tensor_parallel import local_loss
@@ -141,6 +141,12 @@ def build_model(
         "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
     compute_dtype = DTYPES[config.training.mixed_precision_param]
+    upcast = None if fake_mode else attention_dtype(device.type, compute_dtype, args.head_dim)
+    if upcast is not None:  # (a dry run stands for GPUs, where attention keeps the compute dtype)
+        logger.info(
+            "attention in %s: faster than %s for heads of %d on %s", upcast, compute_dtype, args.head_dim, device
+        )
+        model.set_attention_dtype(upcast)
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
     # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the

@@ -141,6 +141,9 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
+    # The dtype attention computes in when it is not its inputs' (see Transformer.set_attention_dtype).
+    attention_dtype: torch.dtype | None = None
+
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         n_kv_heads = args.n_kv_heads or args.n_heads
@@ -166,8 +169,17 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
 
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention_dtype is None or self.attention_dtype == v.dtype:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dtype = self.attention_dtype
+        # Autocast would cast the inputs back to its own dtype.
+        with torch.autocast(v.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
+        return out.to(v.dtype)
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
@@ -244,6 +256,11 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             # One parameter under two names: state dicts list both, named_parameters() one.
             self.output.weight = self.tok_embeddings.weight
+
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        """Computes attention in ``dtype`` whatever the dtype of its inputs (None: theirs)."""
+        for layer in self.layers.values():
+            layer.attention.attention_dtype = dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map token ids [batch, seqlen] (or hidden states [batch, seqlen, dim] on a

@@ -101,3 +101,23 @@ def test_precision_is_one_line(caplog):
         ("INFO", "mixed precision: forward under bfloat16 autocast, float32 weights and gradients"),
         ("INFO", "mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32"),
     ]
+
+
+def test_narrow_heads_attend_in_float32_on_a_cpu_under_bfloat16():
+    model, _ = one_process(*BF16)  # debugmodel: heads of 16
+    attention = model.layers["0"].attention
+    assert attention.attention_dtype == torch.float32
+    assert one_process("--training.mixed_precision_param", "float32")[0].layers["0"].attention.attention_dtype is None
+    wide = dataclasses.replace(ARGS, n_heads=2)  # heads of 128 keep bf16
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    built = build_model(load_config(BF16), dims, torch.device("cpu"), wide)
+    assert built.parts[0].layers["0"].attention.attention_dtype is None
+
+    # Under autocast the attention sees bf16 q, k, v and computes in float32: the result equals
+    # float32 attention of the bf16-rounded inputs, rounded to bf16.
+    q, k, v = (torch.randn(2, 4, 32, 16).to(torch.bfloat16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attention._attend(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected.to(torch.bfloat16))
