@@ -1,19 +1,28 @@
-"""Benchmark: FSDP2 against SimpleFSDP (eager and compiled, three bucketing modes) on 2 CPU ranks.
+"""Benchmark: FSDP2 against SimpleFSDP (eager and compiled, three bucketing modes) on CPU ranks.
 
     python bench/dp_compare.py [--models debugmodel,debugmodel_wide] [--variants v1,v2,...]
+                               [--precisions fp32,bf16] [--ranks 1,2] [--rounds N]
                                [--steps N] [--warmup N] [--seq-len N] [--batch-size N] [--quick]
+    python bench/dp_compare.py --compile-depths 6,16,32
 
-Every (model, variant) is one ``torchrun --nproc-per-node 2`` launch of ``bench/dp_compare_worker.py``
-(gloo, ``OMP_NUM_THREADS=1`` per rank), which builds the run with the trainer's own code from
-``configs/debug_model.toml`` plus the variant's overrides: same data, seed and global batch for all.
-The variants of one model run back to back, so their ratios share the machine's conditions;
-absolute numbers on a shared machine are noise, ratios against ``fsdp2_eager`` are the result.
+Every run is one ``torchrun`` launch of ``bench/dp_compare_worker.py`` (gloo, ``OMP_NUM_THREADS=1``
+per rank), which builds the run with the trainer's own code from ``configs/debug_model.toml`` plus
+the variant's overrides: same data, seed and per-rank batch for all. Each round runs every
+(model, precision, ranks, variant) once, so that ratios compare runs made under the same load; the
+table gives the median over the rounds and the spread (min-max). Absolute numbers on a shared
+machine are noise; the ratios against ``fsdp2_eager`` (same model, precision, ranks and round) are
+the result. The 1-rank runs (``--ranks 1,2``; only ``ONE_RANK_VARIANTS``) give the scaling
+efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant.
 
-Prints one table row per (model, variant) and writes ``bench/results/dp_compare.json``
-(``dp_compare_quick.json`` with ``--quick``): all numbers, per-step times and losses, machine info.
-Each launch's output goes to ``bench/results/dp_compare_logs/``. Exits 1 if any variant failed
-(the others still run). On an idle 2-core machine ``--quick`` takes about 4 minutes, nearly all of
-it the four cold Inductor compiles, and the full run about 10 minutes.
+``--compile-depths`` measures compile time instead: for each depth (debugmodel's width), FSDP2's
+per-block compile and SimpleFSDP's whole-model compile with auto buckets, each launched twice on
+one fresh Inductor cache: cold, then as a restart of the same job would (warm caches).
+
+Prints the table and writes ``bench/results/dp_compare.json`` (``dp_compare_quick.json`` with
+``--quick``, ``dp_compare_depth.json`` for depths): all numbers, per-step times and losses, machine
+info. Each launch's output goes to ``bench/results/dp_compare_logs/``. Exits 1 if any run failed
+(the others still run). On an idle 2-core machine ``--quick`` takes about 4 minutes and one round of
+the full table about 25 minutes.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +50,6 @@ from models.llama3 import llama3_flavors
 
 WORKER = os.path.join(REPO, "bench", "dp_compare_worker.py")
 RESULTS_DIR = os.path.join(REPO, "bench", "results")
-NPROC = 2
 MIB = 2**20
 
 SIMPLE_FSDP_COMPILED = "--parallelism.data_parallel_impl simple_fsdp --compile.enable --compile.backend inductor"
@@ -56,6 +65,32 @@ VARIANTS: dict[str, list[str]] = {
     }.items()
 }
 BASELINE = "fsdp2_eager"
+ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto")
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_auto")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One launch: a model, a variant, a precision, a number of ranks; for the compile-time table a
+    depth and the Inductor cache folder its cold and warm launches share."""
+
+    model: str
+    variant: str
+    precision: str
+    nproc: int
+    round: int = 0
+    n_layers: int | None = None
+    cache_dir: str | None = None
+
+    @property
+    def group(self) -> tuple[str, str, str, int]:
+        return (self.model, self.precision, self.variant, self.nproc)
+
+    @property
+    def label(self) -> str:
+        depth = f"_{self.n_layers}layers" if self.n_layers else ""
+        return f"{self.model}{depth}_{self.precision}_{self.nproc}rank_{self.variant}_r{self.round}"
 
 
 @dataclass(frozen=True)
@@ -95,6 +130,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"batch {QUICK_SHAPE.batch_size}, {QUICK_WARMUP} warm-up + {QUICK_STEPS} timed steps "
         "(explicit options still win)",
     )
+    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated, from: fp32, bf16")
+    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1: ONE_RANK_VARIANTS only)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every run is repeated (default 3)")
+    parser.add_argument("--compile-depths", help="comma-separated layer counts: the compile-time table instead")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one variant may take (default 1800)")
     parser.add_argument(
         "--out", help="result JSON (default bench/results/dp_compare.json, dp_compare_quick.json with --quick)"
@@ -118,7 +157,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("seq_len", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    args.out = args.out or os.path.join(RESULTS_DIR, "dp_compare_quick.json" if args.quick else "dp_compare.json")
+    args.precisions = args.precisions.split(",")
+    if any(p not in PRECISIONS for p in args.precisions):
+        parser.error(f"--precisions: choose from {', '.join(PRECISIONS)}")
+    args.ranks = [int(n) for n in args.ranks.split(",")]
+    args.compile_depths = [int(n) for n in args.compile_depths.split(",")] if args.compile_depths else None
+    if args.quick:
+        args.rounds, args.ranks, args.precisions = 1, [2], ["fp32"]
+    name = (
+        "dp_compare_depth.json" if args.compile_depths else "dp_compare_quick.json" if args.quick else "dp_compare.json"
+    )
+    args.out = args.out or os.path.join(RESULTS_DIR, name)
     return args
 
 
@@ -140,7 +189,6 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": cpu_model,
         "cpu_count": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "nproc_per_variant": NPROC,
         "omp_num_threads_per_rank": 1,
         "loadavg_start": os.getloadavg(),
     }
@@ -157,30 +205,33 @@ def stop_launch(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def run_variant(model: str, variant: str, shape: Shape, args: argparse.Namespace, log_path: str) -> dict[str, Any]:
-    """Launches one variant and returns the worker's result. Raises RuntimeError when the launch
+def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path: str) -> dict[str, Any]:
+    """Launches one run and returns the worker's result. Raises RuntimeError when the launch
     fails and subprocess.TimeoutExpired after ``--timeout`` seconds (the launch is killed)."""
     # The warm-up stays within the shortest run's step count (the base config warms up over 6 steps).
     overrides = [
-        *f"--model.flavor {model} --training.seq_len {shape.seq_len} --training.local_batch_size {shape.batch_size}"
-        f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}".split(),
-        *VARIANTS[variant],
+        *f"--model.flavor {spec.model} --training.seq_len {shape.seq_len} --training.local_batch_size {shape.batch_size}"
+        f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}"
+        f" --training.mixed_precision_param {PRECISIONS[spec.precision]}".split(),
+        *(["--model.n_layers", str(spec.n_layers)] if spec.n_layers else []),
+        *VARIANTS[spec.variant],
     ]
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
         out = os.path.join(tmp, "result.json")
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=REPO,
+        if spec.cache_dir:
+            # The compile-time table: torch's own caches on, in a folder the cold and warm launches share.
+            caches = dict(TORCHINDUCTOR_CACHE_DIR=spec.cache_dir)
+        else:
             # The FX graph cache would skip the bucketing pass on a hit (no graph reports), and a
             # fresh Inductor cache per launch makes every variant pay its own full (cold) compile.
-            TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-            TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-            TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
-            # Compile in the rank's own process: both cores already run a rank.
-            TORCHINDUCTOR_COMPILE_THREADS="1",
-        )
-        torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={NPROC} {WORKER}"
+            caches = dict(
+                TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+                TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+            )
+        # Compile in the rank's own process: the cores already run the ranks.
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCHINDUCTOR_COMPILE_THREADS="1", **caches)
+        torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={spec.nproc} {WORKER}"
         worker_args = f"--out {out} --warmup {args.warmup} --steps {args.steps} --"
         command = [sys.executable, *torchrun.split(), *worker_args.split(), *overrides]
         with open(log_path, "w") as log:
@@ -218,14 +269,47 @@ def first_traceback(path: str, max_lines: int = 30) -> str:
     return "\n".join(lines[max(start, end + 1 - max_lines) : end + 1])
 
 
-def add_ratios(results: list[dict[str, Any]]) -> None:
-    """tokens/s and tracked-memory ratios against the same model's FSDP2 eager run."""
-    baselines = {r["model"]: r for r in results if r["variant"] == BASELINE and r["ok"]}
+def summarize_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, precision, variant, ranks): the first round's collectives and memory,
+    and over the rounds the median and spread of tokens/s per rank, of its ratio to the same
+    round's FSDP2 eager run, and the scaling efficiency against the same variant on 1 rank."""
+    done = {(r["model"], r["precision"], r["variant"], r["nproc"], r["round"]): r for r in results if r["ok"]}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        base = baselines.get(r["model"])
-        ok = r["ok"] and base is not None
-        r["tps_ratio"] = r["tps_total"] / base["tps_total"] if ok else None
-        r["memory_ratio"] = r["memory"]["tracked_peak_bytes"] / base["memory"]["tracked_peak_bytes"] if ok else None
+        groups.setdefault((r["model"], r["precision"], r["variant"], r["nproc"]), []).append(r)
+    rows = []
+    for (model, precision, variant, nproc), runs in groups.items():
+        ok = [r for r in runs if r["ok"]]
+        row: dict[str, Any] = {"model": model, "precision": precision, "variant": variant, "nproc": nproc}
+        if not ok:
+            rows.append(row | {"ok": False, "error": runs[0]["error"]})
+            continue
+        baselines = [done.get((model, precision, BASELINE, nproc, r["round"])) for r in ok]
+        paired = [(r, base) for r, base in zip(ok, baselines, strict=True) if base is not None]
+        one_rank = [done[key] for r in ok if (key := (model, precision, variant, 1, r["round"])) in done]
+        tps = [r["tps_per_rank"] for r in ok]
+        ratios = [r["tps_per_rank"] / base["tps_per_rank"] for r, base in paired]
+        memory = [r["memory"]["tracked_peak_bytes"] / b["memory"]["tracked_peak_bytes"] for r, b in paired]
+        rows.append(
+            {k: v for k, v in ok[0].items() if k not in ("round", "tps_per_rank", "compile_s")}
+            | row
+            | {
+                "ok": True,
+                "rounds": len(ok),
+                "tps_per_rank": _spread(tps),
+                "tps_ratio": _spread(ratios) if ratios else None,
+                "memory_ratio": statistics.median(memory) if memory else None,
+                "scaling": statistics.median(tps) / statistics.median(r["tps_per_rank"] for r in one_rank)
+                if nproc > 1 and one_rank
+                else None,
+                "compile_s": statistics.median(r["compile_s"] for r in ok),
+            }
+        )
+    return rows
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def graph_note(r: dict[str, Any]) -> str | None:
@@ -255,43 +339,97 @@ def graph_note(r: dict[str, Any]) -> str | None:
 
 
 def _ratio(value: float | None) -> str:
-    return f"{value:6.2f}" if value is not None else f"{'-':>6}"
+    return f"{value:5.2f}" if value is not None else f"{'-':>5}"
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
+def _with_spread(spread: dict[str, float] | None, fmt: str) -> str:
+    if spread is None:
+        return "-"
+    return f"{spread['median']:{fmt}} [{spread['min']:{fmt}}-{spread['max']:{fmt}}]"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
-        f"{'model':<16} {'variant':<18} {'tok/s/rank':>10} {'tok/s':>8} {'x tps':>6} {'mem MiB':>8} {'x mem':>6} "
-        f"{'RSS GiB':>7} {'AG':>4} {'RS':>4} {'AR':>4} {'MiB/step':>8} {'wire MiB':>8} {'3P(N-1)/N':>9} "
-        f"{'compile s':>9} {'loss':>7}"
+        f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
+        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'RS':>4} {'AR':>4} "
+        f"{'wire MiB':>8} {'3P(N-1)/N':>9} {'compile s':>9} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
-    for r in results:
+    for r in rows:
+        name = f"{r['model']:<16} {r['precision']:<4} {r['nproc']:>5} {r['variant']:<18}"
         if not r["ok"]:
-            lines.append(f"{r['model']:<16} {r['variant']:<18} FAILED: {r['error']}")
+            lines.append(f"{name} FAILED: {r['error']}")
             continue
         c = r["collectives"]
         lines.append(
-            f"{r['model']:<16} {r['variant']:<18} {r['tps_per_rank']:>10.0f} {r['tps_total']:>8.0f} "
-            f"{_ratio(r['tps_ratio'])} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
-            f"{r['memory']['peak_rss_gib']:>7.2f} {c['all_gather']:>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} "
-            f"{r['payload_bytes'] / MIB:>8.1f} {r['wire_bytes_estimate'] / MIB:>8.1f} {r['theory_bytes'] / MIB:>9.1f} "
+            f"{name} {_with_spread(r['tps_per_rank'], '.0f'):>22} {_with_spread(r['tps_ratio'], '.2f'):>19} "
+            f"{_ratio(r['scaling'])} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
+            f"{c['all_gather']:>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} "
+            f"{r['wire_bytes_estimate'] / MIB:>8.1f} {r['theory_bytes'] / MIB:>9.1f} "
             f"{r['compile_s']:>9.1f} {r['final_loss']:>7.4f}"
         )
     return "\n".join(lines)
 
 
+def format_depth_table(results: list[dict[str, Any]]) -> str:
+    """Compile seconds per depth: each variant cold and on warm caches, and SimpleFSDP over FSDP2."""
+    seconds = {(r["n_layers"], r["variant"], r["round"]): r["compile_s"] for r in results if r["ok"]}
+    header = (
+        f"{'layers':>6} {'FSDP2 per-block cold':>20} {'warm':>6} {'SimpleFSDP auto cold':>20} {'warm':>6} "
+        f"{'Simple/FSDP2 cold':>17} {'Simple warm/cold':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for depth in sorted({r["n_layers"] for r in results}):
+        fsdp2 = [seconds.get((depth, DEPTH_VARIANTS[0], i)) for i in (0, 1)]
+        simple = [seconds.get((depth, DEPTH_VARIANTS[1], i)) for i in (0, 1)]
+        cells = [f"{v:.1f}" if v is not None else "failed" for v in (*fsdp2, *simple)]
+        ratio = simple[0] / fsdp2[0] if simple[0] and fsdp2[0] else None
+        warm = simple[1] / simple[0] if simple[0] and simple[1] is not None else None
+        lines.append(
+            f"{depth:>6} {cells[0]:>20} {cells[1]:>6} {cells[2]:>20} {cells[3]:>6} {_ratio(ratio):>17} {_ratio(warm):>16}"
+        )
+    return "\n".join(lines)
+
+
 LEGEND = f"""\
-tok/s/rank, tok/s: tokens per rank / over both ranks, per second of the timed steps (the slowest rank's
-  step time each step; data loading excluded). x tps, x mem: ratio to the same model's {BASELINE}.
-mem MiB: peak tracked tensor memory per rank (max over ranks). RSS GiB: peak resident set size.
+prec: fp32, or bf16 mixed precision (fp32 weights and reduction). ranks: 1 (no data parallelism) or 2.
+tok/s/rank: tokens per rank per second of the timed steps (the slowest rank's step time each step; data
+  loading excluded), median over the rounds [min-max]. x tps: ratio to the same round's {BASELINE}
+  (same model, precision and ranks), median [min-max]; x mem: the same for tracked memory (median).
+scale: tok/s/rank on this many ranks over the same variant's on 1 rank (scaling efficiency).
+mem MiB: peak tracked tensor memory per rank (max over ranks), first round.
 AG/RS/AR: all-gathers, reduce-scatters, all-reduces one rank issues in one step (profiled step,
   ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
-MiB/step: their sizes (all-gather output, reduce-scatter input, all-reduce buffer). wire MiB: what a ring
-  algorithm sends per rank for them: size x (N-1)/N, all-reduce twice that. 3P(N-1)/N: FSDP's theoretical
-  wire bytes, 3 x parameter bytes P x (N-1)/N (all-gather forward and backward, reduce-scatter gradients).
-compile s: first step minus the median timed step, with a fresh Inductor cache per run: the compile for
-  compiled variants, one-time set-up (lazy init, optimizer state) for eager ones.
-loss: global loss at the last timed step (same data and seed everywhere: the variants should agree)."""
+wire MiB: what a ring algorithm sends per rank for them: size x (N-1)/N, all-reduce twice that.
+  3P(N-1)/N: FSDP's theoretical wire bytes, 3 x parameter bytes P x (N-1)/N (all-gather forward and
+  backward, reduce-scatter gradients), P in the compute dtype.
+compile s: first step minus the median timed step, with a fresh Inductor cache per run (median over
+  rounds): the compile for compiled variants, one-time set-up (lazy init, optimizer state) for eager ones.
+loss: global loss at the last timed step, first round (same data and seed everywhere: the variants
+  should agree)."""
+
+
+def throughput_runs(args: argparse.Namespace) -> list[RunSpec]:
+    """Every round's launches; within a round, each model's variants back to back."""
+    return [
+        RunSpec(model, variant, precision, nproc, round_index)
+        for round_index in range(args.rounds)
+        for model in args.models
+        for precision in args.precisions
+        for nproc in args.ranks
+        for variant in args.variants
+        if nproc > 1 or variant in ONE_RANK_VARIANTS
+    ]
+
+
+def depth_runs(args: argparse.Namespace, cache_root: str) -> list[RunSpec]:
+    """Per depth and variant: a cold launch (round 0) and a restart on its caches (round 1)."""
+    return [
+        RunSpec("debugmodel", variant, "fp32", 2, restart, depth, os.path.join(cache_root, f"{variant}_{depth}"))
+        for depth in args.compile_depths
+        for variant in DEPTH_VARIANTS
+        for restart in (0, 1)
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -300,53 +438,56 @@ def main(argv: list[str]) -> int:
     log_dir = os.path.join(RESULTS_DIR, "dp_compare_logs")
     os.makedirs(log_dir, exist_ok=True)
     info = machine_info()
-    runs = [(m, v) for m in args.models for v in args.variants]
-    print(
-        f"dp_compare: {len(runs)} runs on {NPROC} ranks, warm-up {args.warmup} + {args.steps} timed steps; "
-        f"torch {info['torch']}, {info['usable_cores']} cores, load average {info['loadavg_start'][0]:.1f}",
-        flush=True,
-    )
     start = time.perf_counter()
-    results = run_all(runs, args, log_dir)
-    add_ratios(results)
+    with tempfile.TemporaryDirectory(prefix="dp_compare_caches_") as cache_root:
+        runs = depth_runs(args, cache_root) if args.compile_depths else throughput_runs(args)
+        print(
+            f"dp_compare: {len(runs)} launches, warm-up {args.warmup} + {args.steps} timed steps; "
+            f"torch {info['torch']}, {info['usable_cores']} cores, load average {info['loadavg_start'][0]:.1f}",
+            flush=True,
+        )
+        results = run_all(runs, args, log_dir)
     info["loadavg_end"] = os.getloadavg()
     info["total_wall_s"] = time.perf_counter() - start
-    write_results(args, info, results)
+    if args.compile_depths:
+        rows, table = [], format_depth_table(results)
+    else:
+        rows = summarize_runs(results)
+        table = format_table(rows)
+    write_results(args, info, results, rows)
     print()
-    print(format_table(results))
-    notes = [n for r in results if (n := graph_note(r))]
+    print(table)
+    notes = [n for r in rows if (n := graph_note(r))]
     if notes:
         print("\nCompiled SimpleFSDP graphs (BucketingPass reports):\n  " + "\n  ".join(notes))
-    print(f"\n{LEGEND}\nMemory: {MEMORY_METHOD}")
+    if not args.compile_depths:
+        print(f"\n{LEGEND}\nMemory: {MEMORY_METHOD}")
     print(f"\nTotal {info['total_wall_s'] / 60:.1f} min; results in {os.path.relpath(args.out, REPO)}")
 
     failed = [r for r in results if not r["ok"]]
     for r in failed:
         traceback = first_traceback(os.path.join(REPO, r["log"]))
-        print(f"\nFAILED {r['model']} {r['variant']}: {r['error']}\nfrom {r['log']}:\n{traceback}", file=sys.stderr)
+        print(f"\nFAILED {r['label']}: {r['error']}\nfrom {r['log']}:\n{traceback}", file=sys.stderr)
     if failed:
         print(f"error: {len(failed)} of {len(results)} runs failed", file=sys.stderr)
         return 1
     return 0
 
 
-def run_all(runs: list[tuple[str, str]], args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
-    """Every (model, variant) launch, one after the other; a failed one is recorded and skipped."""
+def run_all(runs: list[RunSpec], args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
+    """Every launch, one after the other; a failed one is recorded and skipped."""
     results: list[dict[str, Any]] = []
-    for i, (model, variant) in enumerate(runs, 1):
-        shape = model_shape(model, args)
-        log_path = os.path.join(log_dir, f"{model}_{variant}.log")
-        print(
-            f"[{i}/{len(runs)}] {model} {variant} (seq_len {shape.seq_len}, batch {shape.batch_size}/rank) ... ",
-            end="",
-            flush=True,
-        )
+    for i, spec in enumerate(runs, 1):
+        shape = model_shape(spec.model, args)
+        log_path = os.path.join(log_dir, f"{spec.label}.log")
+        print(f"[{i}/{len(runs)}] {spec.label} (seq_len {shape.seq_len}, batch {shape.batch_size}/rank) ... ", end="")
+        sys.stdout.flush()
         run_start = time.perf_counter()
-        entry: dict[str, Any] = {"model": model, "variant": variant, "log": os.path.relpath(log_path, REPO)}
+        entry: dict[str, Any] = asdict(spec) | {"label": spec.label, "log": os.path.relpath(log_path, REPO)}
         try:
-            entry |= run_variant(model, variant, shape, args, log_path)
+            entry |= run_variant(spec, shape, args, log_path)
             entry |= {"ok": True, "error": None}
-            print(f"{time.perf_counter() - run_start:.0f} s", flush=True)
+            print(f"{time.perf_counter() - run_start:.0f} s, {entry['tps_per_rank']:.0f} tok/s/rank", flush=True)
         except subprocess.TimeoutExpired:
             entry |= {"ok": False, "error": f"timed out after {args.timeout:.0f} s (--timeout)"}
             print(f"FAILED ({entry['error']}), see {entry['log']}", flush=True)
@@ -358,7 +499,9 @@ def run_all(runs: list[tuple[str, str]], args: argparse.Namespace, log_dir: str)
     return results
 
 
-def write_results(args: argparse.Namespace, info: dict[str, Any], results: list[dict[str, Any]]) -> None:
+def write_results(
+    args: argparse.Namespace, info: dict[str, Any], results: list[dict[str, Any]], rows: list[dict[str, Any]]
+) -> None:
     with open(args.out, "w") as f:
         json.dump(
             {
@@ -370,9 +513,14 @@ def write_results(args: argparse.Namespace, info: dict[str, Any], results: list[
                     "warmup_steps": args.warmup,
                     "timed_steps": args.steps,
                     "quick": args.quick,
+                    "precisions": args.precisions,
+                    "ranks": args.ranks,
+                    "rounds": args.rounds,
+                    "compile_depths": args.compile_depths,
                 },
                 "memory_method": MEMORY_METHOD,
                 "variants": {v: VARIANTS[v] for v in args.variants},
+                "rows": rows,
                 "results": results,
             },
             f,
