@@ -143,9 +143,8 @@ def build_model(
     compute_dtype = DTYPES[config.training.mixed_precision_param]
     upcast = None if fake_mode else attention_dtype(device.type, compute_dtype, args.head_dim)
     if upcast is not None:  # (a dry run stands for GPUs, where attention keeps the compute dtype)
-        logger.info(
-            "attention in %s: faster than %s for heads of %d on %s", upcast, compute_dtype, args.head_dim, device
-        )
+        names = [str(dtype).removeprefix("torch.") for dtype in (upcast, compute_dtype)]
+        logger.info("attention in %s: faster than %s for heads of %d on %s", *names, args.head_dim, device.type)
         model.set_attention_dtype(upcast)
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
