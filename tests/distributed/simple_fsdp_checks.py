@@ -514,6 +514,10 @@ def main() -> None:
             json.dump(results, f, indent=1, default=str)
     dist.barrier()
     dist.destroy_process_group()
+    # Every check has reported: skip the interpreter's teardown, where a gloo thread once aborted
+    # a rank of the 4-rank run ("terminate called without an active exception") after all passed.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
