@@ -13,7 +13,8 @@ Pipeline parallelism: torch's schedules agree on a warm-up by reading values the
 send, which a fake group cannot deliver. The dry run replays instead the action list torch's
 schedule gives rank 0 (``pipeline_order``: forward and backward of which stage on which
 microbatch, in order), with the stage boundaries' sends and receives on the fake group, so the
-microbatches in flight and their saved activations are the schedule's. Zero-bubble schedules'
+microbatches in flight and their saved activations are the schedule's; as there, FSDP's gradients
+accumulate unsharded until the stages' closing reduce-scatter. Zero-bubble schedules'
 split backward runs as one full backward at the input-gradient action.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from config.job_config import ConfigError, JobConfig
@@ -169,6 +171,11 @@ def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: 
                 mark()
                 mark = None
             x, out = saved.pop((s, mb))
+            if isinstance(stage.submod, FSDPModule):
+                # As torch's stages do: gradients accumulate unsharded until the step's last backward.
+                stage.submod.set_is_last_backward(False)
+                stage.submod.set_reshard_after_backward(False)
+                stage.submod.set_requires_gradient_sync(False)
             with loss.context():
                 if s == n_stages - 1:
                     loss(out, micro_labels[mb]).backward()
@@ -176,12 +183,20 @@ def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: 
                     out.backward(_receive_like(out, peer[s + 1], group))
             if x is not None:
                 _send(x.grad, peer[s - 1], group)
+    for stage in pipeline_stages:
+        stage.perform_reduce_grad(1)  # the schedule's closing action: FSDP's reduce-scatters (scale_grads off)
 
 
 def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches, pp_mesh, mark) -> None:
     optimizer.zero_grad()
     for inputs, labels in batches:
-        (_pipeline_step if built.schedule is not None else _forward_backward)(built, loss, inputs, labels, mark)
+        if built.schedule is None:
+            _forward_backward(built, loss, inputs, labels, mark)
+        elif dist.get_backend() == "fake":
+            _pipeline_step(built, loss, inputs, labels, mark)
+        else:  # real ranks (measuring a real run's peak) run torch's schedule itself
+            with loss.context():
+                built.run_pipeline(inputs, labels, train=True)
     params = [p for part in built.parts for p in part.parameters() if p.grad is not None]
     clip_grad_norm_(params, float("inf"), pp_mesh=pp_mesh)
     optimizer.step()

@@ -45,6 +45,10 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel_wide": TransformerModelArgs(
         dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
+    # Mid-size (209M parameters with the test tokenizer): memory estimates checked on real ranks.
+    "debugmodel_200m": TransformerModelArgs(
+        dim=1024, n_layers=16, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
+    ),
     # Published Llama 3.2 and 3.1 hyper-parameters.
     "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, **_LLAMA32),
     "3B": TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, **_LLAMA32),

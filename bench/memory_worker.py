@@ -1,0 +1,84 @@
+"""A real run's tracked peak memory, measured as the dry run measures its estimate.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N bench/memory_worker.py OUT.json [config options]
+    python bench/memory_worker.py OUT.json --fake N [config options]
+
+Real (under torchrun, gloo, CPU): builds the config's model, optimizer and LR schedule on the ranks
+and runs ``trainer.dry_run.measure_steps`` (two training steps on random tokens, MemTracker over
+the second); rank 0 writes ``{"peak": bytes by MemTracker category and "Total", "seconds": ...}`` to
+OUT.json.
+``--fake N``: the dry run of the same config as rank 0 of N fake ranks, its peak written the same
+way. Used by ``bench/estimate_accuracy.py`` and ``tests/unit/test_dry_run.py``.
+
+Attention computes in the compute dtype, as on the GPUs a dry run stands for (on a CPU, heads
+narrower than 64 would attend in float32 under bf16, holding float32 copies the GPU does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from config.manager import batch_layout, load_config
+from models.builder import build_model, model_args
+from models.llama3.model import Attention
+from trainer.distributed import parallel_dims_from_config
+from trainer.dry_run import dry_run, measure_steps
+from trainer.loss import Loss
+from trainer.optim import build_optimizer_and_schedule
+
+
+def real_peak(argv: list[str]) -> dict[str, int]:
+    dist.init_process_group("gloo")
+    config = load_config(argv)
+    dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
+    dims.build_mesh("cpu")
+    global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
+    loss = Loss(config, dims, global_batch * config.training.seq_len)
+    args = model_args(config)
+    built = build_model(config, dims, torch.device("cpu"), args, loss)
+    for part in built.parts:
+        for module in part.modules():
+            if isinstance(module, Attention):
+                module.attention_dtype = None
+    optimizer, schedule = build_optimizer_and_schedule(config, built.parts)
+    shape = (config.training.local_batch_size, config.training.seq_len)
+    peak, _ = measure_steps(
+        built,
+        loss,
+        optimizer,
+        schedule,
+        lambda: (torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)),
+        accumulation,
+        dims,
+    )
+    dist.destroy_process_group()
+    return peak
+
+
+def fake_peak(world_size: int, argv: list[str]) -> dict[str, int]:
+    report = dry_run(load_config(argv), world_size)
+    return {**report.peak, "Total": report.peak_bytes}
+
+
+def main(argv: list[str]) -> int:
+    out, argv = argv[0], argv[1:]
+    start = time.perf_counter()
+    peak = fake_peak(int(argv[1]), argv[2:]) if argv[:1] == ["--fake"] else real_peak(argv)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump({"peak": peak, "seconds": time.perf_counter() - start}, f)
+    sys.stdout.flush()
+    os._exit(0)  # without the interpreter's teardown, where gloo's threads have aborted a rank
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
