@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pickle
 import sys
@@ -177,16 +176,23 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     # the gathered weights), fp32 reduce-scatters, the replicas' fp32 all-reduce; all overlappable.
     rank_params = (shape.block_params * shape.n_layers + shape.other_params) / (lay.tp * lay.pp)
     gathers = 1 if lay.pp > 1 else 2
+    embedding = shape.vocab * shape.dim
     if lay.impl == "fsdp2":
-        calls = shape.n_layers / lay.pp + 1  # one collective per block and one for the rest
+        # One unit per block, and the root: embedding, final norm and output, gathered first.
+        calls, first = shape.n_layers / lay.pp + 1, shape.other_params
     else:
-        calls = math.ceil(rank_params * 4 / (config.compile.bucket_memory_cap_mb * 2**20))
+        # The written config's buckets (compile.bucketing manual, no list): one per block, the
+        # embedding (gathered first), and final norm with output.
+        calls, first = shape.n_layers / lay.pp + 2, embedding
+    if lay.pp > 1:
+        first = min(first, embedding)  # rank 0's first stage holds the embedding, not the output
     span = lay.shard * lay.tp
     ag = _ring_seconds(plan, lay.shard, span, rank_params * 2, calls)
     rs = _ring_seconds(plan, lay.shard, span, rank_params * 4, calls)
     ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, calls)
     dp_comm = passes * (gathers * ag + rs) + ar
-    exposed = max(0.0, dp_comm - compute) + ag / calls  # the first gather waits; the rest overlap compute
+    # Each forward pass waits for its first gather; the rest overlaps compute.
+    exposed = max(0.0, dp_comm - compute) + passes * _ring_seconds(plan, lay.shard, span, first / lay.tp * 2, 1)
     # Tensor parallel (sequence parallel): an all-gather and a reduce-scatter of the activations
     # around attention and MLP, forward and backward: 8 per block and microbatch, all exposed.
     activation = lay.microbatch * seq * shape.dim * 2
@@ -225,8 +231,9 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         parallelism=parallelism,
         training=training,
         activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode=layout.ac),
-        # SimpleFSDP's bucketing (which the time model counts on) is a compiler pass.
-        compile=dataclasses.replace(config.compile, enable=layout.impl == "simple_fsdp"),
+        # Per-block compile for FSDP2 (the GPU default) and whole-model compile for SimpleFSDP,
+        # whose bucketing (which the time model counts on) is a compiler pass.
+        compile=dataclasses.replace(config.compile, enable=True, bucketing="manual", manual_buckets=[]),
     )
 
 
