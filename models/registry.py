@@ -31,12 +31,14 @@ class ModelSpec:
     args_from_hf_fn: Callable[[dict, Any, str], Any]
     """(Hugging Face config.json, model args giving what it lacks, its path) -> model args;
     ValueError naming the path and every field the family cannot build."""
+    bucket_plan_fn: Callable[..., Any]
+    """(model part, parallel dims, config) -> the BucketPlan compiled SimpleFSDP would use, or None."""
 
 
 def _llama3_spec() -> ModelSpec:
     from models.llama3 import Transformer, flops_per_token, llama3_flavors, num_params
     from models.llama3.hf_adapter import args_from_hf_config
-    from models.llama3.parallelize import check_llama_layout, parallelize_llama
+    from models.llama3.parallelize import bucket_plan, check_llama_layout, parallelize_llama
     from models.llama3.pipeline import pipeline_llama
 
     def llama_flops(args: Any, model: nn.Module, seq_len: int) -> float:
@@ -51,6 +53,7 @@ def _llama3_spec() -> ModelSpec:
         check_llama_layout,
         llama_flops,
         args_from_hf_config,
+        bucket_plan,
     )
 
 

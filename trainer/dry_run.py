@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from config.job_config import ConfigError, JobConfig
 from config.manager import batch_layout, load_config
 from models.builder import BuiltModel, build_model, model_args
+from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims
 from trainer.checkpoint import ModelState, OptimizerState, whole_model
 from trainer.distributed import parallel_dims_from_config
@@ -89,6 +90,12 @@ class DryRunReport:
     """Bytes by category at the end of the last step's forward (the activations saved for backward)."""
     state_dict_bytes: int
     """Bytes of this rank's checkpoint state dicts (model and optimizer)."""
+    buckets: int | None
+    """Compiled SimpleFSDP's buckets on this rank (None: no bucketing to estimate)."""
+    bucket_pair_bytes: int
+    """Analytical, compiled SimpleFSDP: the gathered weights of the two largest neighbouring
+    buckets, which the compiled step holds at once (one computes while the next is gathered); the
+    eager run measured gathers one parameter at a time."""
     seconds: float
 
     def summary(self) -> str:
@@ -103,6 +110,12 @@ class DryRunReport:
             lines.append(
                 f"    {name.lower():<11} {_size(self.peak.get(name, 0)):>11} at the peak, "
                 f"{_size(self.after_forward.get(name, 0)):>11} at the end of forward"
+            )
+        if self.buckets is not None:
+            lines.append(
+                f"  compiled SimpleFSDP: {self.buckets} buckets; two neighbouring ones gathered hold up to "
+                f"{_size(self.bucket_pair_bytes)} (analytical), a peak of up to "
+                f"{_size(self.peak_bytes + self.bucket_pair_bytes)} with them"
             )
         lines.append(f"  checkpoint state dict {_size(self.state_dict_bytes)} on this rank")
         return "\n".join(lines)
@@ -243,22 +256,39 @@ def _bytes_of(tree) -> int:
     return total
 
 
+def _buckets_planned(config: JobConfig) -> bool:
+    """Whether the real run compiles SimpleFSDP with bucketing; ConfigError for auto bucketing
+    without the figures it plans with (a dry run cannot time the GPUs it stands for)."""
+    c = config.compile
+    if not (c.enable and config.parallelism.data_parallel_impl == "simple_fsdp" and c.bucketing != "none"):
+        return False
+    if c.bucketing == "auto" and None in (config.comm.alpha_us, config.comm.bandwidth_gbps, c.compute_flops):
+        raise ConfigError(
+            "compile.bucketing auto in a dry run: set comm.alpha_us, comm.bandwidth_gbps and compile.compute_flops "
+            "for the devices it stands for (it cannot time them)"
+        )
+    return True
+
+
 def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
     """Rank 0's build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
-    if config.compile.enable:
-        logger.warning(
-            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
-            "tensors' dispatch mode); the estimate is eager's"
-        )
-        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
     if config.training.mixed_precision_param == "auto":
         logger.info("training.mixed_precision_param auto -> bfloat16, as on the GPUs the dry run stands for")
         config = dataclasses.replace(
             config, training=dataclasses.replace(config.training, mixed_precision_param="bfloat16")
         )
+    compiled = config  # what the real run compiles: SimpleFSDP's buckets are planned from it
+    bucketed = _buckets_planned(config)
+    if config.compile.enable:
+        logger.warning(
+            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
+            "tensors' dispatch mode); the estimate is eager's%s",
+            " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
+        )
+        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors
@@ -280,6 +310,8 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
         state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(
             OptimizerState(model, optimizer).state_dict()
         )
+    plans = [get_model_spec(config.model.name).bucket_plan_fn(part, dims, compiled) for part in built.parts]
+    buckets = [b.param_bytes // dims.tp for plan in plans if plan is not None for b in plan.buckets]
     return DryRunReport(
         world_size=world_size,
         mesh=dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape, strict=True)),
@@ -288,6 +320,8 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
         peak={k: v for k, v in peak.items() if k != _TOTAL_KEY},
         after_forward=after_forward,
         state_dict_bytes=state_bytes,
+        buckets=len(buckets) if bucketed else None,
+        bucket_pair_bytes=max((a + b for a, b in zip(buckets, [*buckets[1:], 0])), default=0),
         seconds=time.perf_counter() - start,
     )
 

@@ -12,7 +12,8 @@ as a config file for ``run_train.sh`` (``plan.output``).
 
 The dry run's peak grows linearly with the blocks a stage holds, so each layout is measured on
 models cut to 1 and 2 blocks per stage (same widths, vocabulary and sequence) and extrapolated to
-the model's depth; measurements are cached by shape (the replicate degree of HSDP changes no
+the model's depth (plus, for compiled SimpleFSDP, the gathered weights of its two largest
+neighbouring buckets, the dry run's analytical part); measurements are cached by shape (the replicate degree of HSDP changes no
 rank's memory, so it is measured with one replica).
 """
 
@@ -237,9 +238,11 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
     )
 
 
-def _peak_of(config: JobConfig, world_size: int) -> int:
+def _peak_of(config: JobConfig, world_size: int) -> tuple[int, int]:
+    """The dry run's eager peak, and the gathered bytes compiled SimpleFSDP's buckets add to it."""
     logging.disable(logging.WARNING)  # the build's warnings, once per dry run; the planner says what matters
-    return dry_run(config, world_size).peak_bytes
+    report = dry_run(config, world_size)
+    return report.peak_bytes, report.bucket_pair_bytes
 
 
 def _in_child(fn, *args):
@@ -274,10 +277,10 @@ class PeakEstimator:
 
     def __init__(self, config: JobConfig, shape: ModelShape):
         self.config, self.shape = config, shape
-        self.cache: dict[tuple, int] = {}
+        self.cache: dict[tuple, tuple[int, int]] = {}
         self.dry_runs, self.seconds = 0, 0.0
 
-    def _measure(self, layout: Layout, blocks: int) -> int:
+    def _measure(self, layout: Layout, blocks: int) -> tuple[int, int]:
         key = (dataclasses.replace(layout, replicate=1), blocks)
         if key not in self.cache:
             config = layout_config(self.config, key[0])
@@ -289,7 +292,6 @@ class PeakEstimator:
                 ),
                 # One microbatch per step: accumulating more changes no peak (gradients sum in place).
                 training=dataclasses.replace(config.training, global_batch_size=-1),
-                compile=dataclasses.replace(config.compile, enable=False),  # the dry run is eager
             )
             start = time.perf_counter()
             self.cache[key] = _in_child(_peak_of, config, layout.shard * layout.tp * layout.pp)
@@ -298,8 +300,10 @@ class PeakEstimator:
         return self.cache[key]
 
     def peak_bytes(self, layout: Layout) -> int:
-        one, two = self._measure(layout, 1), self._measure(layout, 2)
-        return one + (self.shape.n_layers // layout.stages - 1) * (two - one)
+        blocks = self.shape.n_layers // layout.stages
+        (one, one_buckets), (two, two_buckets) = self._measure(layout, 1), self._measure(layout, 2)
+        # Compiled SimpleFSDP's two largest neighbouring buckets are the same from 2 blocks on.
+        return one + (blocks - 1) * (two - one) + (one_buckets if blocks == 1 else two_buckets)
 
 
 def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:

@@ -60,7 +60,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 
     if not (config.compile.enable and simple_fsdp):
         return None
-    plan = _bucket_plan(model, parallel_dims, config)
+    plan = bucket_plan(model, parallel_dims, config)
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
     graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
@@ -138,8 +138,10 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     return units
 
 
-def _bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketPlan | None:
-    """The bucket plan, or None when there is nothing to bucket (bucketing none, or no data parallelism)."""
+def bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketPlan | None:
+    """SimpleFSDP's bucket plan for ``model``, or None when there is nothing to bucket (bucketing
+    none, or no data parallelism). Auto bucketing calibrates the links unless comm.alpha_us and
+    comm.bandwidth_gbps are set."""
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
     param_dtype = DTYPES[config.training.mixed_precision_param]

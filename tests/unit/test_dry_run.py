@@ -64,6 +64,32 @@ def test_dry_run_optimizer_state_is_the_hand_counted_shard():
     assert report["peak_bytes"] == sum(report["peak"].values())
 
 
+SIMPLE_FSDP_COMPILED = ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable"]
+
+
+def test_compiled_simple_fsdp_adds_its_two_largest_neighbouring_buckets():
+    """Manual buckets (one per block, the embedding, norm + output) on 8 fake ranks in bf16: the
+    largest neighbouring pair is two blocks, 852,480 parameters each at 2 bytes, by hand."""
+    report = _dry_run(8, *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "manual")
+    assert report["buckets"] == 8
+    assert report["bucket_pair_bytes"] == 2 * (4 * 256 * 256 + 3 * 768 * 256 + 2 * 256) * 2
+    eager = _dry_run(8, "--parallelism.data_parallel_impl", "simple_fsdp")
+    assert eager["buckets"] is None and eager["peak_bytes"] == report["peak_bytes"]
+
+
+def test_auto_buckets_without_the_devices_figures_is_one_line():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    argv = ["--world-size", "8", *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "auto"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", *argv], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: compile.bucketing auto in a dry run: set comm.alpha_us, comm.bandwidth_gbps and "
+        "compile.compute_flops for the devices it stands for (it cannot time them)"
+    ]
+
+
 @pytest.mark.slow
 def test_bad_layout_at_the_simulated_world_size_is_one_line():
     """A TP degree that does not divide the 8B model's 8 kv heads, at 1,024 simulated ranks."""
