@@ -8,7 +8,7 @@ and runs ``trainer.dry_run.measure_steps`` (two training steps on random tokens,
 the second); rank 0 writes ``{"peak": bytes by MemTracker category and "Total", "seconds": ...}`` to
 OUT.json.
 ``--fake N``: the dry run of the same config as rank 0 of N fake ranks, its peak written the same
-way. Used by ``bench/estimate_accuracy.py`` and ``tests/unit/test_dry_run.py``.
+way, with the dry run's whole report under "report". Used by ``bench/estimate_accuracy.py`` and ``tests/unit/test_dry_run.py``.
 
 Attention computes in the compute dtype, as on the GPUs a dry run stands for (on a CPU, heads
 narrower than 64 would attend in float32 under bf16, holding float32 copies the GPU does not).
@@ -16,6 +16,7 @@ narrower than 64 would attend in float32 under bf16, holding float32 copies the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -64,18 +65,23 @@ def real_peak(argv: list[str]) -> dict[str, int]:
     return peak
 
 
-def fake_peak(world_size: int, argv: list[str]) -> dict[str, int]:
+def fake_peak(world_size: int, argv: list[str]) -> tuple[dict[str, int], dict]:
+    """The dry run's peak by category and "Total", and its whole report."""
     report = dry_run(load_config(argv), world_size)
-    return {**report.peak, "Total": report.peak_bytes}
+    return {**report.peak, "Total": report.peak_bytes}, dataclasses.asdict(report)
 
 
 def main(argv: list[str]) -> int:
     out, argv = argv[0], argv[1:]
     start = time.perf_counter()
-    peak = fake_peak(int(argv[1]), argv[2:]) if argv[:1] == ["--fake"] else real_peak(argv)
+    report = None
+    if argv[:1] == ["--fake"]:
+        peak, report = fake_peak(int(argv[1]), argv[2:])
+    else:
+        peak = real_peak(argv)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
-            json.dump({"peak": peak, "seconds": time.perf_counter() - start}, f)
+            json.dump({"peak": peak, "seconds": time.perf_counter() - start, "report": report}, f)
     sys.stdout.flush()
     os._exit(0)  # without the interpreter's teardown, where gloo's threads have aborted a rank
 

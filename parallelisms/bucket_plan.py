@@ -42,8 +42,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
+import hashlib
+import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -312,6 +315,42 @@ class BucketPlan:
     def to_dict(self) -> dict:
         """Plain, JSON-serializable form: ``{"buckets": [{units, param_bytes, predicted_...}, ...]}``."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BucketPlan:
+        return cls([Bucket(**bucket) for bucket in data["buckets"]])
+
+
+def saved_or_new_plan(
+    folder: str | None, key: dict, make_plan: Callable[[], BucketPlan], group: dist.ProcessGroup
+) -> tuple[BucketPlan, str | None]:
+    """The plan an earlier start saved in ``folder`` for the same ``key`` (units and settings, JSON),
+    else ``make_plan()`` (called by every rank of ``group``), saved there; and the file's path when
+    the plan was read from it.
+
+    An auto plan rests on timings that vary from start to start, and a different plan is a different
+    compiled graph: a restart would miss the compile caches. The group's first rank decides and
+    broadcasts its choice, so every rank buckets alike even where the folder is not shared."""
+    text = json.dumps(key, sort_keys=True)
+    path = os.path.join(folder, f"auto_{hashlib.sha1(text.encode()).hexdigest()[:16]}.json") if folder else None
+    first = dist.get_rank(group) == 0
+    saved = None
+    if first and path and os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        saved = data["plan"] if data.get("key") == json.loads(text) else None
+    box = [saved]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    if box[0] is not None:
+        return BucketPlan.from_dict(box[0]), path
+    plan = make_plan()
+    if first and path:
+        os.makedirs(folder, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            json.dump({"key": key, "plan": plan.to_dict()}, f, indent=1)
+        os.replace(partial, path)  # whole or absent: ranks of other groups may write the same file
+    return plan, None
 
 
 def _summarize_names(names: list[str]) -> str:

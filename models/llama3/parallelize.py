@@ -4,7 +4,9 @@ data parallel, so that its gathers are traced with the compute)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from parallelisms.bucket_plan import (
     default_manual_patterns,
     plan_auto,
     plan_manual,
+    saved_or_new_plan,
 )
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
@@ -34,6 +37,9 @@ from .model import Transformer, TransformerModelArgs, check_args
 from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
+
+SAVED_PLANS = "bucket_plans"
+"""Folder in the dump folder where auto bucket plans are kept for restarts (see saved_or_new_plan)."""
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketingPass | None:
@@ -60,7 +66,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 
     if not (config.compile.enable and simple_fsdp):
         return None
-    plan = bucket_plan(model, parallel_dims, config)
+    plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
     graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
@@ -138,10 +144,12 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     return units
 
 
-def bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketPlan | None:
+def bucket_plan(
+    model: nn.Module, parallel_dims: ParallelDims, config: JobConfig, saved_plans: str | None = None
+) -> BucketPlan | None:
     """SimpleFSDP's bucket plan for ``model``, or None when there is nothing to bucket (bucketing
     none, or no data parallelism). Auto bucketing calibrates the links unless comm.alpha_us and
-    comm.bandwidth_gbps are set."""
+    comm.bandwidth_gbps are set, and reuses the plan an earlier start saved in ``saved_plans``."""
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
     param_dtype = DTYPES[config.training.mixed_precision_param]
@@ -154,17 +162,22 @@ def bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig
 
     dp_group = parallel_dims.dp_mesh.get_group()
     device_type = parallel_dims.mesh.device_type
-    with user_input():
-        if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
-            comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
-        else:
-            comm = calibrate_comm_model(dp_group, device=device_type)
-            logger.info(
-                "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
-                comm.alpha_s * 1e6,
-                comm.bandwidth_bytes_per_s / 1e9,
-            )
-        compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(device_type), param_dtype)
+    memory_cap_bytes = int(config.compile.bucket_memory_cap_mb * 2**20)
+    reduce_factor = DTYPES[config.training.mixed_precision_reduce].itemsize / param_dtype.itemsize
+    reshard = _reshard_after_forward(parallel_dims, config)
+
+    def make_plan() -> BucketPlan:
+        with user_input():
+            if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
+                comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
+            else:
+                comm = calibrate_comm_model(dp_group, device=device_type)
+                logger.info(
+                    "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
+                    comm.alpha_s * 1e6,
+                    comm.bandwidth_bytes_per_s / 1e9,
+                )
+            compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(device_type), param_dtype)
         # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
         rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device_type)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
@@ -173,10 +186,23 @@ def bucket_plan(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig
             comm,
             ComputeModel(rate.item()),
             world_size=parallel_dims.dp_degree,
-            memory_cap_bytes=int(config.compile.bucket_memory_cap_mb * 2**20),
-            reduce_scatter_bytes_factor=DTYPES[config.training.mixed_precision_reduce].itemsize / param_dtype.itemsize,
-            reshard_after_forward=_reshard_after_forward(parallel_dims, config),
+            memory_cap_bytes=memory_cap_bytes,
+            reduce_scatter_bytes_factor=reduce_factor,
+            reshard_after_forward=reshard,
         )
+
+    key = {
+        "units": [dataclasses.astuple(unit) for unit in units],
+        "world_size": parallel_dims.dp_degree,
+        "memory_cap_bytes": memory_cap_bytes,
+        "reduce_factor": reduce_factor,
+        "reshard_after_forward": reshard,
+        "comm": [config.comm.alpha_us, config.comm.bandwidth_gbps, config.compile.compute_flops],
+    }
+    plan, path = saved_or_new_plan(saved_plans, key, make_plan, dp_group)
+    if path is not None:
+        logger.info("SimpleFSDP auto buckets as planned at an earlier start (%s)", path)
+    return plan
 
 
 def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:

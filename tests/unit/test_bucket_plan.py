@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from parallelisms.bucket_plan import (  # _Costs and _predict: the cost model pl
     default_manual_patterns,
     plan_auto,
     plan_manual,
+    saved_or_new_plan,
 )
 from parallelisms.device import device_peak_flops
 from tests.spawn import spawn_ranks
@@ -404,3 +406,38 @@ def test_calibration_on_two_gloo_ranks() -> None:
         assert math.isfinite(values["real_bandwidth"]) and values["real_bandwidth"] > 0
     assert per_rank[0]["real_alpha"] == per_rank[1]["real_alpha"]  # all ranks agree
     assert per_rank[0]["real_bandwidth"] == per_rank[1]["real_bandwidth"]
+
+
+def _saved_plan_worker(rank: int, port: int, root: str, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
+    # Rank 1's folder is not rank 0's: as on nodes without a shared dump folder.
+    folder = os.path.join(root, f"rank{rank}")
+    calls = []
+
+    def make_plan(patterns: list[str]) -> Callable[[], BucketPlan]:
+        units = [PlanUnit(name, 8, 1.0, 2.0) for name in ("a", "b")]
+        return lambda: calls.append(patterns) or plan_manual(units, patterns)
+
+    key = {"units": ["a", "b"], "world_size": 2}
+    first, first_path = saved_or_new_plan(folder, key, make_plan(["a", "b"]), dist.group.WORLD)
+    # A restart: the timings would now give another plan, but rank 0's saved one is used everywhere.
+    again, again_path = saved_or_new_plan(folder, key, make_plan(["a+b"]), dist.group.WORLD)
+    other, _ = saved_or_new_plan(folder, {**key, "world_size": 4}, make_plan(["a+b"]), dist.group.WORLD)
+    results[rank * 5 : rank * 5 + 5] = [
+        float(first_path is None),
+        float(again == first and again_path is not None),
+        float(len(other.buckets) == 1),
+        float(len(calls)),
+        float(os.path.exists(os.path.join(folder)) == (rank == 0)),
+    ]
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks
+def test_an_auto_plan_saved_at_the_first_start_is_every_ranks_plan_at_the_next(tmp_path) -> None:
+    results = multiprocessing.get_context("spawn").Array("d", [math.nan] * (_WORLD_SIZE * 5))
+    spawn_ranks(_saved_plan_worker, _WORLD_SIZE, str(tmp_path), results, timeout_s=_TIMEOUT_S)
+    for rank in range(_WORLD_SIZE):
+        new, reused, replanned, calls, folder_written = results[rank * 5 : rank * 5 + 5]
+        assert (new, reused, replanned, folder_written) == (1.0, 1.0, 1.0, 1.0), (rank, list(results))
+        assert calls == 2  # the first start and the changed key, not the restart
