@@ -219,8 +219,10 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
         out = os.path.join(tmp, "result.json")
         if spec.cache_dir:
-            # The compile-time table: torch's own caches on, in a folder the cold and warm launches share.
+            # The compile-time table: torch's own caches on, in a folder the cold and warm launches
+            # share, and one dump folder, as a restart of the same job has (SimpleFSDP's saved plan).
             caches = dict(TORCHINDUCTOR_CACHE_DIR=spec.cache_dir)
+            overrides += ["--job.dump_folder", os.path.join(spec.cache_dir, "dump")]
         else:
             # The FX graph cache would skip the bucketing pass on a hit (no graph reports), and a
             # fresh Inductor cache per launch makes every variant pay its own full (cold) compile.

@@ -123,24 +123,38 @@ def _real_peak(world: int, argv: list[str], out: str) -> dict:
 FLOAT32 = ["--training.mixed_precision_param", "float32"]
 
 
+PP2_1F1B = [
+    *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
+    *("--parallelism.pipeline_parallel_microbatch_size", "1", "--training.local_batch_size", "2"),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,argv",
+    "world,argv,tolerance",
     [
-        (1, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"]),
-        (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2", *FLOAT32]),
+        (1, ["--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full"], 0),
+        (2, ["--model.flavor", "debugmodel_wide", "--training.local_batch_size", "2", *FLOAT32], 0),
+        # The dry run replays rank 0's pipeline actions where the real run runs torch's schedule:
+        # measured 2026-11-23, 0.89% under (12.9% under before gradients accumulated unsharded
+        # until the closing reduce-scatter, as there).
+        (4, ["--training.mixed_precision_param", "bfloat16", *PP2_1F1B], 0.02),
     ],
-    ids=["1rank_bf16_full_ac", "wide_fsdp2_2_fp32"],
+    ids=["1rank_bf16_full_ac", "wide_fsdp2_2_fp32", "pp2_fsdp2_4_bf16"],
 )
-def test_estimate_equals_a_real_runs_tracked_peak(tmp_path, world, argv):
+def test_estimate_matches_a_real_runs_tracked_peak(tmp_path, world, argv, tolerance):
+    """The issue asks for 10%; where the dry run runs the same code as the real run the fake
+    tensors' storages are the real ones' sizes, so the estimate is exact, every category too.
+    bench/estimate_accuracy.py covers 34 cases."""
     argv = ["--training.seq_len", "64", *argv]
     estimate = _dry_run(world, *argv)
     real = _real_peak(world, argv, str(tmp_path / "real.json"))
     print(f"estimate {estimate['peak_bytes']} bytes, real {real['Total']} bytes")
-    # The fake tensors' storages are the real ones' sizes, so the estimate is exact (the issue asks
-    # for 10%), and so is every category of the breakdown.
-    assert estimate["peak_bytes"] == real["Total"]
-    assert estimate["peak"] == {k: v for k, v in real.items() if k != "Total"}
+    if tolerance == 0:
+        assert estimate["peak_bytes"] == real["Total"]
+        assert estimate["peak"] == {k: v for k, v in real.items() if k != "Total"}
+    else:
+        assert estimate["peak_bytes"] == pytest.approx(real["Total"], rel=tolerance)
 
 
 @pytest.mark.slow
