@@ -13,8 +13,8 @@ as a config file for ``run_train.sh`` (``plan.output``).
 The dry run's peak grows linearly with the blocks a stage holds, so each layout is measured on
 models cut to 1 and 2 blocks per stage (same widths, vocabulary and sequence) and extrapolated to
 the model's depth (plus, for compiled SimpleFSDP, the gathered weights of its two largest
-neighbouring buckets, the dry run's analytical part); measurements are cached by shape (the replicate degree of HSDP changes no
-rank's memory, so it is measured with one replica).
+neighbouring buckets, the dry run's analytical part); measurements are cached by shape (the
+replicate degree of HSDP changes no rank's memory, so it is measured with one replica).
 """
 
 from __future__ import annotations
