@@ -9,7 +9,8 @@ parallel FSDP2 or SimpleFSDP, TP 2, PP 2 with each schedule, each microbatch siz
 parallelism the implementation makes no difference and FSDP2 stands for both) gets the planner's
 predicted tokens/s per device, and the ``--layouts`` fastest predicted are trained for real
 through ``torchrun train.py`` with the config file the planner writes for them (bf16, compile on).
-Rounds alternate the launch order. A launch's figure is its median tokens/s per rank from step 3.
+Rounds alternate the launch order. A launch's figure is its median tokens/s per device from step 3 (a rank's tokens/s over the
+tensor-parallel degree: those ranks share their tokens).
 
 Agreement (the planner's question): its first choice is the measured fastest, or the measured
 ranges of the two overlap. Writes ``bench/results/plan_vs_measured.json`` and prints the table.
@@ -61,7 +62,8 @@ def measure(config, layout: plan.Layout, steps: int, scratch: str, name: str, ti
         f.write(to_toml(plan.layout_config(config, layout)))
     dump = os.path.join(scratch, name)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
-    command += ["--job.config_file", toml, "--training.steps", str(steps), "--metrics.log_freq", "1"]
+    command += ["--job.config_file", toml, "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2"]
+    command += ["--metrics.log_freq", "1"]
     command += ["--metrics.enable_tensorboard", "false", "--job.dump_folder", dump]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -69,7 +71,9 @@ def measure(config, layout: plan.Layout, steps: int, scratch: str, name: str, ti
         raise RuntimeError(f"{layout.describe()}: exit {proc.returncode}\n" + proc.stderr[-2000:])
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    timed = [r["tps"] for r in records if "tps" in r and r["step"] >= FIRST_TIMED_STEP]
+    # tps counts a rank's tokens (divided by the pipeline degree, as torchtitan does): the ranks of
+    # a tensor-parallel group count the same tokens, so a device's share is tps / tp.
+    timed = [r["tps"] / layout.tp for r in records if "tps" in r and r["step"] >= FIRST_TIMED_STEP]
     return {"median_tps": statistics.median(timed), "tps": timed}
 
 
@@ -114,7 +118,7 @@ def main(argv: list[str]) -> int:
     first, best = rows[0], order[0]
     agrees = first is best or max(first["measured_tps"]) >= min(best["measured_tps"])
     lines = [
-        "| layout | predicted tokens/s/device (rank) | measured tokens/s/rank, median [min-max] (rank) |",
+        "| layout | predicted tokens/s/device (rank) | measured tokens/s/device, median [min-max] (rank) |",
         "|---|---|---|",
     ]
     for row in rows:
