@@ -311,7 +311,8 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
             OptimizerState(model, optimizer).state_dict()
         )
     plans = [get_model_spec(config.model.name).bucket_plan_fn(part, dims, compiled) for part in built.parts]
-    buckets = [b.param_bytes // dims.tp for plan in plans if plan is not None for b in plan.buckets]
+    # Only compiled SimpleFSDP gathers by buckets (bucket_plan plans for any data parallelism).
+    buckets = [b.param_bytes // dims.tp for plan in plans if plan is not None and bucketed for b in plan.buckets]
     return DryRunReport(
         world_size=world_size,
         mesh=dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape, strict=True)),
