@@ -15,8 +15,9 @@ the result. The 1-rank runs (``--ranks 1,2``; only ``ONE_RANK_VARIANTS``) give t
 efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant.
 
 ``--compile-depths`` measures compile time instead: for each depth (debugmodel's width), FSDP2's
-per-block compile and SimpleFSDP's whole-model compile with auto buckets, each launched twice on
-one fresh Inductor cache: cold, then as a restart of the same job would (warm caches).
+per-block compile, SimpleFSDP's per-block compile (block bucketing) and its whole-model compile
+with auto buckets (``DEPTH_VARIANTS``, or those of them ``--variants`` names), each launched twice
+on one fresh Inductor cache: cold, then as a restart of the same job would (warm caches).
 
 Prints the table and writes ``bench/results/dp_compare.json`` (``dp_compare_quick.json`` with
 ``--quick``, ``dp_compare_depth.json`` for depths): all numbers, per-step times and losses, machine
@@ -62,12 +63,13 @@ VARIANTS: dict[str, list[str]] = {
         "simplefsdp_none": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing none",
         "simplefsdp_manual": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual",
         "simplefsdp_auto": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing auto",
+        "simplefsdp_block": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing block",
     }.items()
 }
 BASELINE = "fsdp2_eager"
-ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto")
+ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto", "simplefsdp_block")
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
-DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_auto")
+DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_block", "simplefsdp_auto")
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,13 @@ def graph_note(r: dict[str, Any]) -> str | None:
     if len(reports) < 2:
         return f"{r['model']} {r['variant']}: only {len(reports)} graph compiled, expected forward and backward"
     forward, backward = reports[-2]["collectives"], reports[-1]["collectives"]
+    if r["variant"] == "simplefsdp_block":
+        # One block's graphs, run for every block; the rest of the model gathers eagerly.
+        return (
+            f"{r['model']} {r['variant']}: one block graph, fw AG {forward.get('all_gather', 0)}, "
+            f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)}"
+            + (f"; {len(reports)} graphs compiled (recompilation)" if len(reports) > 2 else "")
+        )
     in_graphs = {k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
     runtime = r["collectives"]
     agrees = (
@@ -374,22 +383,26 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def format_depth_table(results: list[dict[str, Any]]) -> str:
-    """Compile seconds per depth: each variant cold and on warm caches, and SimpleFSDP over FSDP2."""
+    """Compile seconds per depth: each variant cold and on warm caches (and warm over cold), and
+    each SimpleFSDP variant's cold compile over FSDP2's."""
     seconds = {(r["n_layers"], r["variant"], r["round"]): r["compile_s"] for r in results if r["ok"]}
-    header = (
-        f"{'layers':>6} {'FSDP2 per-block cold':>20} {'warm':>6} {'SimpleFSDP auto cold':>20} {'warm':>6} "
-        f"{'Simple/FSDP2 cold':>17} {'Simple warm/cold':>16}"
-    )
+    variants = [v for v in DEPTH_VARIANTS if any(r["variant"] == v for r in results)]
+    header = f"{'layers':>6} " + " ".join(f"{v + ' cold':>22} {'warm':>6} {'w/c':>5}" for v in variants)
+    baseline = DEPTH_VARIANTS[0]
+    others = [v for v in variants if v != baseline]
+    header += "".join(f" {v + '/' + baseline:>32}" for v in others)
     lines = [header, "-" * len(header)]
     for depth in sorted({r["n_layers"] for r in results}):
-        fsdp2 = [seconds.get((depth, DEPTH_VARIANTS[0], i)) for i in (0, 1)]
-        simple = [seconds.get((depth, DEPTH_VARIANTS[1], i)) for i in (0, 1)]
-        cells = [f"{v:.1f}" if v is not None else "failed" for v in (*fsdp2, *simple)]
-        ratio = simple[0] / fsdp2[0] if simple[0] and fsdp2[0] else None
-        warm = simple[1] / simple[0] if simple[0] and simple[1] is not None else None
-        lines.append(
-            f"{depth:>6} {cells[0]:>20} {cells[1]:>6} {cells[2]:>20} {cells[3]:>6} {_ratio(ratio):>17} {_ratio(warm):>16}"
-        )
+        cells = []
+        for v in variants:
+            cold, warm = (seconds.get((depth, v, i)) for i in (0, 1))
+            text = [f"{t:.1f}" if t is not None else "failed" for t in (cold, warm)]
+            cells.append(f"{text[0]:>22} {text[1]:>6} {_ratio(warm / cold if cold and warm is not None else None)}")
+        base = seconds.get((depth, baseline, 0))
+        for v in others:
+            cold = seconds.get((depth, v, 0))
+            cells.append(f"{_ratio(cold / base if cold and base else None):>32}")
+        lines.append(f"{depth:>6} " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -430,6 +443,7 @@ def depth_runs(args: argparse.Namespace, cache_root: str) -> list[RunSpec]:
         RunSpec("debugmodel", variant, "fp32", 2, restart, depth, os.path.join(cache_root, f"{variant}_{depth}"))
         for depth in args.compile_depths
         for variant in DEPTH_VARIANTS
+        if variant in args.variants
         for restart in (0, 1)
     ]
 

@@ -8,7 +8,9 @@ sequences per step, without activation checkpointing. Every layout the planner e
 parallel FSDP2 or SimpleFSDP, TP 2, PP 2 with each schedule, each microbatch size; without data
 parallelism the implementation makes no difference and FSDP2 stands for both) gets the planner's
 predicted tokens/s per device, and the ``--layouts`` fastest predicted are trained for real
-through ``torchrun train.py`` with the config file the planner writes for them (bf16, compile on).
+through ``torchrun train.py`` with the config file the planner writes for them (compile on), in
+this machine's default precision (``mixed_precision_param = "auto"``: the planner writes bf16, as
+on GPUs, which a CPU without bf16 instructions emulates about 20 times slower than fp32).
 Rounds alternate the launch order. A launch's figure is its median tokens/s per device from step 3 (a rank's tokens/s over the
 tensor-parallel degree: those ranks share their tokens).
 
@@ -63,7 +65,7 @@ def measure(config, layout: plan.Layout, steps: int, scratch: str, name: str, ti
     dump = os.path.join(scratch, name)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
     command += ["--job.config_file", toml, "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2"]
-    command += ["--metrics.log_freq", "1"]
+    command += ["--metrics.log_freq", "1", "--training.mixed_precision_param", "auto"]
     command += ["--metrics.enable_tensorboard", "false", "--job.dump_folder", dump]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

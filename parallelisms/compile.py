@@ -1,5 +1,6 @@
-"""torch.compile: per transformer block (FSDP2) or the whole model with our collective passes
-(SimpleFSDP), and the graph breaks compilation ran into.
+"""torch.compile: per transformer block (FSDP2, and SimpleFSDP with block bucketing) or the whole
+model (SimpleFSDP), with our collective passes for SimpleFSDP, and the graph breaks compilation
+ran into.
 
 Partitioner. Every compiled graph is split into forward and backward by torch's min-cut
 partitioner, followed by one fix-up (``SavedValuesOrderPartitioner``): when a graph saves a
@@ -129,13 +130,20 @@ def _shared_aot_eager():
 # ---------------------------------------------------------------------------
 
 
-def apply_compile_per_block(blocks: nn.ModuleDict, backend: str) -> None:
-    """Compiles each block in place (parameter names unchanged), as one graph per block."""
+def apply_compile_per_block(blocks: nn.ModuleDict, backend: str, graph_pass: BucketingPass | None = None) -> None:
+    """Compiles each block in place (parameter names unchanged), as one graph per block that dynamo
+    compiles once and reuses for every block of the same shape; ``graph_pass`` (SimpleFSDP's, when
+    its gathers are traced with the block) runs on the forward and backward graphs."""
+    if backend == "inductor":
+        options: dict[str, Any] = {"custom_partitioner_fn": PARTITIONER}
+        if graph_pass is not None:
+            options["post_grad_custom_post_pass"] = graph_pass
+        for block in blocks.values():
+            block.compile(backend="inductor", fullgraph=True, options=options)
+        return
+    shared = _shared_aot_eager() if graph_pass is None else _aot_eager(graph_pass)
     for block in blocks.values():
-        if backend == "inductor":
-            block.compile(backend="inductor", fullgraph=True, options={"custom_partitioner_fn": PARTITIONER})
-        else:
-            block.compile(backend=_shared_aot_eager(), fullgraph=True)
+        block.compile(backend=shared, fullgraph=True)
 
 
 def apply_compile_loss(loss_fn: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:

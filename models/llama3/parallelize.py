@@ -38,6 +38,10 @@ from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
 
+# Block bucketing: the units of one compiled block's graph (paths inside the block), in forward
+# order; the feed-forward's gather is prefetched while attention computes.
+BLOCK_BUCKETS = [["attention_norm", "attention"], ["ffn_norm", "feed_forward"]]
+
 SAVED_PLANS = "bucket_plans"
 """Folder in the dump folder where auto bucket plans are kept for restarts (see saved_or_new_plan)."""
 
@@ -66,6 +70,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 
     if not (config.compile.enable and simple_fsdp):
         return None
+    if config.compile.bucketing == "block":
+        graph_pass = BucketingPass(BLOCK_BUCKETS if parallel_dims.dp_enabled else None)
+        apply_compile_per_block(model.layers, config.compile.backend, graph_pass)
+        return graph_pass
     plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
@@ -156,6 +164,8 @@ def bucket_plan(
     units = plan_units(
         model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype
     )
+    if config.compile.bucketing == "block":  # what the dry run counts: a block's halves stay within it
+        return plan_manual(units, default_manual_patterns([u.name for u in units]))
     if config.compile.bucketing == "manual":
         with user_input("compile.manual_buckets"):
             return plan_manual(units, config.compile.manual_buckets or default_manual_patterns([u.name for u in units]))

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.llama3 import Transformer, llama3_flavors
-from models.llama3.parallelize import plan_units
+from models.llama3.parallelize import BLOCK_BUCKETS, plan_units
 from parallelisms.bucket_plan import CommModel, ComputeModel, default_manual_patterns, plan_auto, plan_manual
 from parallelisms.bucketing import WAIT, BucketingPass, collective_kind, is_view_op
-from parallelisms.compile import apply_compile_whole_model
+from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.simple_fsdp import apply_simple_fsdp
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=3, vocab_size=256, max_seq_len=32)
@@ -74,6 +74,14 @@ def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[lis
     model = build(mesh, reshard)
     graph_pass = RecordingPass(buckets)
     apply_compile_whole_model(model, backend, graph_pass)
+    return train(model), graph_pass
+
+
+def block_compiled_run(mesh, backend: str) -> tuple[list[float], RecordingPass]:
+    """Block bucketing: each block compiled on its own, the rest of the model eager."""
+    model = build(mesh, reshard=True)
+    graph_pass = RecordingPass(BLOCK_BUCKETS)
+    apply_compile_per_block(model.layers, backend, graph_pass)
     return train(model), graph_pass
 
 
@@ -158,6 +166,22 @@ def main(backend: str) -> None:
         # Resharded: backward re-gathers every bucket whose weights it needs (the embedding's it does not).
         check("reshard_regathers", backward.collectives["all_gather"] == len(manual.buckets) - 1, backward)
         check("reshard_frees_gathered", saved_gathered_weights(manual_pass.graphs[0]) == 0)
+
+    # Block: one forward and one backward graph for all the blocks (compiled once, reused), each
+    # with the block's two buckets, prefetched and re-gathered.
+    losses, block_pass = block_compiled_run(mesh, backend)
+    check("block_graph_reused", len(block_pass.reports) == 2, block_pass.reports)
+    forward, backward = block_pass.reports
+    buckets = len(BLOCK_BUCKETS)
+    check(
+        "block_counts",
+        forward.collectives == {"all_gather": buckets}
+        and backward.collectives == {"all_gather": buckets, "reduce_scatter": buckets},
+        (forward, backward),
+    )
+    check("block_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
+    if block_pass.graphs:
+        check("block_prefetch_order", prefetch_order_holds(block_pass.graphs[0]))
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (synthetic costs that force a multi-unit plan).

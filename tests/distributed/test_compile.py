@@ -16,6 +16,10 @@ AOT_EAGER_CHECKS = [
     "manual_prefetch_order",
     "reshard_regathers",
     "reshard_frees_gathered",
+    "block_graph_reused",
+    "block_counts",
+    "block_losses",
+    "block_prefetch_order",
     "auto_plan_has_multi_unit_bucket",
     "auto_counts",
     "auto_losses",
@@ -23,8 +27,8 @@ AOT_EAGER_CHECKS = [
     "never_keeps_gathered",
     "never_losses",
 ]
-# Inductor runs the bucketing and resharding checks, not the auto plan's or `never`'s.
-INDUCTOR_CHECKS = AOT_EAGER_CHECKS[:8]
+# Inductor runs the bucketing, resharding and block checks, not the auto plan's or `never`'s.
+INDUCTOR_CHECKS = AOT_EAGER_CHECKS[:12]
 
 
 @pytest.mark.parametrize("backend, expected", [("aot_eager", AOT_EAGER_CHECKS), ("inductor", INDUCTOR_CHECKS)])

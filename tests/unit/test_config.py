@@ -82,7 +82,7 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
         (["--debug.failure", "explode"], "debug.failure: 'explode' is not one of"),
         (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
-        (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto"),
+        (["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of none, manual, auto, block"),
         (["--training.steps"], "--training.steps needs a value"),
         (["--job.config_file", "/no/such/file.toml"], "config file not found: /no/such/file.toml"),
         (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),
