@@ -10,7 +10,7 @@ parallelism the implementation makes no difference and FSDP2 stands for both) ge
 predicted tokens/s per device, and the ``--layouts`` fastest predicted are trained for real
 through ``torchrun train.py`` with the config file the planner writes for them (compile on), in
 this machine's default precision (``mixed_precision_param = "auto"``: the planner writes bf16, as
-on GPUs, which a CPU without bf16 instructions emulates about 20 times slower than fp32).
+on GPUs, which a CPU without bf16 instructions emulates about 19 times slower than fp32).
 Rounds alternate the launch order. A launch's figure is its median tokens/s per device from step 3 (a rank's tokens/s over the
 tensor-parallel degree: those ranks share their tokens).
 
@@ -37,10 +37,12 @@ from config.manager import load_config, to_toml
 from trainer import plan
 
 MACHINE = [
-    # 2026-11-23 logs: the CPU matmul benchmark, 0.095 TFLOP/s fp32 on one thread (bf16 ~1.5x);
-    # the all-gather calibration over 2 gloo ranks, alpha 195-286 us, 0.69-1.04 GB/s.
-    *("--plan.devices", "2", "--plan.devices_per_node", "2", "--plan.peak_tflops", "0.15", "--plan.mfu", "0.5"),
-    *("--plan.intra_node_gbps", "0.8", "--plan.inter_node_gbps", "0.8", "--plan.link_latency_us", "250"),
+    # 2026-11-23 logs of this 2-core AMD EPYC without AVX512 (float32, as `auto` picks here): the
+    # trainer's matmul benchmark, 0.077 TFLOP/s on one thread, of which debugmodel's FSDP2 steps
+    # reach about half; auto bucketing's all-gather calibration over 2 gloo ranks, alpha 419-602
+    # us, 0.55-0.86 GB/s.
+    *("--plan.devices", "2", "--plan.devices_per_node", "2", "--plan.peak_tflops", "0.077", "--plan.mfu", "0.5"),
+    *("--plan.intra_node_gbps", "0.7", "--plan.inter_node_gbps", "0.7", "--plan.link_latency_us", "500"),
     *("--plan.activation_checkpoint_modes", "none"),
 ]
 FIRST_TIMED_STEP = 3

@@ -164,11 +164,10 @@ def bucket_plan(
     units = plan_units(
         model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype
     )
-    if config.compile.bucketing == "block":  # what the dry run counts: a block's halves stay within it
-        return plan_manual(units, default_manual_patterns([u.name for u in units]))
-    if config.compile.bucketing == "manual":
+    if config.compile.bucketing in ("manual", "block"):  # block: a bucket per block bounds its halves
+        patterns = config.compile.manual_buckets if config.compile.bucketing == "manual" else []
         with user_input("compile.manual_buckets"):
-            return plan_manual(units, config.compile.manual_buckets or default_manual_patterns([u.name for u in units]))
+            return plan_manual(units, patterns or default_manual_patterns([u.name for u in units]))
 
     dp_group = parallel_dims.dp_mesh.get_group()
     device_type = parallel_dims.mesh.device_type
