@@ -325,12 +325,12 @@ def graph_note(r: dict[str, Any]) -> str | None:
     if len(reports) < 2:
         return f"{r['model']} {r['variant']}: only {len(reports)} graph compiled, expected forward and backward"
     forward, backward = reports[-2]["collectives"], reports[-1]["collectives"]
+    recompiled = f"; {len(reports)} graphs compiled (recompilation)" if len(reports) > 2 else ""
     if r["variant"] == "simplefsdp_block":
         # One block's graphs, run for every block; the rest of the model gathers eagerly.
         return (
             f"{r['model']} {r['variant']}: one block graph, fw AG {forward.get('all_gather', 0)}, "
-            f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)}"
-            + (f"; {len(reports)} graphs compiled (recompilation)" if len(reports) > 2 else "")
+            f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)}{recompiled}"
         )
     in_graphs = {k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
     runtime = r["collectives"]
@@ -344,9 +344,7 @@ def graph_note(r: dict[str, Any]) -> str | None:
         f"AR {in_graphs['all_reduce']}; "
         + ("matches the profiled step" if agrees else "DIFFERS from the profiled step (AG/RS)")
     )
-    if len(reports) > 2:
-        note += f"; {len(reports)} graphs compiled (recompilation)"
-    return note
+    return note + recompiled
 
 
 def _ratio(value: float | None) -> str:
