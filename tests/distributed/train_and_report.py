@@ -1,5 +1,5 @@
 """torchrun worker: train.py's run (the same Trainer, config and output files), then one line
-``REPORT {json}`` per rank on stdout telling what the run compiled:
+``REPORT {json}`` per rank on rank 0's stdout telling what the run compiled:
 
 - ``graphs``: graphs dynamo compiled (``torch._dynamo`` counters), ``aot_graphs``: those that went
   through AOT autograd (a compiled backward; the ``eager`` backend has none), ``graph_breaks``;
@@ -75,7 +75,11 @@ def main(argv: list[str]) -> None:
         logging.info("batch run %d of %d", run, len(runs))
         trainer = Trainer(load_config(args))
         trainer.train()
-        print("REPORT " + json.dumps(report(trainer, run)), flush=True)
+        # Rank 0 prints every rank's report: lines from several processes on one pipe can interleave.
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report(trainer, run))
+        if dist.get_rank() == 0:
+            print("\n".join("REPORT " + json.dumps(r) for r in reports), flush=True)
         trainer.close()
         del trainer
         gc.collect()
