@@ -138,16 +138,17 @@ def main(backend: str) -> None:
     torch.manual_seed(0)
     eager = train(build(mesh, reshard=True))
 
-    # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
-    losses, none_pass = compiled_run(mesh, backend, None)
-    forward, backward = none_pass.reports
-    check(
-        "none_counts",
-        forward.collectives["all_gather"] == n_params and backward.collectives["reduce_scatter"] == n_params,
-        (forward, backward, n_params),
-    )
     tolerance = 0.0 if backend == "aot_eager" else 1e-4
-    check("none_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
+    if backend == "aot_eager":
+        # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
+        losses, none_pass = compiled_run(mesh, backend, None)
+        forward, backward = none_pass.reports
+        check(
+            "none_counts",
+            forward.collectives["all_gather"] == n_params and backward.collectives["reduce_scatter"] == n_params,
+            (forward, backward, n_params),
+        )
+        check("none_losses", losses == eager, (losses, eager))
 
     # Manual: one collective per bucket, and the reordering prefetches.
     manual = plan_manual(units, default_manual_patterns([u.name for u in units]))

@@ -27,8 +27,9 @@ AOT_EAGER_CHECKS = [
     "never_keeps_gathered",
     "never_losses",
 ]
-# Inductor runs the bucketing, resharding and block checks, not the auto plan's or `never`'s.
-INDUCTOR_CHECKS = AOT_EAGER_CHECKS[:12]
+# Inductor runs the bucketing, resharding and block checks, not the unbucketed graph's, the auto
+# plan's or `never`'s (each of those an Inductor compile of the whole model, about a minute here).
+INDUCTOR_CHECKS = AOT_EAGER_CHECKS[2:12]
 
 
 @pytest.mark.parametrize("backend, expected", [("aot_eager", AOT_EAGER_CHECKS), ("inductor", INDUCTOR_CHECKS)])
