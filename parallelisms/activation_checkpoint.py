@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch._inductor.custom_graph_pass import get_hash_for_files
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -30,6 +31,10 @@ def _op_policy_context():
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+# Lets torch's AOT autograd cache keep compiled graphs holding this region (it skips them without one).
+_op_policy_context.cache_hash = get_hash_for_files((__file__,), "op-level policy")
 
 
 def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str = "op") -> None:

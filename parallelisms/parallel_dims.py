@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger(__name__)
+
+
+def _stable_mesh_hash(mesh: DeviceMesh) -> int:
+    if not getattr(mesh, "_hash", None):
+        mesh._hash = int(mesh._stable_hash()[:15], 16)
+    return mesh._hash
+
+
+def _hash_meshes_stably() -> None:
+    """Before Python 3.12, ``hash(None)`` is the object's address, and a DeviceMesh's hash covers a
+    None field (its thread id), so a mesh's hash differs from one process to the next. torch.compile's
+    caches pickle the mesh, cached hash included, into their keys: SimpleFSDP's graphs (which hold
+    the mesh) missed the caches at every start of a job, a restart too, and compiled again. torch's
+    own stable hash of the mesh (the fields equality compares, through blake2b) instead; it must be
+    in place before any mesh is hashed."""
+    if sys.version_info < (3, 12):
+        DeviceMesh.__hash__ = _stable_mesh_hash
 
 
 @dataclass
@@ -81,6 +99,7 @@ class ParallelDims:
             if size > 1
         ] or [("dp_shard", 1)]
         names, sizes = zip(*dims)
+        _hash_meshes_stably()
         self.mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         if self.dp_replicate_enabled and self.fsdp_enabled:
             self.mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from torch._inductor.custom_graph_pass import get_hash_for_files
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -139,16 +140,18 @@ def _gather(param: DTensor, config: _GatherConfig, tp: _TensorParallelLayout | N
     return DTensor.from_local(tp_part, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
-def _gather_region_policy(reshard_after_forward: bool) -> Callable[..., CheckpointPolicy]:
-    gather_policy = CheckpointPolicy.MUST_RECOMPUTE if reshard_after_forward else CheckpointPolicy.MUST_SAVE
+# A class, not a closure: torch's AOT autograd cache pickles the policy into its key.
+@dataclass(frozen=True)
+class _GatherRegionPolicy:
+    """The gather's region: its all-gather, wait and cast recomputed in backward (resharded) or saved."""
 
-    def policy(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    reshard_after_forward: bool
+
+    def __call__(self, ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         # The all-gather, its wait and the cast carry the decision; the views around them are free.
         if op is _CAST_OP or op.namespace == _COLLECTIVES_NAMESPACE:
-            return gather_policy
+            return CheckpointPolicy.MUST_RECOMPUTE if self.reshard_after_forward else CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
 
 
 def _block_region_policy(dp_group_names: frozenset[str]) -> Callable[..., CheckpointPolicy]:
@@ -332,9 +335,11 @@ def apply_simple_fsdp(
             raise ValueError("hybrid_shard needs a mesh with named dims (dp_replicate, dp_shard)")
         hsdp_meshes = tuple(dp_mesh[name] for name in dp_mesh.mesh_dim_names)
     reshard_after_forward = reshard_after_forward and mode != "replicate"
-    region_contexts = functools.partial(
-        create_selective_checkpoint_contexts, _gather_region_policy(reshard_after_forward)
-    )
+    gather_policy = _GatherRegionPolicy(reshard_after_forward)
+    region_contexts = functools.partial(create_selective_checkpoint_contexts, gather_policy)
+    # Without a cache_hash, torch's AOT autograd cache skips every graph holding such a region, and
+    # each start of a compiled job (a restart too) compiles it again.
+    region_contexts.cache_hash = get_hash_for_files((__file__,), repr(gather_policy))
     config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, region_contexts)
     _shard_parameters(model, config)
 

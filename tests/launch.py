@@ -64,12 +64,15 @@ def launch_train(
     check: bool = True,
     timeout: float = 600,
     script: str = TRAIN,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Trains with ``nproc`` ranks (a plain process when 1) and torchrun restarting the group up to
     ``max_restarts`` times; returns the finished process. With ``check``, a non-zero exit fails
-    with the tail of its output. ``script`` is train.py or TRAIN_AND_REPORT."""
+    with the tail of its output. ``script`` is train.py or TRAIN_AND_REPORT; ``env`` adds to the
+    ranks' environment."""
     command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts, script=script)
-    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    environment = dict(train_env(), **(env or {}))
+    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{_tail(result)}")
     return result

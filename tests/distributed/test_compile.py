@@ -3,7 +3,7 @@ the compiled graphs, and losses against eager (see compile_checks.py for each ch
 
 import pytest
 
-from tests.launch import run_worker
+from tests.launch import TRAIN_AND_REPORT, compile_reports, launch_train, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -38,3 +38,22 @@ def test_compiled_simple_fsdp(backend, expected):
     output = run_worker("compile_checks.py", 2, backend, env={"TORCHINDUCTOR_FX_GRAPH_CACHE": "0"})
     passed = [line.split()[1] for line in output.splitlines() if line.startswith("CHECK ")]
     assert passed == expected
+
+
+def test_a_restart_takes_its_graphs_from_the_compile_caches(tmp_path):
+    """SimpleFSDP with block bucketing under Inductor, started twice on one Inductor cache folder
+    (as a restart of the job would be): the second start takes both graphs (a block's, the loss's)
+    from torch's AOT autograd cache instead of compiling them. The keys pickle the graph's
+    DeviceMesh, whose hash changed from process to process (parallelisms/parallel_dims.py), and
+    SimpleFSDP's checkpoint regions needed a cache hash: every start missed."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    overrides = [
+        *("--model.n_layers", "2", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"),
+        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+        *("--compile.enable", "--compile.bucketing", "block"),
+    ]
+    starts = []
+    for start in ("first", "second"):
+        result = launch_train(str(tmp_path / start), 2, *overrides, script=TRAIN_AND_REPORT, env=env)
+        starts.append([(r["aot_graphs"], r["aot_cache_hits"]) for r in compile_reports(result.stdout)])
+    assert starts == [[(2, 0), (2, 0)], [(2, 2), (2, 2)]]

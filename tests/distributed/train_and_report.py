@@ -2,7 +2,8 @@
 ``REPORT {json}`` per rank on rank 0's stdout telling what the run compiled:
 
 - ``graphs``: graphs dynamo compiled (``torch._dynamo`` counters), ``aot_graphs``: those that went
-  through AOT autograd (a compiled backward; the ``eager`` backend has none), ``graph_breaks``;
+  through AOT autograd (a compiled backward; the ``eager`` backend has none), ``aot_cache_hits``:
+  those of them taken from torch's AOT autograd cache (Inductor only), ``graph_breaks``;
 - ``compiled_blocks`` / ``blocks``: transformer blocks of this rank compiled with ``nn.Module.compile``
   (per-block compile), out of all of this rank's blocks;
 - ``compiled_parts``: model parts (whole model or pipeline stages) compiled whole;
@@ -46,6 +47,7 @@ def report(trainer: Trainer, run: int) -> dict:
         "rank": dist.get_rank(),
         "graphs": counters["stats"]["unique_graphs"],
         "aot_graphs": counters["aot_autograd"]["ok"],
+        "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
         "graph_breaks": graph_break_count(),
         "blocks": len(blocks),
         "compiled_blocks": sum(_compiled(block) for block in blocks),
