@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import multiprocessing
-import socket
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn_ranks(target: Callable[..., None], world_size: int, *args: Any, timeout_s: float) -> list[int | None]:
-    """Starts ``target(rank, port, *args)`` for each rank, kills any still running after
-    ``timeout_s`` and fails; returns the exit codes."""
+    """Starts ``target(rank, init_method, *args)`` for each rank, kills any still running after
+    ``timeout_s`` and fails; returns the exit codes. ``init_method`` is a file the ranks meet in
+    (``dist.init_process_group``'s): a free TCP port picked here could be taken by a test running
+    beside this one before rank 0 listens on it, and the other ranks would then wait until the timeout."""
     context = multiprocessing.get_context("spawn")
-    port = free_port()
-    workers = [context.Process(target=target, args=(rank, port, *args)) for rank in range(world_size)]
+    folder = tempfile.mkdtemp(prefix="spawn_ranks_")
+    init_method = f"file://{os.path.join(folder, 'store')}"
+    workers = [context.Process(target=target, args=(rank, init_method, *args)) for rank in range(world_size)]
     for worker in workers:
         worker.start()
     deadline = time.monotonic() + timeout_s
@@ -32,5 +31,6 @@ def spawn_ranks(target: Callable[..., None], world_size: int, *args: Any, timeou
         for worker in hung:
             worker.kill()
             worker.join()
+        shutil.rmtree(folder, ignore_errors=True)
     assert not hung, f"workers did not finish within {timeout_s} s"
     return [worker.exitcode for worker in workers]

@@ -351,9 +351,9 @@ def _fake_all_gather(alpha_s: float, bandwidth: float) -> Callable[[int], float]
     return time_all_gather
 
 
-def _calibration_worker(rank: int, port: int, results: Any) -> None:
+def _calibration_worker(rank: int, init_method: str, results: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
     values: dict[str, float] = {}
 
     slow = rank + 1
@@ -408,8 +408,8 @@ def test_calibration_on_two_gloo_ranks() -> None:
     assert per_rank[0]["real_bandwidth"] == per_rank[1]["real_bandwidth"]
 
 
-def _saved_plan_worker(rank: int, port: int, root: str, results: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
+def _saved_plan_worker(rank: int, init_method: str, root: str, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
     # Rank 1's folder is not rank 0's: as on nodes without a shared dump folder.
     folder = os.path.join(root, f"rank{rank}")
     calls = []

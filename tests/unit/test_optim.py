@@ -359,8 +359,8 @@ def _check_optimizer_on_dtensors() -> None:
             torch.testing.assert_close(param.full_tensor(), expected.detach())
 
 
-def _distributed_worker(rank: int, port: int, passed: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=_WORLD_SIZE)
+def _distributed_worker(rank: int, init_method: str, passed: Any) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
     _check_mixed_mesh_clipping()
     _check_pipeline_clipping(rank)
     _check_optimizer_on_dtensors()
