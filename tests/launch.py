@@ -51,9 +51,10 @@ def train_command(
     return [sys.executable, *args]
 
 
-def train_env() -> dict[str, str]:
-    """The environment of a launched train.py: one thread per rank (the ranks share the cores)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched train.py: one thread per rank (the ranks share the cores),
+    then ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(extra or {}))
 
 
 def launch_train(
@@ -71,8 +72,7 @@ def launch_train(
     with the tail of its output. ``script`` is train.py or TRAIN_AND_REPORT; ``env`` adds to the
     ranks' environment."""
     command = train_command(dump_folder, nproc, *overrides, max_restarts=max_restarts, script=script)
-    environment = dict(train_env(), **(env or {}))
-    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{_tail(result)}")
     return result
@@ -234,8 +234,7 @@ def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, tim
         os.path.join(REPO, "tests", "distributed", script),
         *args,
     ]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, **(env or {}))
-    result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise AssertionError(
             f"{script} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}"

@@ -205,7 +205,7 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
     )
     log = open(tmp_path / "agent.log", "w")
     # LOGLEVEL=INFO: torchrun logs each start of the group with its restart count.
-    agent = subprocess.Popen(command, cwd=REPO, env=dict(train_env(), LOGLEVEL="INFO"), stdout=log, stderr=log)
+    agent = subprocess.Popen(command, cwd=REPO, env=train_env({"LOGLEVEL": "INFO"}), stdout=log, stderr=log)
     metrics = os.path.join(dump, "metrics.jsonl")
 
     def logged() -> int:
