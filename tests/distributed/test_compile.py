@@ -40,20 +40,39 @@ def test_compiled_simple_fsdp(backend, expected):
     assert passed == expected
 
 
-def test_a_restart_takes_its_graphs_from_the_compile_caches(tmp_path):
-    """SimpleFSDP with block bucketing under Inductor, started twice on one Inductor cache folder
-    (as a restart of the job would be): the second start takes both graphs (a block's, the loss's)
-    from torch's AOT autograd cache instead of compiling them. The keys pickle the graph's
-    DeviceMesh, whose hash changed from process to process (parallelisms/parallel_dims.py), and
-    SimpleFSDP's checkpoint regions needed a cache hash: every start missed."""
+RESTARTS = {
+    # SimpleFSDP's graphs hold its DeviceMesh and its gather regions (a selective checkpoint).
+    "simple_fsdp_block": (
+        2,
+        [
+            *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+            *("--compile.bucketing", "block"),
+        ],
+    ),
+    # One process: no mesh in the graph, only the op-level checkpoint's policy.
+    "op_level_checkpoint": (
+        1,
+        [*("--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective")],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", RESTARTS)
+def test_a_restart_takes_its_graphs_from_the_compile_caches(name, tmp_path):
+    """Compiled under Inductor and started twice on one Inductor cache folder (as a restart of the
+    job would be): the second start takes both graphs (a block's, the loss's) from torch's AOT
+    autograd cache instead of compiling them. The keys pickle SimpleFSDP's DeviceMesh, whose hash
+    changed from process to process (parallelisms/parallel_dims.py), and torch skips the cache for a
+    graph holding a selective checkpoint whose context has no cache hash: every start missed."""
+    nproc, layout = RESTARTS[name]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     overrides = [
         *("--model.n_layers", "2", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"),
-        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
-        *("--compile.enable", "--compile.bucketing", "block"),
+        *layout,
+        "--compile.enable",
     ]
     starts = []
     for start in ("first", "second"):
-        result = launch_train(str(tmp_path / start), 2, *overrides, script=TRAIN_AND_REPORT, env=env)
+        result = launch_train(str(tmp_path / start), nproc, *overrides, script=TRAIN_AND_REPORT, env=env)
         starts.append([(r["aot_graphs"], r["aot_cache_hits"]) for r in compile_reports(result.stdout)])
-    assert starts == [[(2, 0), (2, 0)], [(2, 2), (2, 2)]]
+    assert starts == [[(2, 0)] * nproc, [(2, 2)] * nproc]
