@@ -13,6 +13,7 @@ Design rules that the parallelisms rely on:
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,12 @@ def precompute_rope_cache(args: TransformerModelArgs, device: torch.device | Non
     positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, rope_inv_freq(args, device))
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+# Under torch.compile the complex multiply below stays an eager kernel, and Inductor warns once per
+# process that this may be slower than eager; a compiled block timed the same with the rotation
+# spelt out in real ops.
+warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex operators")
 
 
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
