@@ -11,8 +11,9 @@ what to merge and where everything goes:
   bucket is ready;
 - every wait moves as late as possible: right before the first computation that needs its result;
 - with ``reorder``, bucket i+1's all-gather is issued before bucket i's wait, so it runs while
-  bucket i computes (prefetch); a reduce-scatter's wait sinks to its first use (the graph
-  output), so it overlaps the backward compute of the buckets before it.
+  bucket i computes (prefetch); a bucket's gradient reduction overlaps the backward compute of the
+  next bucket and is waited for before the bucket after that issues its own: the full-size
+  gradients it reads stay alive until its wait, so at most one bucket's are in flight (as FSDP2).
 
 Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
@@ -213,6 +214,8 @@ class BucketingPass(CustomGraphPass):
                 if node.op == "call_function" and node.target is WAIT:
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
+            if self.buckets is not None:
+                self._one_reduction_in_flight(graph)
         stable_topological_sort(graph)
         graph.lint()
         for node in graph.nodes:
@@ -267,6 +270,26 @@ class BucketingPass(CustomGraphPass):
             previous_wait = next(iter(previous.users))
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
+
+    def _one_reduction_in_flight(self, graph: fx.Graph) -> None:
+        """Waits for each bucket's gradient reductions right before the next bucket issues its own.
+
+        A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
+        alive to the end of backward (a DDP's worth of memory); the reduction still overlaps the
+        compute between the two issues, the step the cost model gives it."""
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first_issue: dict[int, fx.Node] = {}
+        waits: dict[int, list[fx.Node]] = collections.defaultdict(list)
+        for node in graph.nodes:
+            if collective_kind(node) in ("reduce_scatter", "all_reduce") and self._is_data_parallel(node):
+                bucket = self._bucket_of(node)
+                first_issue.setdefault(bucket, node)
+                waits[bucket].extend(user for user in node.users if user.target is WAIT)
+        issues = sorted(first_issue.items(), key=lambda item: order[item[1]])
+        for (bucket, _), (_, next_issue) in zip(issues, issues[1:]):
+            for wait in waits[bucket]:
+                if order[wait] > order[next_issue]:
+                    next_issue.prepend(wait)  # the topological sort pulls up what the wait needs
 
 
 def issue_chain(collective: fx.Node) -> list[fx.Node]:

@@ -130,14 +130,22 @@ def _shared_aot_eager():
 # ---------------------------------------------------------------------------
 
 
+def _inductor_options(graph_pass: BucketingPass | None) -> dict[str, Any]:
+    """Inductor's options: our partitioner, and ``graph_pass`` when given. Inductor's reordering
+    for peak memory would undo the pass's order: it issues each collective right before its wait,
+    leaving no communication overlapped, so it is off where the pass sets the order."""
+    options: dict[str, Any] = {"custom_partitioner_fn": PARTITIONER}
+    if graph_pass is not None:
+        options.update(post_grad_custom_post_pass=graph_pass, reorder_for_peak_memory=False)
+    return options
+
+
 def apply_compile_per_block(blocks: nn.ModuleDict, backend: str, graph_pass: BucketingPass | None = None) -> None:
     """Compiles each block in place (parameter names unchanged), as one graph per block that dynamo
     compiles once and reuses for every block of the same shape; ``graph_pass`` (SimpleFSDP's, when
     its gathers are traced with the block) runs on the forward and backward graphs."""
     if backend == "inductor":
-        options: dict[str, Any] = {"custom_partitioner_fn": PARTITIONER}
-        if graph_pass is not None:
-            options["post_grad_custom_post_pass"] = graph_pass
+        options = _inductor_options(graph_pass)
         for block in blocks.values():
             block.compile(backend="inductor", fullgraph=True, options=options)
         return
@@ -162,7 +170,7 @@ def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: Bucket
         model.compile(
             backend="inductor",
             fullgraph=True,
-            options={"post_grad_custom_post_pass": graph_pass, "custom_partitioner_fn": PARTITIONER},
+            options=_inductor_options(graph_pass),
         )
     else:
         model.compile(backend=_aot_eager(graph_pass), fullgraph=True)

@@ -7,12 +7,14 @@ Prints one line "CHECK <name> ok" per passed check; any failure raises.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.llama3 import Transformer, llama3_flavors
@@ -70,19 +72,22 @@ class RecordingPass(BucketingPass):
         self.graphs.append(graph)
 
 
-def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[list[float], RecordingPass]:
+def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[list[float], RecordingPass, list[str]]:
+    """Losses, the pass with its graphs, and the code Inductor generated (none for aot_eager)."""
     model = build(mesh, reshard)
     graph_pass = RecordingPass(buckets)
     apply_compile_whole_model(model, backend, graph_pass)
-    return train(model), graph_pass
+    losses, code = run_and_get_code(train, model)
+    return losses, graph_pass, code
 
 
-def block_compiled_run(mesh, backend: str) -> tuple[list[float], RecordingPass]:
+def block_compiled_run(mesh, backend: str) -> tuple[list[float], RecordingPass, list[str]]:
     """Block bucketing: each block compiled on its own, the rest of the model eager."""
     model = build(mesh, reshard=True)
     graph_pass = RecordingPass(BLOCK_BUCKETS)
     apply_compile_per_block(model.layers, backend, graph_pass)
-    return train(model), graph_pass
+    losses, code = run_and_get_code(train, model)
+    return losses, graph_pass, code
 
 
 def check(name: str, condition: bool, detail: object = "") -> None:
@@ -110,6 +115,67 @@ def prefetch_order_holds(graph: fx.Graph) -> bool:
         return min(seen)
 
     return all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
+
+
+def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
+    """For each reduce-scatter in graph order, how many earlier ones were issued and not yet waited for."""
+    in_flight: set[fx.Node] = set()
+    counts = []
+    for node in graph.nodes:
+        if collective_kind(node) == "reduce_scatter":
+            counts.append(len(in_flight))
+            in_flight.add(node)
+        elif node.target is WAIT:
+            in_flight.discard(node.args[0])
+    return counts
+
+
+COLLECTIVE_LINE = re.compile(
+    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|wait_tensor)\.default\("
+)
+KERNEL_LINE = re.compile(r"^\s*(extern_kernels\.\w+|cpp_fused\w*)\(")
+
+
+def code_events(code: str) -> list[tuple[str, str]]:
+    """The order of Inductor's generated wrapper code: ("all_gather" | "reduce_scatter" | "wait",
+    buffer) for each collective issued or waited for, ("kernel", "") for each compute kernel called."""
+    events = []
+    for line in code.splitlines():
+        match = COLLECTIVE_LINE.search(line)
+        if match and match.group(1) == "wait_tensor":
+            events.append(("wait", line[match.end() :].split(")")[0].strip()))
+        elif match and match.group(1) == "all_gather_into_tensor_out":
+            events.append(("all_gather", re.search(r"out=(\w+)", line).group(1)))
+        elif match:
+            kind = "reduce_scatter" if match.group(1) == "reduce_scatter_tensor" else "all_gather"
+            events.append((kind, line.split("=")[0].strip()))
+        elif KERNEL_LINE.match(line):
+            events.append(("kernel", ""))
+    return events
+
+
+def _kernel_while_in_flight(events: list[tuple[str, str]], kind: str, buf: str) -> bool:
+    """Whether a compute kernel runs between the collective's issue and its wait."""
+    issue, wait = events.index((kind, buf)), events.index(("wait", buf))
+    return any(event == "kernel" for event, _ in events[issue:wait])
+
+
+def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
+    """In the generated code, whether (every all-gather but a graph's first, every reduce-scatter
+    but a graph's last two) has a compute kernel between its issue and its wait: the overlap the
+    pass ordered, unless Inductor's own scheduling undoes it. The first all-gather has nothing to
+    hide behind; the last reduce-scatter neither, and the one before it only the embedding's
+    gradient, which Inductor computes earlier."""
+    prefetch, overlapped, detail = True, True, []
+    for code in codes:
+        events = code_events(code)
+        gathers = [buf for kind, buf in events if kind == "all_gather"]
+        scatters = [buf for kind, buf in events if kind == "reduce_scatter"]
+        prefetch &= all(_kernel_while_in_flight(events, "all_gather", buf) for buf in gathers[1:])
+        overlapped &= all(_kernel_while_in_flight(events, "reduce_scatter", buf) for buf in scatters[:-2])
+        compact = [f"{kind}:{buf}" if kind != "kernel" else "k" for kind, buf in events]
+        detail.append(" ".join(compact).replace("k k", "k"))
+    return prefetch and bool(codes), overlapped and bool(codes), detail
 
 
 def saved_gathered_weights(forward: fx.Graph) -> int:
@@ -141,7 +207,7 @@ def main(backend: str) -> None:
     tolerance = 0.0 if backend == "aot_eager" else 1e-4
     if backend == "aot_eager":
         # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
-        losses, none_pass = compiled_run(mesh, backend, None)
+        losses, none_pass, _ = compiled_run(mesh, backend, None)
         forward, backward = none_pass.reports
         check(
             "none_counts",
@@ -152,7 +218,7 @@ def main(backend: str) -> None:
 
     # Manual: one collective per bucket, and the reordering prefetches.
     manual = plan_manual(units, default_manual_patterns([u.name for u in units]))
-    losses, manual_pass = compiled_run(mesh, backend, [b.units for b in manual.buckets])
+    losses, manual_pass, manual_code = compiled_run(mesh, backend, [b.units for b in manual.buckets])
     forward, backward = manual_pass.reports
     check(
         "manual_counts",
@@ -164,13 +230,15 @@ def main(backend: str) -> None:
     check("manual_bucket_order", forward.all_gather_buckets == list(range(len(manual.buckets))), forward)
     if manual_pass.graphs:
         check("manual_prefetch_order", prefetch_order_holds(manual_pass.graphs[0]))
+        in_flight = reductions_in_flight_at_issue(manual_pass.graphs[1])
+        check("manual_one_reduction_in_flight", in_flight == [0] * len(manual.buckets), in_flight)
         # Resharded: backward re-gathers every bucket whose weights it needs (the embedding's it does not).
         check("reshard_regathers", backward.collectives["all_gather"] == len(manual.buckets) - 1, backward)
         check("reshard_frees_gathered", saved_gathered_weights(manual_pass.graphs[0]) == 0)
 
     # Block: one forward and one backward graph for all the blocks (compiled once, reused), each
     # with the block's two buckets, prefetched and re-gathered.
-    losses, block_pass = block_compiled_run(mesh, backend)
+    losses, block_pass, block_code = block_compiled_run(mesh, backend)
     check("block_graph_reused", len(block_pass.reports) == 2, block_pass.reports)
     forward, backward = block_pass.reports
     buckets = len(BLOCK_BUCKETS)
@@ -183,13 +251,20 @@ def main(backend: str) -> None:
     check("block_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
     if block_pass.graphs:
         check("block_prefetch_order", prefetch_order_holds(block_pass.graphs[0]))
+        in_flight = reductions_in_flight_at_issue(block_pass.graphs[1])
+        check("block_one_reduction_in_flight", in_flight == [0] * buckets, in_flight)
+    if backend == "inductor":
+        for name, code in (("manual", manual_code), ("block", block_code)):
+            prefetch, overlapped, detail = code_overlaps(code)
+            check(f"{name}_code_prefetch", prefetch, detail)
+            check(f"{name}_code_reduction_overlap", overlapped, detail)
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (synthetic costs that force a multi-unit plan).
         auto = plan_auto(
             units, CommModel(1e-4, 1e9), ComputeModel(1e9), world_size=dist.get_world_size(), memory_cap_bytes=2**20
         )
-        losses, auto_pass = compiled_run(mesh, backend, [b.units for b in auto.buckets])
+        losses, auto_pass, _ = compiled_run(mesh, backend, [b.units for b in auto.buckets])
         forward, backward = auto_pass.reports
         check("auto_plan_has_multi_unit_bucket", any(len(b.units) > 1 for b in auto.buckets), auto.describe())
         check(
@@ -201,7 +276,7 @@ def main(backend: str) -> None:
         check("auto_losses", losses == eager, (losses, eager))
 
         # Never reshard: the forward keeps the gathered weights for backward, which gathers nothing.
-        losses, keep_pass = compiled_run(mesh, backend, [b.units for b in manual.buckets], reshard=False)
+        losses, keep_pass, _ = compiled_run(mesh, backend, [b.units for b in manual.buckets], reshard=False)
         forward, backward = keep_pass.reports
         check("never_no_regather", backward.collectives["all_gather"] == 0, backward)
         check("never_keeps_gathered", saved_gathered_weights(keep_pass.graphs[0]) > 0)
