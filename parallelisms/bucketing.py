@@ -214,8 +214,7 @@ class BucketingPass(CustomGraphPass):
                 if node.op == "call_function" and node.target is WAIT:
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
-            if self.buckets is not None:
-                self._one_reduction_in_flight(graph)
+            self._one_reduction_in_flight(graph)
         stable_topological_sort(graph)
         graph.lint()
         for node in graph.nodes:
@@ -272,17 +271,18 @@ class BucketingPass(CustomGraphPass):
                 previous_wait.prepend(node)
 
     def _one_reduction_in_flight(self, graph: fx.Graph) -> None:
-        """Waits for each bucket's gradient reductions right before the next bucket issues its own.
+        """Waits for each bucket's gradient reductions right before the next bucket issues its own
+        (without bucketing, each reduction is its own bucket).
 
         A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
         alive to the end of backward (a DDP's worth of memory); the reduction still overlaps the
         compute between the two issues, the step the cost model gives it."""
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first_issue: dict[int, fx.Node] = {}
-        waits: dict[int, list[fx.Node]] = collections.defaultdict(list)
+        first_issue: dict[int | fx.Node, fx.Node] = {}
+        waits: dict[int | fx.Node, list[fx.Node]] = collections.defaultdict(list)
         for node in graph.nodes:
             if collective_kind(node) in ("reduce_scatter", "all_reduce") and self._is_data_parallel(node):
-                bucket = self._bucket_of(node)
+                bucket = self._bucket_of(node) if self.buckets is not None else node
                 first_issue.setdefault(bucket, node)
                 waits[bucket].extend(user for user in node.users if user.target is WAIT)
         issues = sorted(first_issue.items(), key=lambda item: order[item[1]])

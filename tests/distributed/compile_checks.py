@@ -174,7 +174,7 @@ def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
         prefetch &= all(_kernel_while_in_flight(events, "all_gather", buf) for buf in gathers[1:])
         overlapped &= all(_kernel_while_in_flight(events, "reduce_scatter", buf) for buf in scatters[:-2])
         compact = [f"{kind}:{buf}" if kind != "kernel" else "k" for kind, buf in events]
-        detail.append(" ".join(compact).replace("k k", "k"))
+        detail.append(re.sub(r"\bk( k)+\b", "k", " ".join(compact)))
     return prefetch and bool(codes), overlapped and bool(codes), detail
 
 
@@ -215,6 +215,8 @@ def main(backend: str) -> None:
             (forward, backward, n_params),
         )
         check("none_losses", losses == eager, (losses, eager))
+        in_flight = reductions_in_flight_at_issue(none_pass.graphs[1])
+        check("none_one_reduction_in_flight", in_flight == [0] * n_params, in_flight)
 
     # Manual: one collective per bucket, and the reordering prefetches.
     manual = plan_manual(units, default_manual_patterns([u.name for u in units]))
