@@ -32,6 +32,9 @@ TINY_RUN = [
     "--training.mixed_precision_param",
     "float32",
 ]
+# Two blocks instead of the debug model's six, for tests whose property does not depend on depth
+# (parity between layouts, bitwise resumes): the steps' compute is most of a batched run's time.
+TWO_BLOCKS = ["--model.n_layers", "2"]
 
 
 def train_command(

@@ -19,6 +19,7 @@ import pytest
 from tests.launch import (
     REPO,
     TINY_RUN,
+    TWO_BLOCKS,
     launch_train,
     losses_by_step,
     read_metrics,
@@ -48,6 +49,9 @@ CHECKPOINTED = [
     "--checkpoint.enable",
     "--checkpoint.interval",
     "4",
+    # debug_model.toml's local batch of 8 is 4x the steps' time and adds nothing to a resume.
+    *("--training.local_batch_size", "2"),
+    *TWO_BLOCKS,
 ]
 
 

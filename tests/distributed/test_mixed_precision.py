@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import RunBatch, losses
+from tests.launch import TWO_BLOCKS, RunBatch, losses
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # every test here launches torchrun
 SHORT = [
     *("--training.global_batch_size", "8", "--training.seq_len", "16"),
     *("--training.steps", "6", "--lr_scheduler.warmup_steps", "2"),
+    *TWO_BLOCKS,
 ]
 BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
 SIMPLE_FSDP = ["--parallelism.data_parallel_impl", "simple_fsdp"]

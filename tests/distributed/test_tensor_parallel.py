@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
+from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, TWO_BLOCKS, RunBatch, grad_norms, losses
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -57,7 +57,9 @@ def batch(tmp_path_factory) -> RunBatch:
     reference = (1, ["--training.local_batch_size", "8", *VALIDATION])
     runs = {"reference": reference, **LAYOUTS}
     root = str(tmp_path_factory.mktemp("tp"))
-    return RunBatch(root, {name: (nproc, [*overrides, *GLOBAL_BATCH]) for name, (nproc, overrides) in runs.items()})
+    return RunBatch(
+        root, {name: (nproc, [*overrides, *GLOBAL_BATCH, *TWO_BLOCKS]) for name, (nproc, overrides) in runs.items()}
+    )
 
 
 @pytest.fixture(scope="module")
