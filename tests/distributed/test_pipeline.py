@@ -30,11 +30,15 @@ def pp(schedule: str, microbatch_size: int, *more: str) -> list[str]:
     ]
 
 
-# debugmodel has 6 blocks. The virtual-stage schedules run at least two stages per rank: 6 stages
-# of one block (three per rank), or 4 stages cut before blocks 1, 3 and 5 (the stages holding the
-# embeddings and the output head get one block).
-SIX_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
+# The layout checks below plan debugmodel's 6 blocks: the virtual-stage schedules run at least two
+# stages per rank, 6 stages of one block (three per rank), or 4 stages cut before blocks 1, 3 and 5
+# (the stages holding the embeddings and the output head get one block).
+ONE_BLOCK_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
 FOUR_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
+# The trained runs cut the model to 4 blocks (a third of the steps' compute): one-block stages are
+# then 4 stages, two per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
+FOUR_BLOCKS = ["--model.n_layers", "4"]
+UNEVEN_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"]
 LOCAL_8 = ["--training.local_batch_size", "8"]
 # 4 ranks as pp 2 x dp 2 with 2 sequences per rank: 2 accumulation microbatches per step.
 DP2_ACCUMULATE = ["--training.local_batch_size", "2"]
@@ -44,16 +48,16 @@ LAYOUTS = {
     # InterleavedZeroBubble (fewer than one round of 2 x pp).
     "GPipe": (2, [*LOCAL_8, *pp("GPipe", 1), *VALIDATION]),
     "1F1B": (2, [*LOCAL_8, *pp("1F1B", 2), *VALIDATION]),
-    "Interleaved1F1B": (2, [*LOCAL_8, *pp("Interleaved1F1B", 2, *SIX_STAGES), *VALIDATION]),
-    "LoopedBFS": (2, [*LOCAL_8, *pp("LoopedBFS", 1, *FOUR_STAGES), *VALIDATION]),
-    "InterleavedZeroBubble": (2, [*LOCAL_8, *pp("InterleavedZeroBubble", 4, *SIX_STAGES), *VALIDATION]),
+    "Interleaved1F1B": (2, [*LOCAL_8, *pp("Interleaved1F1B", 2, *ONE_BLOCK_STAGES), *VALIDATION]),
+    "LoopedBFS": (2, [*LOCAL_8, *pp("LoopedBFS", 1, *UNEVEN_STAGES), *VALIDATION]),
+    "InterleavedZeroBubble": (2, [*LOCAL_8, *pp("InterleavedZeroBubble", 4, *ONE_BLOCK_STAGES), *VALIDATION]),
     # V shape: rank 0 holds the first and the last stage. No validation (refused, see below).
-    "ZBVZeroBubble": (2, [*LOCAL_8, *pp("ZBVZeroBubble", 2, *FOUR_STAGES)]),
+    "ZBVZeroBubble": (2, [*LOCAL_8, *pp("ZBVZeroBubble", 2, *UNEVEN_STAGES)]),
     # Zero bubble splits backward into input and weight passes; FSDP2 resharding after forward
     # breaks it (None or wrong gradients), so it is off by default under pipelining.
-    "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *FOUR_STAGES)]),
+    "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *UNEVEN_STAGES)]),
     "pp2_simple_fsdp": (4, [*DP2_ACCUMULATE, *pp("1F1B", 1), "--parallelism.data_parallel_impl", "simple_fsdp"]),
-    # The 8-rank layout of the README, with its schedule: 6 one-block stages, three per rank.
+    # The 8-rank layout of the README, with its schedule: one-block stages, two per rank here.
     "pp2_dp2_tp2": (
         8,
         ["--training.local_batch_size", "4", *pp("Interleaved1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
@@ -71,7 +75,9 @@ def batch(tmp_path_factory) -> RunBatch:
     """Every layout and the reference (one process), in one launch per world size."""
     runs = {"reference": (1, [*LOCAL_8, *VALIDATION]), **LAYOUTS}
     root = str(tmp_path_factory.mktemp("pp"))
-    return RunBatch(root, {name: (nproc, [*overrides, *GLOBAL_BATCH]) for name, (nproc, overrides) in runs.items()})
+    return RunBatch(
+        root, {name: (nproc, [*overrides, *GLOBAL_BATCH, *FOUR_BLOCKS]) for name, (nproc, overrides) in runs.items()}
+    )
 
 
 @pytest.mark.slow
@@ -139,7 +145,7 @@ def _layout_error(*overrides: str) -> str:
             "parallelism.pipeline_parallel_degree 2 with at least two stages per rank",
         ),
         (
-            ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *SIX_STAGES],
+            ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *ONE_BLOCK_STAGES],
             "parallelism.pipeline_parallel_layers_per_stage 1 gives 6 stages, but ZBVZeroBubble runs exactly two "
             "stages per rank (4 for parallelism.pipeline_parallel_degree 2)",
         ),
@@ -161,7 +167,7 @@ def _layout_error(*overrides: str) -> str:
             [
                 "--parallelism.pipeline_parallel_schedule",
                 "Interleaved1F1B",
-                *SIX_STAGES,
+                *ONE_BLOCK_STAGES,
                 "--training.local_batch_size",
                 "5",
             ],
@@ -188,7 +194,7 @@ def test_layouts_place_stages_and_blocks():
     v_shape = _layout(*FOUR_STAGES, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")
     assert v_shape.stage_layers == ((0,), (1, 2), (3, 4), (5,))
     assert [v_shape.stage_indices(rank) for rank in (0, 1)] == [[0, 3], [1, 2]]
-    looped = _layout(*SIX_STAGES, "--parallelism.pipeline_parallel_schedule", "LoopedBFS")
+    looped = _layout(*ONE_BLOCK_STAGES, "--parallelism.pipeline_parallel_schedule", "LoopedBFS")
     assert [looped.stage_indices(rank) for rank in (0, 1)] == [[0, 2, 4], [1, 3, 5]]
     assert looped.n_microbatches == 8
     assert _layout().stage_layers == ((0, 1, 2), (3, 4, 5))
