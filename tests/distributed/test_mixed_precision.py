@@ -74,11 +74,11 @@ AUTOCAST = {"reference", "tp2", "pp2"}
 
 # bf16 rounds each rank's partial gradient (and TP's partial activations) where one process rounds
 # the whole sum, and the wrappers cast more than autocast does, so losses drift apart by rounding,
-# not by a bug. Measured on 2026-11-23 over the 6 steps at seq 16, largest relative difference to
-# one process (autocast): TP 2 1.7e-5 and PP 2 4.5e-5 (autocast too); FSDP2 1.4e-4, SimpleFSDP eager
-# and aot_eager 1.9e-4 (equal to each other), HSDP 1.5e-4, FSDP2 x TP 2 1.5e-4, PP 2 x FSDP2 1.3e-4,
-# FSDP2 + Inductor 1.4e-4 (1.0e-4 to eager FSDP2). A wrong reduction (a rank's gradient lost,
-# averaged instead of summed) is off by 1e-3 and more.
+# not by a bug. Measured on 2026-11-24 over the 6 steps at seq 16 (2 blocks), largest relative
+# difference to one process (autocast): TP 2 4.3e-5 and PP 2 4.0e-5 (autocast too); FSDP2 1.0e-4,
+# SimpleFSDP eager and aot_eager 9.7e-5 (equal to each other), HSDP 1.3e-4, FSDP2 x TP 2 1.2e-4,
+# PP 2 x FSDP2 1.5e-4, FSDP2 + Inductor 1.1e-4 (6.8e-5 to eager FSDP2). A wrong reduction (a rank's
+# gradient lost, averaged instead of summed) was off by 1e-3 and more at 6 blocks.
 TOLERANCE = 3e-4
 CAST_LINE = "mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32"
 AUTOCAST_LINE = "mixed precision: forward under bfloat16 autocast, float32 weights and gradients"
