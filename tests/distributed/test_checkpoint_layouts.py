@@ -12,6 +12,7 @@ import pytest
 from config.job_config import CHECKPOINT_PARTS
 from tests.launch import (
     REPO,
+    TWO_BLOCKS,
     launch_train,
     losses_by_step,
     read_metrics,
@@ -25,6 +26,8 @@ from tests.launch import (
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 CONSTANT_LR = ["--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
+# Every run here: the debug model cut to 2 blocks (resharding does not depend on depth).
+SMALL = [*CONSTANT_LR, *TWO_BLOCKS]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 # Global batch 8 throughout: local batch x data-parallel degree.
@@ -40,7 +43,7 @@ LAYOUT_CHAIN = [
 def one_process(tmp_path_factory) -> dict[int, float]:
     """The uninterrupted single-process run the other layouts are held to."""
     dump = str(tmp_path_factory.mktemp("one_process"))
-    return losses_by_step(run_train(dump, 1, "--training.steps", str(2 * len(LAYOUT_CHAIN)), *CONSTANT_LR))
+    return losses_by_step(run_train(dump, 1, "--training.steps", str(2 * len(LAYOUT_CHAIN)), *SMALL))
 
 
 def assert_close(actual: dict[int, float], expected: dict[int, float], rel: float) -> None:
@@ -64,7 +67,7 @@ def layout_chain(tmp_path_factory) -> tuple[str, list[tuple[str, list[dict]]]]:
             4,
             "--training.steps",
             str(2 * (i + 1)),
-            *CONSTANT_LR,
+            *SMALL,
             "--checkpoint.enable",
             "--checkpoint.interval",
             "2",
@@ -100,7 +103,7 @@ def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path, layout_chain, on
     dump, _ = layout_chain
     hf = os.path.join(dump, "checkpoint", "hf")
     assert {"config.json", "model.safetensors"} <= set(os.listdir(hf))
-    after = ["--training.steps", "2", *CONSTANT_LR, "--checkpoint.initial_load_path"]
+    after = ["--training.steps", "2", *SMALL, "--checkpoint.initial_load_path"]
     from_hf = losses_by_step(run_train(str(tmp_path / "from_hf"), 1, *after, hf))
     dcp_folder = os.path.join(dump, "checkpoint", f"step-{2 * len(LAYOUT_CHAIN)}")
     from_dcp = losses_by_step(run_train(str(tmp_path / "from_dcp"), 1, *after, dcp_folder))
@@ -110,11 +113,13 @@ def test_hf_export_loads_back_like_the_dcp_checkpoint(tmp_path, layout_chain, on
 
 def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
     seed_dump = str(tmp_path / "seed")
-    run_train(seed_dump, 1, "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    run_train(
+        seed_dump, 1, *TWO_BLOCKS, "--debug.seed", "7", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"
+    )
     seed = os.path.join(seed_dump, "checkpoint", "step-0")
     assert sorted(os.listdir(seed))[:2] == [".metadata", "__0_0.distcp"]
 
-    common = ["--training.steps", "3", *CONSTANT_LR, "--checkpoint.initial_load_path", seed]
+    common = ["--training.steps", "3", *SMALL, "--checkpoint.initial_load_path", seed]
     at_tp2 = losses_by_step(run_train(str(tmp_path / "tp2"), 4, *common, "--training.local_batch_size", "4", *TP2))
     one = losses_by_step(run_train(str(tmp_path / "one"), 1, *common))
     assert_close(at_tp2, one, 1e-5)
@@ -125,7 +130,7 @@ def test_nonfinite_policies(tmp_path, one_process):
     """NaN gradients at step 3. skip_step drops that update and batch; rollback to the step-2
     checkpoint, going on past the bad batch, must end in exactly the same place; error stops
     with one line."""
-    common = ["--training.steps", "5", *CONSTANT_LR, "--debug.fail_at_step", "3", "--debug.failure", "nan"]
+    common = ["--training.steps", "5", *SMALL, "--debug.fail_at_step", "3", "--debug.failure", "nan"]
     clean = one_process  # a constant learning rate: the run's length does not matter
     skipped = losses_by_step(run_train(str(tmp_path / "skip"), 1, *common, "--training.nonfinite_policy", "skip_step"))
     rolled = losses_by_step(

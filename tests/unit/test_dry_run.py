@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO
+from tests.launch import REPO, TWO_BLOCKS
 
 WORKER = os.path.join(REPO, "bench", "memory_worker.py")
 
@@ -68,12 +68,13 @@ SIMPLE_FSDP_COMPILED = ["--parallelism.data_parallel_impl", "simple_fsdp", "--co
 
 
 def test_compiled_simple_fsdp_adds_its_two_largest_neighbouring_buckets():
-    """Manual buckets (one per block, the embedding, norm + output) on 8 fake ranks in bf16: the
-    largest neighbouring pair is two blocks, 852,480 parameters each at 2 bytes, by hand."""
-    report = _dry_run(8, *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "manual")
-    assert report["buckets"] == 8
+    """Manual buckets (one per block, the embedding, norm + output) of the debug model cut to 2
+    blocks, on 8 fake ranks in bf16: the largest neighbouring pair is the two blocks, 852,480
+    parameters each at 2 bytes, by hand (the embedding or norm + output with a block: 1.38M)."""
+    report = _dry_run(8, *TWO_BLOCKS, *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "manual")
+    assert report["buckets"] == 4
     assert report["bucket_pair_bytes"] == 2 * (4 * 256 * 256 + 3 * 768 * 256 + 2 * 256) * 2
-    eager = _dry_run(8, "--parallelism.data_parallel_impl", "simple_fsdp")
+    eager = _dry_run(8, *TWO_BLOCKS, "--parallelism.data_parallel_impl", "simple_fsdp")
     assert eager["buckets"] is None and eager["peak_bytes"] == report["peak_bytes"]
 
 
