@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.s
 
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2"]
 GLOBAL_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "8"]
+# The debug model cut to 4 blocks: two stages of one block per rank, or one stage of two blocks.
+FOUR_BLOCKS = ["--model.n_layers", "4"]
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
 
 
@@ -49,7 +51,7 @@ def pp(schedule: str, *more: str) -> list[str]:
 
 PIPELINED = {
     # name: overrides (2 ranks, one pipeline of 2 ranks; no data parallelism)
-    # 6 stages of one block, three per rank: every stage a separately compiled block.
+    # 4 stages of one block, two per rank: every stage a separately compiled block.
     "pp2_interleaved_per_block": [
         *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"),
         *COMPILE,
@@ -72,7 +74,9 @@ def pipelined(tmp_path_factory) -> RunBatch:
     launch per world size."""
     runs = {"reference": (1, []), **{name: (2, overrides) for name, overrides in PIPELINED.items()}}
     root = str(tmp_path_factory.mktemp("pipelined"))
-    return RunBatch(root, {name: (nproc, [*STEPS, *GLOBAL_BATCH, *more]) for name, (nproc, more) in runs.items()})
+    return RunBatch(
+        root, {name: (nproc, [*STEPS, *GLOBAL_BATCH, *FOUR_BLOCKS, *more]) for name, (nproc, more) in runs.items()}
+    )
 
 
 @pytest.mark.parametrize("layout", PIPELINED)
@@ -92,13 +96,13 @@ def test_pipelined_compile_matches_single_process(layout, pipelined):
         graphs = 1 + report["rank"]
         assert (report["graphs"], report["aot_graphs"], report["graph_breaks"]) == (graphs, graphs, 0), report
         if layout == "pp2_interleaved_per_block":
-            # Three one-block stages per rank, each block compiled on its own (dynamo reuses one
-            # block's graph for the others: the graph count alone would not show it).
-            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (3, 3, 0), report
+            # Two one-block stages per rank, each block compiled on its own (dynamo reuses one
+            # block's graph for the other: the graph count alone would not show it).
+            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (2, 2, 0), report
         else:
-            # One stage of three blocks per rank, compiled whole; our pass saw its forward and
+            # One stage of two blocks per rank, compiled whole; our pass saw its forward and
             # backward graphs.
-            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (3, 0, 1), report
+            assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (2, 0, 1), report
             assert [len(graphs) for graphs in report["graph_passes"]] == [2], report
 
 
