@@ -35,6 +35,8 @@ TINY_RUN = [
 # Two blocks instead of the debug model's six, for tests whose property does not depend on depth
 # (parity between layouts, bitwise resumes): the steps' compute is most of a batched run's time.
 TWO_BLOCKS = ["--model.n_layers", "2"]
+# Four for the pipeline runs: two one-block stages per rank on 2 ranks, or one stage of two blocks.
+FOUR_BLOCKS = ["--model.n_layers", "4"]
 
 
 def train_command(

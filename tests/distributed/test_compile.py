@@ -3,7 +3,7 @@ the compiled graphs, and losses against eager (see compile_checks.py for each ch
 
 import pytest
 
-from tests.launch import TRAIN_AND_REPORT, compile_reports, launch_train, run_worker
+from tests.launch import TRAIN_AND_REPORT, TWO_BLOCKS, compile_reports, launch_train, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -76,7 +76,8 @@ def test_a_restart_takes_its_graphs_from_the_compile_caches(name, tmp_path):
     nproc, layout = RESTARTS[name]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     overrides = [
-        *("--model.n_layers", "2", "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"),
+        *TWO_BLOCKS,
+        *("--training.steps", "2", "--lr_scheduler.warmup_steps", "1"),
         *layout,
         "--compile.enable",
     ]

@@ -25,14 +25,12 @@ import json
 
 import pytest
 
-from tests.launch import RunBatch, losses, run_worker
+from tests.launch import FOUR_BLOCKS, RunBatch, losses, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
 STEPS = ["--training.steps", "5", "--lr_scheduler.warmup_steps", "2"]
 GLOBAL_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "8"]
-# The debug model cut to 4 blocks: two stages of one block per rank, or one stage of two blocks.
-FOUR_BLOCKS = ["--model.n_layers", "4"]
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
 
 

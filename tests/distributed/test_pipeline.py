@@ -12,7 +12,7 @@ import pytest
 from config.job_config import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
-from tests.launch import GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
+from tests.launch import FOUR_BLOCKS, GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
@@ -37,7 +37,6 @@ ONE_BLOCK_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
 FOUR_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
 # The trained runs cut the model to 4 blocks (a third of the steps' compute): one-block stages are
 # then 4 stages, two per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
-FOUR_BLOCKS = ["--model.n_layers", "4"]
 UNEVEN_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"]
 LOCAL_8 = ["--training.local_batch_size", "8"]
 # 4 ranks as pp 2 x dp 2 with 2 sequences per rank: 2 accumulation microbatches per step.

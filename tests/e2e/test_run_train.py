@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import losses, read_metrics, run_script
+from tests.launch import TWO_BLOCKS, losses, read_metrics, run_script
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -49,7 +49,7 @@ def test_run_train_30_steps(tmp_path):
 def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
     """The SimpleFSDP acceptance run: inductor, auto bucketing, 10 steps, against FSDP2 eager. Two
     blocks: Inductor's C++ compile time grows with the graph, and two still share buckets."""
-    common = ["--training.steps", "10", "--training.seq_len", "128", "--metrics.log_freq", "1", "--model.n_layers", "2"]
+    common = ["--training.steps", "10", "--training.seq_len", "128", "--metrics.log_freq", "1", *TWO_BLOCKS]
     common += ["--metrics.enable_tensorboard", "false"]
     run_script(str(tmp_path / "fsdp2"), *common, timeout=TIMEOUT)
     simple = run_script(
