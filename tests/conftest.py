@@ -14,3 +14,14 @@ def shared_cache_dir(tmp_path_factory):
     path = os.environ.get("TESSERA_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("tessera_cache"))
     os.environ["TESSERA_CACHE_DIR"] = path
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_inductor_cache(tmp_path_factory):
+    """One Inductor cache per run of the suite, shared by its workers: without it every run adds to
+    /tmp/torchinductor_$USER, and a machine that ran the suite before compiles from a warm cache,
+    so the suite's time there says nothing of a fresh CI machine's."""
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # the workers' folders sit side by side in the run's folder
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / "inductor_cache"))
