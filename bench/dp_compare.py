@@ -1,6 +1,7 @@
-"""Benchmark: FSDP2 against SimpleFSDP (eager and compiled, three bucketing modes) on CPU ranks.
+"""Benchmark: FSDP2 against SimpleFSDP (eager and compiled, four bucketing modes) on CPU ranks.
 
     python bench/dp_compare.py [--models debugmodel,debugmodel_wide] [--variants v1,v2,...]
+                               [--manual-plan NAME=BUCKETS ...]
                                [--precisions fp32,bf16] [--ranks 1,2] [--rounds N]
                                [--steps N] [--warmup N] [--seq-len N] [--batch-size N] [--quick]
     python bench/dp_compare.py --compile-depths 6,16,32
@@ -13,6 +14,9 @@ table gives the median over the rounds and the spread (min-max). Absolute number
 machine are noise; the ratios against ``fsdp2_eager`` (same model, precision, ranks and round) are
 the result. The 1-rank runs (``--ranks 1,2``; only ``ONE_RANK_VARIANTS``) give the scaling
 efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant.
+
+``--manual-plan`` adds hand-written bucket plans as variants of their own, to set the auto
+planner against the best plan one can write for the same model in the same rounds.
 
 ``--compile-depths`` measures compile time instead: for each depth (debugmodel's width), FSDP2's
 per-block compile, SimpleFSDP's per-block compile (block bucketing) and its whole-model compile
@@ -121,6 +125,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated flavors (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--variants", help=f"comma-separated, from: {','.join(VARIANTS)} (default: all)")
+    parser.add_argument(
+        "--manual-plan",
+        action="append",
+        default=[],
+        metavar="NAME=BUCKETS",
+        help="one more variant, simplefsdp_manual_NAME: compiled SimpleFSDP with --compile.manual_buckets "
+        "BUCKETS (repeatable), e.g. one='*' or tail='layers.[1-9]*+norm+output'",
+    )
     parser.add_argument("--steps", type=int, help=f"timed steps per variant (default {DEFAULT_STEPS})")
     parser.add_argument("--warmup", type=int, help=f"untimed steps first, compile included (default {DEFAULT_WARMUP})")
     parser.add_argument("--seq-len", type=int, help="sequence length for every model (default: per model)")
@@ -143,14 +155,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
 
     models = args.models.split(",") if args.models else (QUICK_MODELS if args.quick else list(DEFAULT_SHAPES))
-    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    # The variants' flags: the fixed ones, and the manual plans asked for (run unless --variants omits them).
+    args.variant_flags = dict(VARIANTS)
+    for plan in args.manual_plan:
+        name, _, buckets = plan.partition("=")
+        if not (name.isidentifier() and buckets):
+            parser.error(f"--manual-plan {plan!r}: expected NAME=BUCKETS, e.g. one='*'")
+        flags = f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual".split()
+        args.variant_flags[f"simplefsdp_manual_{name}"] = [*flags, "--compile.manual_buckets", buckets]
+    variants = args.variants.split(",") if args.variants else list(args.variant_flags)
     # Checked here rather than by the workers, so that a typo does not surface minutes into a run.
     unknown_models = [m for m in models if m not in llama3_flavors]
     if unknown_models:
         parser.error(f"unknown models {unknown_models}; known: {', '.join(llama3_flavors)}")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in args.variant_flags]
     if unknown:
-        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; known: {', '.join(args.variant_flags)}")
     args.models, args.variants = models, variants
     args.warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
     args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
@@ -216,7 +236,7 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
         f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}"
         f" --training.mixed_precision_param {PRECISIONS[spec.precision]}".split(),
         *(["--model.n_layers", str(spec.n_layers)] if spec.n_layers else []),
-        *VARIANTS[spec.variant],
+        *args.variant_flags[spec.variant],
     ]
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -533,7 +553,7 @@ def write_results(
                     "compile_depths": args.compile_depths,
                 },
                 "memory_method": MEMORY_METHOD,
-                "variants": {v: VARIANTS[v] for v in args.variants},
+                "variants": {v: args.variant_flags[v] for v in args.variants},
                 "rows": rows,
                 "results": results,
             },
