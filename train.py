@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from config.job_config import ConfigError
+from config.job_config import ConfigError, print_error
 from config.manager import help_text, load_config
 
 
@@ -39,17 +39,16 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return _refuse(e)
     except (CheckpointError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 1
     except RuntimeError as e:
         if not _is_collective_failure(e):
             raise
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
         step = trainer.step + 1 if trainer is not None else 0
-        print(
-            f"error: a collective failed at step {step} (a rank died or hung longer than "
-            f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}",
-            file=sys.stderr,
+        print_error(
+            f"a collective failed at step {step} (a rank died or hung longer than "
+            f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}"
         )
         return 1
     return 0
@@ -63,7 +62,7 @@ def _refuse(error: ConfigError) -> int:
         with open(error_file, "w") as f:
             f.write(f"2 error: {error}\n")
         return 0
-    print(f"error: {error}", file=sys.stderr)
+    print_error(error)
     return 2
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +25,13 @@ CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_s
 
 class ConfigError(ValueError):
     """A user error in the configuration: reported as one line, without a traceback."""
+
+
+def print_error(message: object) -> None:
+    """``error: <message>`` on stderr in one write. print() writes the text and its newline apart,
+    which unbuffered (PYTHONUNBUFFERED) lets another rank's output, on the same stderr, split."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
 
 
 def _default_cache_dir() -> str:

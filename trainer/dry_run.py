@@ -33,7 +33,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from config.job_config import ConfigError, JobConfig
+from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
 from models.builder import BuiltModel, build_model, model_args
 from models.registry import get_model_spec
@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
         check(argv, world_size)  # the pre-launch check of the real run, at the simulated world size
         report = dry_run(load_config(argv), world_size)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     print(report.summary())
     return 0

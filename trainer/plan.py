@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from config.job_config import ConfigError, JobConfig, user_input
+from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import load_config, to_toml
 from models.builder import model_args
 from models.registry import get_model_spec
@@ -424,7 +424,7 @@ def main(argv: list[str]) -> int:
         with user_input("plan.output"), open(config.plan.output, "w") as f:
             f.write(to_toml(best))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     plan = config.plan
     print(

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from config.job_config import ConfigError, JobConfig
+from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
 from models.registry import get_model_spec
 from parallelisms.device import accelerator_count
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     try:
         check(argv, int(world_size))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if "--nnodes" in launch:
         print(nproc, int(accelerators > 0))

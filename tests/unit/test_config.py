@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from config.job_config import ConfigError, JobConfig
+from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, help_text, load_config, to_toml
 from trainer.preflight import check
 
@@ -167,6 +167,24 @@ def test_train_py_reports_bad_input_in_one_line():
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: unknown option 'training.stesp' (did you mean 'training.steps'?)"
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    """Ranks share one stderr and run unbuffered (PYTHONUNBUFFERED): a line written in two pieces
+    (print's text, then its newline) was once split by torchrun's own log line."""
+    writes = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    print_error(ConfigError("training.steps must be positive"))
+    assert writes == ["error: training.steps must be positive\n"]
 
 
 def test_preflight_catches_world_size_mismatch():
