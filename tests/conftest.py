@@ -6,6 +6,9 @@ import pytest
 # ranks already keep both cores busy, so the pool only adds processes: the inductor compile checks
 # took 146 s of CPU with it and 122 s without (2026-11-24). Every launched rank inherits this.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Read before any test module imports torch: Inductor writes its default into the environment
+# the first time it looks the folder up.
+INDUCTOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,4 +27,4 @@ def session_inductor_cache(tmp_path_factory):
     run_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         run_dir = run_dir.parent  # the workers' folders sit side by side in the run's folder
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_dir / "inductor_cache"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE_DIR or str(run_dir / "inductor_cache")
