@@ -155,22 +155,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
 
     models = args.models.split(",") if args.models else (QUICK_MODELS if args.quick else list(DEFAULT_SHAPES))
-    # The variants' flags: the fixed ones, and the manual plans asked for (run unless --variants omits them).
-    args.variant_flags = dict(VARIANTS)
-    for plan in args.manual_plan:
-        name, _, buckets = plan.partition("=")
-        if not (name.isidentifier() and buckets):
-            parser.error(f"--manual-plan {plan!r}: expected NAME=BUCKETS, e.g. one='*'")
-        flags = f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual".split()
-        args.variant_flags[f"simplefsdp_manual_{name}"] = [*flags, "--compile.manual_buckets", buckets]
-    variants = args.variants.split(",") if args.variants else list(args.variant_flags)
+    args.variant_flags, variants = choose_variants(args, parser)
     # Checked here rather than by the workers, so that a typo does not surface minutes into a run.
     unknown_models = [m for m in models if m not in llama3_flavors]
     if unknown_models:
         parser.error(f"unknown models {unknown_models}; known: {', '.join(llama3_flavors)}")
-    unknown = [v for v in variants if v not in args.variant_flags]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; known: {', '.join(args.variant_flags)}")
     args.models, args.variants = models, variants
     args.warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
     args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
@@ -191,6 +180,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args.out = args.out or os.path.join(RESULTS_DIR, name)
     return args
+
+
+def choose_variants(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Every variant's flags (the fixed ones and the manual plans asked for) and the variants to run."""
+    flags = dict(VARIANTS)
+    for plan in args.manual_plan:
+        name, _, buckets = plan.partition("=")
+        if not (name.isidentifier() and buckets):
+            parser.error(f"--manual-plan {plan!r}: expected NAME=BUCKETS, e.g. one='*'")
+        compiled_manual = f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual".split()
+        flags[f"simplefsdp_manual_{name}"] = [*compiled_manual, "--compile.manual_buckets", buckets]
+    chosen = args.variants.split(",") if args.variants else list(flags)
+    unknown = [v for v in chosen if v not in flags]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(flags)}")
+    return flags, chosen
 
 
 def model_shape(model: str, args: argparse.Namespace) -> Shape:
