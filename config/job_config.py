@@ -15,10 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names options accept, and the torch dtypes they stand for."""
+# No torch here: a mistake in the config is reported before anything imports it (seconds). The
+# dtype options take torch's own names (``getattr(torch, name)`` is the dtype).
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config.job_config import DTYPES, MODEL_SIZE_FIELDS, ConfigError, JobConfig
+from config.job_config import MODEL_SIZE_FIELDS, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
 from parallelisms.device import attention_dtype, fast_bfloat16
@@ -140,7 +140,7 @@ def build_model(
     logger.info(
         "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
-    compute_dtype = DTYPES[config.training.mixed_precision_param]
+    compute_dtype = getattr(torch, config.training.mixed_precision_param)
     upcast = None if fake_mode else attention_dtype(device.type, compute_dtype, args.head_dim)
     if upcast is not None:  # (a dry run stands for GPUs, where attention keeps the compute dtype)
         names = [str(dtype).removeprefix("torch.") for dtype in (upcast, compute_dtype)]

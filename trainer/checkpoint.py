@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from config.job_config import CHECKPOINT_PARTS, DTYPES, Checkpoint, ConfigError, user_input
+from config.job_config import CHECKPOINT_PARTS, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights
 
@@ -570,7 +570,7 @@ class CheckpointManager:
         """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)
         with ``assets``; returns that folder."""
         folder = os.path.join(self.folder, "hf")
-        export_hf(self.model_parts, model_args, folder, DTYPES[self.config.export_dtype], assets=assets)
+        export_hf(self.model_parts, model_args, folder, getattr(torch, self.config.export_dtype), assets=assets)
         logger.info("Hugging Face export (%s) written to %s", self.config.export_dtype, folder)
         return folder
 

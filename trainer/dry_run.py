@@ -337,8 +337,9 @@ def main(argv: list[str]) -> int:
     world_size, argv = int(argv[1]), argv[2:]
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
-        check(argv, world_size)  # the pre-launch check of the real run, at the simulated world size
-        report = dry_run(load_config(argv), world_size)
+        config = load_config(argv)
+        check(config, world_size)  # the pre-launch check of the real run, at the simulated world size
+        report = dry_run(config, world_size)
     except ConfigError as e:
         print_error(e)
         return 2

@@ -10,21 +10,23 @@ import logging
 import os
 import sys
 
-import torch
-
 from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
-from models.registry import get_model_spec
-from parallelisms.device import accelerator_count
 from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
-from trainer.distributed import parallel_dims_from_config
-from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
-from trainer.optim import build_optimizer_and_schedule
 from trainer.tokenizer import build_tokenizer
 
+# torch and the modules that use it are imported inside the functions, once the options have
+# parsed: their imports take seconds, which a mistyped option need not wait for.
 
-def check(argv: list[str], world_size: int) -> None:
-    config = load_config(argv)
+
+def check(config: JobConfig, world_size: int) -> None:
+    import torch
+
+    from models.registry import get_model_spec
+    from trainer.distributed import parallel_dims_from_config
+    from trainer.hf_checkpoint import job_model_args
+    from trainer.optim import build_optimizer_and_schedule
+
     dims = parallel_dims_from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
     ckpt = config.checkpoint
@@ -41,6 +43,8 @@ def check_files(config: JobConfig) -> None:
     """Reads the start of every corpus, the tokenizer and the Hugging Face folder the run will
     use; one line names every one that is missing or broken, and every way the folder differs
     from the model."""
+    from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
+
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems = [problem for option in options if (problem := _dataset_problem(config, option))]
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
@@ -90,6 +94,14 @@ def main(argv: list[str]) -> int:
     launch: dict[str, str] = {}
     while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
         launch[argv[0]], argv = argv[1], argv[2:]
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    try:
+        config = load_config(argv)  # the options first, before the imports below
+    except ConfigError as e:
+        print_error(e)
+        return 2
+    from parallelisms.device import accelerator_count
+
     accelerators = accelerator_count()
     nproc = launch.get("--nproc-per-node", "auto")
     nproc = str(accelerators or 2) if nproc == "auto" else nproc
@@ -97,9 +109,8 @@ def main(argv: list[str]) -> int:
     if not (nproc.isdigit() and world_size.isdigit() and int(world_size) > 0):
         print(USAGE, file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
-        check(argv, int(world_size))
+        check(config, int(world_size))
     except ConfigError as e:
         print_error(e)
         return 2

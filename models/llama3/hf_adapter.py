@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from config.job_config import DTYPES
-
 from .model import Transformer, TransformerModelArgs, ffn_hidden_dim
 
 _TOP_LEVEL = {
@@ -113,7 +111,7 @@ def hf_param_shapes(args: TransformerModelArgs, tied: bool = False) -> dict[str,
     return shapes
 
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:

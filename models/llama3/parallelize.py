@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from config.job_config import DTYPES, ConfigError, JobConfig, user_input
+from config.job_config import ConfigError, JobConfig, user_input
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
     BucketPlan,
@@ -97,8 +97,8 @@ def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bo
 
 
 def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    param_dtype = DTYPES[config.training.mixed_precision_param]
-    reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+    param_dtype = getattr(torch, config.training.mixed_precision_param)
+    reduce_dtype = getattr(torch, config.training.mixed_precision_reduce)
     dp_mesh = parallel_dims.dp_param_mesh
     if parallel_dims.fsdp_enabled:
         apply_fsdp2(
@@ -122,8 +122,8 @@ def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: Jo
         model,
         parallel_dims.dp_param_mesh,
         mode=mode,
-        param_dtype=DTYPES[config.training.mixed_precision_param],
-        reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+        param_dtype=getattr(torch, config.training.mixed_precision_param),
+        reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward=_reshard_after_forward(parallel_dims, config),
         reshard_blocks=list(model.layers.values()),
         compiled=config.compile.enable,
@@ -160,7 +160,7 @@ def bucket_plan(
     comm.bandwidth_gbps are set, and reuses the plan an earlier start saved in ``saved_plans``."""
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
-    param_dtype = DTYPES[config.training.mixed_precision_param]
+    param_dtype = getattr(torch, config.training.mixed_precision_param)
     units = plan_units(
         model, tokens=config.training.local_batch_size * config.training.seq_len, param_dtype=param_dtype
     )
@@ -172,7 +172,7 @@ def bucket_plan(
     dp_group = parallel_dims.dp_mesh.get_group()
     device_type = parallel_dims.mesh.device_type
     memory_cap_bytes = int(config.compile.bucket_memory_cap_mb * 2**20)
-    reduce_factor = DTYPES[config.training.mixed_precision_reduce].itemsize / param_dtype.itemsize
+    reduce_factor = getattr(torch, config.training.mixed_precision_reduce).itemsize / param_dtype.itemsize
     reshard = _reshard_after_forward(parallel_dims, config)
 
     def make_plan() -> BucketPlan:

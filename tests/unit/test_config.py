@@ -118,10 +118,15 @@ def test_bad_toml_input(tmp_path, text, message):
 
 def test_degrees_must_match_world_size():
     with pytest.raises(ConfigError, match="multiply to 8 .* world size is 4"):
-        check(["--parallelism.data_parallel_shard_degree", "4", "--parallelism.data_parallel_replicate_degree", "2"], 4)
+        check(
+            load_config(
+                ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.data_parallel_replicate_degree", "2"]
+            ),
+            4,
+        )
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):
-        check(["--parallelism.data_parallel_replicate_degree", "4"], 6)
-    check(["--parallelism.data_parallel_replicate_degree", "2"], 4)  # shard degree -1 takes the rest
+        check(load_config(["--parallelism.data_parallel_replicate_degree", "4"]), 6)
+    check(load_config(["--parallelism.data_parallel_replicate_degree", "2"]), 4)  # shard degree -1 takes the rest
 
 
 def test_batch_sizes_must_divide():
@@ -185,6 +190,18 @@ def test_an_error_line_is_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     print_error(ConfigError("training.steps must be positive"))
     assert writes == ["error: training.steps must be positive\n"]
+
+
+def test_a_mistyped_option_is_reported_before_torch_is_imported():
+    """Importing torch and the model costs seconds; the pre-launch check parses the options first."""
+    probe = (
+        "import sys; from trainer import preflight; "
+        "code = preflight.main(['--world-size', '2', '--training.stepz', '3']); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stderr == "error: unknown option 'training.stepz' (did you mean 'training.steps'?)\n"
+    assert result.stdout.split() == ["2", "False"]
 
 
 def test_preflight_catches_world_size_mismatch():

@@ -54,7 +54,7 @@ def test_the_folder_gives_the_architecture(name, tmp_path, corpus):
     if "rope_scaling" in source:
         assert args.rope_scaling_factor == 32.0
     # The folder passes the pre-launch check and loads.
-    preflight.check(folder_args(folder, corpus), world_size=2)
+    preflight.check(load_config(folder_args(folder, corpus)), world_size=2)
     model = Transformer(args)
     load_hf_weights([model], folder)
     embeddings = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]

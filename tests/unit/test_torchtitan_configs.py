@@ -165,7 +165,7 @@ def test_the_last_config_file_wins(tmp_path):
 
 def test_preflight_names_every_missing_path_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as error:
-        check(["--job.config_file", write(tmp_path, TITAN_DEBUG)], world_size=2)
+        check(load_config(["--job.config_file", write(tmp_path, TITAN_DEBUG)]), world_size=2)
     message = str(error.value)
     assert "\n" not in message
     assert (
@@ -183,9 +183,9 @@ def test_torchtitans_own_files_pass_the_pre_launch_check(name, world_size, corpu
     path = os.path.join(ANCHOR, "train_configs", f"{name}.toml")
     overrides = ["--model.hf_assets_path", TOKENIZER, "--training.dataset_path", corpus]
     with caplog.at_level(logging.WARNING):
-        check(["--job.config_file", path, *overrides], world_size=world_size)
+        check(load_config(["--job.config_file", path, *overrides]), world_size=world_size)
     if name != "debug_model":  # the flavors' 128,256 tokens give way to the tokenizer's, and the log says so
         assert any("model vocabulary: 2004 tokens from the tokenizer" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="tokenizer path not found") as error:
-        check(["--job.config_file", path], world_size=world_size)
+        check(load_config(["--job.config_file", path]), world_size=world_size)
     assert "training.dataset" in str(error.value) and "\n" not in str(error.value)
