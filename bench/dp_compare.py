@@ -73,7 +73,7 @@ VARIANTS: dict[str, list[str]] = {
 BASELINE = "fsdp2_eager"
 ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto", "simplefsdp_block")
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
-DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_block", "simplefsdp_auto")
+DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_block", "simplefsdp_manual", "simplefsdp_auto")
 
 
 @dataclass(frozen=True)

@@ -259,10 +259,11 @@ class Compile:
     """torch.compile backend: inductor or aot_eager."""
     bucketing: Literal["none", "manual", "auto", "block"] = "manual"
     """SimpleFSDP collective bucketing in the compiled graph: none (one all-gather and one
-    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (the greedy planner),
-    each compiling the whole model as one graph; or block: each transformer block compiled on its
-    own (one graph, compiled once for all blocks, as FSDP2's per-block compile), its attention and
-    its feed-forward one bucket each, the rest of the model eager."""
+    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (equal buckets of
+    blocks, sized by a cost model), each compiling the whole model as one graph; or block: each
+    transformer block compiled on its own (one graph, compiled once for all blocks, as FSDP2's
+    per-block compile), its attention and its feed-forward one bucket each, the rest of the model
+    eager."""
     manual_buckets: list[str] = field(default_factory=list)
     """Buckets for manual bucketing, each a '+'-joined list of module-name patterns
     (e.g. 'layers.0+layers.1', 'norm+output'); empty = one bucket per transformer block,

@@ -24,17 +24,18 @@ Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one st
     Memory: while ``B_i`` computes, ``B_{i+1}`` is being gathered, so the gathered weights of
     two consecutive buckets are alive together; their sum must stay under the memory cap.
 
-Greedy auto wrapping (the SimpleFSDP paper's algorithm, ``plan_auto``)
-    Walk the units in execution order. The current bucket ``C = B_k`` absorbs the next unit
-    while, for the grown bucket:
-        (forward)  ``AG(C) <= F_{k-1}``                      (``F_{-1} = 0``: ``B_0`` stays one unit)
-        (backward) ``RS(C) + AG(B_{k-2}) <= G_{k-1}``        (the backward step ``C``'s RS overlaps)
-        (memory)   ``bytes(B_{k-1}) + bytes(C) <= memory cap``
-    otherwise ``C`` is closed and the unit starts ``B_{k+1}``. Each check is the budget of one
-    compute step whose other costs belong to closed buckets, and growing ``C`` only makes it
-    harder, so the greedy never revisits a decision. ``C``'s own re-gather overlaps ``G_{k+1}``,
-    a step not formed yet: it is checked when ``B_{k+2}`` grows, where ``C`` is the ``B_{k-2}``.
-    A unit that breaks a check on its own still gets a bucket (a module is never split).
+Auto wrapping (``plan_auto``): the SimpleFSDP paper's cost model, searched over uniform plans
+    The paper grows each bucket greedily while its communication hides. Its plans put blocks at
+    different offsets of differently sized buckets, and Inductor compiles the code that copies a
+    parameter out of its bucket once per distinct layout: compile time grew with the largest
+    bucket (one g++ run per kernel, about 1 s each on a CPU). So auto keeps the blocks (the longest
+    run of consecutive units with equal bytes and FLOPs) in buckets of ``k`` blocks each, aligned on
+    block boundaries (the last one holds the remainder), the units before them in one bucket and the
+    units after them in another, and picks the ``k`` whose plan the model predicts the least exposed
+    communication for (forward plus backward), the smallest ``k`` on a tie. Where compute hides
+    every collective that is ``k = 1``: a larger first bucket only exposes a larger first gather.
+    Where latency dominates, larger buckets pay it fewer times. ``k`` grows only while every bucket
+    and its predecessor stay under the memory cap; one block per bucket is always allowed.
 """
 
 from __future__ import annotations
@@ -450,13 +451,13 @@ def plan_auto(
     reduce_scatter_bytes_factor: float = 1.0,
     reshard_after_forward: bool = True,
 ) -> BucketPlan:
-    """The SimpleFSDP paper's greedy bucketing (rules and overlap semantics: module docstring).
+    """Uniform buckets of blocks, sized by the paper's cost model (rules: module docstring).
 
     Args:
         units: modules in forward execution order.
         world_size: ranks of the all-gather / reduce-scatter (the data-parallel shard dim).
         memory_cap_bytes: cap on the gathered bytes of two consecutive buckets (the one computing
-            and the one being prefetched). A unit that cannot fit is still planned, alone.
+            and the one being prefetched). One block per bucket is planned even above it.
         reduce_scatter_bytes_factor: gradient bytes per gathered parameter byte, i.e. reduce
             dtype size / gather dtype size (2.0 for bf16 gathers with fp32 reduction).
         reshard_after_forward: whether backward gathers the weights again (adds those
@@ -466,46 +467,50 @@ def plan_auto(
     if memory_cap_bytes <= 0:
         raise ValueError(f"memory_cap_bytes must be > 0, got {memory_cap_bytes}")
     costs = _Costs(comm, compute, world_size, reduce_scatter_bytes_factor, reshard_after_forward)
+    start, stop = _repeated_run(units)
+    head, blocks, tail = list(units[:start]), list(units[start:stop]), list(units[stop:])
 
-    closed: list[list[PlanUnit]] = []
-    current = [units[0]]
-    for unit in units[1:]:
-        grown = [*current, unit]
-        previous = closed[-1] if closed else []
-        before_previous = closed[-2] if len(closed) >= 2 else []
-        gather = costs.all_gather(grown)
-        forward_budget = costs.forward(previous)
-        backward_comm = costs.reduce_scatter(grown) + costs.regather(before_previous)
-        backward_budget = costs.backward(previous)
-        in_flight_bytes = sum(u.param_bytes for u in previous) + sum(u.param_bytes for u in grown)
-        if gather > forward_budget:
-            reason = f"forward all-gather {gather:.3e} s > previous bucket's forward {forward_budget:.3e} s"
-        elif backward_comm > backward_budget:
-            reason = f"backward comm {backward_comm:.3e} s > previous bucket's backward {backward_budget:.3e} s"
-        elif in_flight_bytes > memory_cap_bytes:
-            reason = f"gathered bytes of two buckets {in_flight_bytes} > cap {memory_cap_bytes}"
-        else:
-            current = grown
-            continue
-        logger.debug("Bucket %d closes before %s: %s", len(closed), unit.name, reason)
-        closed.append(current)
-        current = [unit]
-    closed.append(current)
-    _warn_over_cap(closed, memory_cap_bytes)
-    return _predict(closed, costs)
+    best_exposed, best_groups = math.inf, []
+    for size in range(1, len(blocks) + 1):
+        groups = [group for group in [head, *_chunks(blocks, size), tail] if group]
+        if size > 1 and _over_cap(groups, memory_cap_bytes):
+            break  # larger groups only hold more
+        plan = _predict(groups, costs)
+        exposed = sum(b.predicted_exposed_forward_s + b.predicted_exposed_backward_s for b in plan.buckets)
+        logger.debug("Auto buckets of %d blocks: %.3e s of exposed communication predicted", size, exposed)
+        if exposed < best_exposed:
+            best_exposed, best_groups = exposed, groups
+    if _over_cap(best_groups, memory_cap_bytes):
+        logger.warning(
+            "Auto buckets: one block per bucket already exceeds the memory cap of %d B with its neighbour "
+            "(compile.bucket_memory_cap_mb); a module cannot be split, so it is planned anyway",
+            memory_cap_bytes,
+        )
+    return _predict(best_groups, costs)
 
 
-def _warn_over_cap(closed: list[list[PlanUnit]], memory_cap_bytes: int) -> None:
-    for index, group in enumerate(closed):
-        neighbour_bytes = sum(u.param_bytes for u in closed[index - 1]) if index > 0 else 0
-        group_bytes = sum(u.param_bytes for u in group)
-        if neighbour_bytes + group_bytes > memory_cap_bytes:
-            # Only a lone unit can break the cap: a unit cannot be split across buckets.
-            logger.warning(
-                "Bucket %d (%s, %d B) with the bucket before it (%d B) exceeds the memory cap of %d B: "
-                "a single module cannot be split, so it gets its own bucket anyway",
-                *(index, group[0].name, group_bytes, neighbour_bytes, memory_cap_bytes),
-            )
+def _repeated_run(units: Sequence[PlanUnit]) -> tuple[int, int]:
+    """``[start, stop)`` of the longest run of consecutive units with equal bytes and FLOPs (a
+    model's blocks); the first such run on a tie."""
+    best = (0, 1)
+    start = 0
+    for index in range(1, len(units) + 1):
+        ends = index == len(units) or dataclasses.astuple(units[index])[1:] != dataclasses.astuple(units[start])[1:]
+        if ends:
+            if index - start > best[1] - best[0]:
+                best = (start, index)
+            start = index
+    return best
+
+
+def _chunks(blocks: list[PlanUnit], size: int) -> list[list[PlanUnit]]:
+    return [blocks[i : i + size] for i in range(0, len(blocks), size)]
+
+
+def _over_cap(groups: list[list[PlanUnit]], memory_cap_bytes: int) -> bool:
+    """Whether some bucket with the one before it gathers more than the cap."""
+    sizes = [sum(unit.param_bytes for unit in group) for group in groups]
+    return any(before + size > memory_cap_bytes for before, size in zip([0, *sizes], sizes))
 
 
 def _parse_spec(spec: str) -> list[str]:

@@ -48,7 +48,7 @@ def test_run_train_30_steps(tmp_path):
 
 def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
     """The SimpleFSDP acceptance run: inductor, auto bucketing, 10 steps, against FSDP2 eager. Two
-    blocks: Inductor's C++ compile time grows with the graph, and two still share buckets."""
+    blocks: Inductor's C++ compile time grows with the graph."""
     common = ["--training.steps", "10", "--training.seq_len", "128", "--metrics.log_freq", "1", *TWO_BLOCKS]
     common += ["--metrics.enable_tensorboard", "false"]
     run_script(str(tmp_path / "fsdp2"), *common, timeout=TIMEOUT)

@@ -99,62 +99,62 @@ def test_compute_model_from_config_or_measured() -> None:
 
 
 # ---------------------------------------------------------------------------
-# plan_auto: known boundaries
+# plan_auto: known plans
 # ---------------------------------------------------------------------------
 
 
-def test_expensive_comm_puts_every_unit_alone() -> None:
-    units = _units(*[(10, 1.0, 2.0)] * 4)  # a 20-byte merge takes 20 s against 1 s of compute
-    plan = plan_auto(units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10**9)
-    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3"]]
+def _blocks(count: int, param_bytes: int, forward: float, backward: float) -> list[PlanUnit]:
+    return [PlanUnit(f"layers.{i}", param_bytes, forward, backward) for i in range(count)]
 
 
-def test_cheap_comm_merges_until_the_memory_cap() -> None:
-    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)
-    units = _units(*[(100, 1.0, 2.0)] * 6)
-    plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=400)
-    # u0 alone: nothing computes before it. Then the cap bounds two consecutive buckets:
-    # [u0] + [u1, u2, u3] = 400 <= 400, adding u4 makes 500; [u1..u3] + [u4, u5] = 500 > 400.
-    assert _boundaries(plan) == [["u0"], ["u1", "u2", "u3"], ["u4"], ["u5"]]
-    # Without a binding cap everything after u0 merges.
-    unbounded = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10**9)
-    assert _boundaries(unbounded) == [["u0"], ["u1", "u2", "u3", "u4", "u5"]]
+def test_hidden_communication_gives_one_block_per_bucket() -> None:
+    # AG and RS of one block take 1 s against 4 s forward and 8 s backward: every collective but the
+    # first gather, the first re-gather and the last reduce-scatter hides, 3 s exposed in all. Two
+    # blocks per bucket expose 2 s for each of those three instead: 6 s.
+    blocks = _blocks(4, 1, 4.0, 8.0)
+    plan = plan_auto(blocks, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=10**9)
+    assert _boundaries(plan) == [["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"]]
+    exposed = sum(b.predicted_exposed_forward_s + b.predicted_exposed_backward_s for b in plan.buckets)
+    assert exposed == pytest.approx(3.0)
+    pairs = predict_plan(blocks, [["layers.0", "layers.1"], ["layers.2", "layers.3"]], _comm(0.0), _UNIT_RATE, 2)
+    assert sum(b.predicted_exposed_forward_s + b.predicted_exposed_backward_s for b in pairs.buckets) == 6.0
 
 
-# (param_bytes, forward, backward); alpha = 1 s, so a collective of b bytes takes 1 + b seconds.
-_MIXED_UNITS = _units((2, 1, 2), (1, 4, 5), (1, 4, 8), (1, 4, 8), (1, 4, 8), (1, 2, 4))
+def test_latency_bound_blocks_share_buckets_of_equal_size_up_to_the_memory_cap() -> None:
+    # alpha = 10 s; a block's AG or RS takes 11 s against F = 1 s and G = 2 s.
+    # Exposed in all, 6 blocks: one per bucket 61 forward (11 + 5 x 10) + 120 backward (20 per step);
+    # pairs (AG 12 s, F 2 s, G 4 s) 32 + 60 = 92 s. Triples would gather 6 bytes with their
+    # neighbour, over the cap of 5.
+    blocks = _blocks(6, 1, 1.0, 2.0)
+    plan = plan_auto(blocks, _comm(10.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=5)
+    assert _boundaries(plan) == [["layers.0", "layers.1"], ["layers.2", "layers.3"], ["layers.4", "layers.5"]]
+    exposed = sum(b.predicted_exposed_forward_s + b.predicted_exposed_backward_s for b in plan.buckets)
+    assert exposed == pytest.approx(92.0)
+    # Without a binding cap, one bucket: its gather, re-gather and reduce-scatter (16 s each) all exposed.
+    assert _boundaries(plan_auto(blocks, _comm(10.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=100)) == [
+        [f"layers.{i}" for i in range(6)]
+    ]
 
 
-def test_mixed_case_each_rule_closes_one_bucket() -> None:
-    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3)
-    # u1 + u2: forward AG(2) = 3 s > F(u0) = 1 s                      -> forward rule closes [u1]
-    # u2 + u3: AG 3 <= F(u1) 4, but RS(2) 3 + re-gather AG(u0) 3 = 6 > G(u1) 5 -> backward rule
-    # u3 + u4: AG 3 <= F(u2) 4, RS 3 + AG(u1) 2 = 5 <= G(u2) 8, bytes 1 + 2 <= 3 -> merge
-    # + u5:    AG(3) 4 <= 4, RS 4 + AG(u1) 2 = 6 <= 8, but bytes 1 + 3 > 3    -> memory rule
-    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3", "u4"], ["u5"]]
-    assert [bucket.param_bytes for bucket in plan.buckets] == [2, 1, 1, 2, 1]
+def test_units_before_and_after_the_blocks_get_a_bucket_each() -> None:
+    # The embeddings do no matmuls, the norm none either: they cannot hide anything, and the blocks
+    # (the longest run of equal units) keep buckets of equal size, the last holding the remainder.
+    units = [PlanUnit("tok_embeddings", 4, 0.0, 0.0), *_blocks(5, 1, 1.0, 2.0)]
+    units += [PlanUnit("norm", 1, 0.0, 0.0), PlanUnit("output", 4, 1.0, 2.0)]
+    plan = plan_auto(units, _comm(10.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=100)
+    assert plan.buckets[0].units == ["tok_embeddings"] and plan.buckets[-1].units == ["norm", "output"]
+    sizes = [len(bucket.units) for bucket in plan.buckets[1:-1]]
+    assert sizes[0] > 1 and all(size == sizes[0] for size in sizes[:-1]) and sizes[-1] <= sizes[0], sizes
+    cheap = plan_auto(units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=100)
+    assert _boundaries(cheap) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(5)], ["norm", "output"]]
 
 
-def test_mixed_case_without_the_memory_cap_merges_the_tail() -> None:
-    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=100)
-    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3", "u4", "u5"]]
-
-
-def test_mixed_case_without_resharding_has_no_backward_regathers() -> None:
-    plan = plan_auto(_MIXED_UNITS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=3, reshard_after_forward=False)
-    # u2 + u3: RS 3 <= G(u1) 5 now; + u4: bytes 1 + 3 > 3. Then [u4] + u5: bytes 2 + 2 > 3.
-    assert _boundaries(plan) == [["u0"], ["u1"], ["u2", "u3"], ["u4"], ["u5"]]
-
-
-def test_reduce_scatter_bytes_factor_tightens_the_backward_rule() -> None:
-    units = _units((1, 1, 1), (1, 3, 9), (1, 3, 9), (1, 3, 9))
-    plain = plan_auto(units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, 10**9, reshard_after_forward=False)
-    # [u2, u3]: RS 2 s <= G(u1) 9 s at factor 1; at factor 5 it is 10 s > 9 s.
-    assert _boundaries(plain) == [["u0"], ["u1"], ["u2", "u3"]]
-    wide = plan_auto(
-        units, _comm(0.0), _UNIT_RATE, _WORLD_SIZE, 10**9, reshard_after_forward=False, reduce_scatter_bytes_factor=5.0
-    )
-    assert _boundaries(wide) == [["u0"], ["u1"], ["u2"], ["u3"]]
+def test_reduce_scatter_bytes_factor_and_resharding_reach_the_cost_model() -> None:
+    blocks = _blocks(4, 1, 1.0, 2.0)
+    for options in ({"reduce_scatter_bytes_factor": 2.0}, {"reshard_after_forward": False}):
+        plan = plan_auto(blocks, _comm(10.0), _UNIT_RATE, _WORLD_SIZE, 10**9, **options)
+        again = predict_plan(blocks, _boundaries(plan), _comm(10.0), _UNIT_RATE, _WORLD_SIZE, **options)
+        assert plan.to_dict() == again.to_dict()
 
 
 # ---------------------------------------------------------------------------
@@ -163,26 +163,26 @@ def test_reduce_scatter_bytes_factor_tightens_the_backward_rule() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_memory_cap_holds_for_every_multi_unit_bucket(seed: int) -> None:
+def test_memory_cap_holds_for_every_bucket_above_one_block(seed: int) -> None:
     rng = random.Random(seed)
-    units = _units(*[(rng.randint(1, 50), rng.uniform(1, 5), rng.uniform(2, 10)) for _ in range(30)])
-    cap = rng.randint(40, 150)
-    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)  # only the cap can close a bucket
-    plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=cap)
-    assert [name for bucket in plan.buckets for name in bucket.units] == [unit.name for unit in units]
+    blocks = _blocks(rng.randint(4, 30), rng.randint(1, 50), 1.0, 2.0)
+    cap = rng.randint(4, 12) * blocks[0].param_bytes  # pairs of pairs fit: buckets can grow
+    plan = plan_auto(blocks, _comm(100.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=cap)  # latency-bound
+    assert [name for bucket in plan.buckets for name in bucket.units] == [unit.name for unit in blocks]
     for previous, bucket in zip([None, *plan.buckets], plan.buckets):
-        in_flight = bucket.param_bytes + (previous.param_bytes if previous else 0)
-        assert in_flight <= cap or len(bucket.units) == 1, (bucket, previous, cap)
-    assert len(plan.buckets) < len(units)  # the cap let buckets grow: this case is not vacuous
+        assert bucket.param_bytes + (previous.param_bytes if previous else 0) <= cap, (bucket, previous, cap)
+    assert len(plan.buckets) < len(blocks)  # the cap let buckets grow: this case is not vacuous
 
 
-def test_unit_larger_than_the_cap_gets_its_own_bucket(caplog: pytest.LogCaptureFixture) -> None:
-    cheap = CommModel(alpha_s=0.0, bandwidth_bytes_per_s=1e12)
-    units = _units((1, 1, 1), (1, 1, 1), (10, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+def test_blocks_larger_than_the_cap_get_a_bucket_each(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="parallelisms.bucket_plan"):
-        plan = plan_auto(units, cheap, _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=5)
-    assert _boundaries(plan) == [["u0"], ["u1"], ["u2"], ["u3"], ["u4", "u5"]]
-    assert "u2" in caplog.text and "cannot be split" in caplog.text
+        plan = plan_auto(_blocks(3, 10, 1.0, 2.0), _comm(100.0), _UNIT_RATE, _WORLD_SIZE, memory_cap_bytes=5)
+    assert _boundaries(plan) == [["layers.0"], ["layers.1"], ["layers.2"]]
+    assert "bucket_memory_cap_mb" in caplog.text and "cannot be split" in caplog.text
+
+
+# (param_bytes, forward, backward) of units that are not all alike.
+_MIXED_UNITS = _units((2, 1, 2), (1, 4, 5), (1, 4, 8), (1, 4, 8), (1, 4, 8), (1, 2, 4))
 
 
 def test_bad_planner_inputs() -> None:
