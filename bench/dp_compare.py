@@ -388,7 +388,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
         f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'RS':>4} {'AR':>4} "
-        f"{'wire MiB':>8} {'3P(N-1)/N':>9} {'compile s':>9} {'loss':>7}"
+        f"{'wire MiB':>8} {'theory':>9} {'compile s':>9} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -441,8 +441,8 @@ mem MiB: peak tracked tensor memory per rank (max over ranks), first round.
 AG/RS/AR: all-gathers, reduce-scatters, all-reduces one rank issues in one step (profiled step,
   ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
 wire MiB: what a ring algorithm sends per rank for them: size x (N-1)/N, all-reduce twice that.
-  3P(N-1)/N: FSDP's theoretical wire bytes, 3 x parameter bytes P x (N-1)/N (all-gather forward and
-  backward, reduce-scatter gradients), P in the compute dtype.
+  theory: FSDP's wire MiB, (2 x P in the compute dtype + P in the reduce dtype) x (N-1)/N for P
+  parameters (all-gather forward and backward, reduce-scatter gradients).
 compile s: first step minus the median timed step, with a fresh Inductor cache per run (median over
   rounds): the compile for compiled variants, one-time set-up (lazy init, optimizer state) for eager ones.
 loss: global loss at the last timed step, first round (same data and seed everywhere: the variants

@@ -206,6 +206,7 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
     timed = times[warmup:]
     n_params = sum(p.numel() for part in trainer.model.parts for p in part.parameters())
     param_bytes = n_params * trainer.model.compute_dtype.itemsize
+    gradient_bytes = n_params * getattr(torch, config.training.mixed_precision_reduce).itemsize
     stats = mine["collectives"]
     graph_pass = trainer.model.graph_passes[0] if trainer.model.graph_passes else None
     return {
@@ -233,7 +234,8 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
         "collectives": stats["count"],
         "payload_bytes": sum(stats["payload_bytes"].values()),
         "wire_bytes_estimate": sum(stats["payload_bytes"][k] * WIRE_FACTOR[k] * (world - 1) / world for k in KINDS),
-        "theory_bytes": 3 * param_bytes * (world - 1) / world,
+        # Gathers in forward and backward at the compute width, one reduction at the reduce width.
+        "theory_bytes": (2 * param_bytes + gradient_bytes) * (world - 1) / world,
         "memory": {
             "tracked_peak_bytes": max(r["baseline_bytes"] + r["transient_peak_bytes"] for r in gathered),
             "baseline_bytes": [r["baseline_bytes"] for r in gathered],
