@@ -470,23 +470,22 @@ def plan_auto(
     start, stop = _repeated_run(units)
     head, blocks, tail = list(units[:start]), list(units[start:stop]), list(units[stop:])
 
-    best_exposed, best_groups = math.inf, []
+    best, best_exposed = None, math.inf
     for size in range(1, len(blocks) + 1):
-        groups = [group for group in [head, *_chunks(blocks, size), tail] if group]
-        if size > 1 and _over_cap(groups, memory_cap_bytes):
+        plan = _predict([group for group in [head, *_chunks(blocks, size), tail] if group], costs)
+        if size > 1 and _over_cap(plan, memory_cap_bytes):
             break  # larger groups only hold more
-        plan = _predict(groups, costs)
         exposed = sum(b.predicted_exposed_forward_s + b.predicted_exposed_backward_s for b in plan.buckets)
         logger.debug("Auto buckets of %d blocks: %.3e s of exposed communication predicted", size, exposed)
         if exposed < best_exposed:
-            best_exposed, best_groups = exposed, groups
-    if _over_cap(best_groups, memory_cap_bytes):
+            best, best_exposed = plan, exposed
+    if _over_cap(best, memory_cap_bytes):
         logger.warning(
             "Auto buckets: one block per bucket already exceeds the memory cap of %d B with its neighbour "
             "(compile.bucket_memory_cap_mb); a module cannot be split, so it is planned anyway",
             memory_cap_bytes,
         )
-    return _predict(best_groups, costs)
+    return best
 
 
 def _repeated_run(units: Sequence[PlanUnit]) -> tuple[int, int]:
@@ -507,9 +506,9 @@ def _chunks(blocks: list[PlanUnit], size: int) -> list[list[PlanUnit]]:
     return [blocks[i : i + size] for i in range(0, len(blocks), size)]
 
 
-def _over_cap(groups: list[list[PlanUnit]], memory_cap_bytes: int) -> bool:
+def _over_cap(plan: BucketPlan, memory_cap_bytes: int) -> bool:
     """Whether some bucket with the one before it gathers more than the cap."""
-    sizes = [sum(unit.param_bytes for unit in group) for group in groups]
+    sizes = [bucket.param_bytes for bucket in plan.buckets]
     return any(before + size > memory_cap_bytes for before, size in zip([0, *sizes], sizes))
 
 
