@@ -11,9 +11,10 @@ what to merge and where everything goes:
   bucket is ready;
 - every wait moves as late as possible: right before the first computation that needs its result;
 - with ``reorder``, bucket i+1's all-gather is issued before bucket i's wait, so it runs while
-  bucket i computes (prefetch); a bucket's gradient reduction overlaps the backward compute of the
-  next bucket and is waited for before the bucket after that issues its own: the full-size
-  gradients it reads stay alive until its wait, so at most one bucket's are in flight (as FSDP2).
+  bucket i computes (prefetch); in backward, one transfer at a time runs beside a bucket's
+  compute: first the previous bucket's gradient reduction, then, from a point set by their bytes,
+  the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
+  and never beside a gather's buffers.
 
 Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
@@ -41,6 +42,7 @@ from torch._inductor.fx_passes.bucketing import (
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
 )
+from torch.utils.flop_counter import flop_registry
 
 from parallelisms.names import clean_name
 
@@ -214,7 +216,7 @@ class BucketingPass(CustomGraphPass):
                 if node.op == "call_function" and node.target is WAIT:
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
-            self._one_reduction_in_flight(graph)
+            self._one_transfer_at_a_time(graph)
         stable_topological_sort(graph)
         graph.lint()
         for node in graph.nodes:
@@ -270,26 +272,76 @@ class BucketingPass(CustomGraphPass):
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
 
-    def _one_reduction_in_flight(self, graph: fx.Graph) -> None:
-        """Waits for each bucket's gradient reductions right before the next bucket issues its own
-        (without bucketing, each reduction is its own bucket).
+    def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
+        """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
+        of the gradients of the bucket before it, then the gather of the bucket after it.
+
+        The gather is set up where the compute is as far along (in matmul FLOPs) as the
+        reduction's share of the two transfers' bytes, and the reduction is waited for right
+        before; with no gather there (weights kept from forward), right before the next bucket
+        issues its own reduction. Without bucketing, each reduction is its own bucket.
 
         A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
-        alive to the end of backward (a DDP's worth of memory); the reduction still overlaps the
-        compute between the two issues, the step the cost model gives it."""
+        alive to the end of backward (a DDP's worth of memory); a reduction left running beside
+        the next gather would hold both transfers' buffers (gradients, gathered weights, and the
+        transport's copies of each) beside the computing bucket's weights and gradients."""
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_issue: dict[int | fx.Node, fx.Node] = {}
         waits: dict[int | fx.Node, list[fx.Node]] = collections.defaultdict(list)
+        gathers: list[fx.Node] = []
         for node in graph.nodes:
             if collective_kind(node) in ("reduce_scatter", "all_reduce") and self._is_data_parallel(node):
                 bucket = self._bucket_of(node) if self.buckets is not None else node
                 first_issue.setdefault(bucket, node)
                 waits[bucket].extend(user for user in node.users if user.target is WAIT)
+            elif collective_kind(node) == "all_gather" and self._is_data_parallel(node):
+                gathers.append(node)
         issues = sorted(first_issue.items(), key=lambda item: order[item[1]])
-        for (bucket, _), (_, next_issue) in zip(issues, issues[1:]):
+        for (bucket, issue), (_, next_issue) in zip(issues, issues[1:]):
+            point = barrier = next_issue
+            gather = next((g for g in gathers if order[issue] < order[g] < order[next_issue]), None)
+            if gather is not None:
+                share = _bytes(issue.args[0]) / (_bytes(issue.args[0]) + _bytes(gather))
+                point = _compute_point(gather.next, next_issue, share)
+                setup = [n for n in issue_chain(gather) if order[n] > order[issue]]
+                for node in setup:
+                    point.prepend(node)
+                barrier = setup[0]
             for wait in waits[bucket]:
-                if order[wait] > order[next_issue]:
-                    next_issue.prepend(wait)  # the topological sort pulls up what the wait needs
+                if order[wait] > order[point]:
+                    barrier.prepend(wait)  # the topological sort pulls up what the wait needs
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta["val"]
+    return value.numel() * value.element_size()
+
+
+def _flops(node: fx.Node) -> float:
+    """FLOPs of a matmul or attention node (torch's FLOP formulas), 0 for any other."""
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None or node.meta.get("val") is None:
+        return 0.0
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    kwargs = {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
+    return float(formula(*values, out_val=node.meta.get("val"), **kwargs))
+
+
+def _compute_point(start: fx.Node, end: fx.Node, share: float) -> fx.Node:
+    """The first node from ``start`` (before ``end``) by which ``share`` of the matmul FLOPs
+    between them have run."""
+    nodes = []
+    node = start
+    while node is not end and node.op != "output":
+        nodes.append(node)
+        node = node.next
+    total = sum(_flops(n) for n in nodes)
+    done = 0.0
+    for node in nodes:
+        if total and done >= share * total:
+            return node
+        done += _flops(node)
+    return end
 
 
 def issue_chain(collective: fx.Node) -> list[fx.Node]:

@@ -160,6 +160,22 @@ def _kernel_while_in_flight(events: list[tuple[str, str]], kind: str, buf: str) 
     return any(event == "kernel" for event, _ in events[issue:wait])
 
 
+def code_reductions_beside_gathers(codes: list[str]) -> list[int]:
+    """For each all-gather in the generated code, how many reduce-scatters were issued and not
+    yet waited for when it was issued."""
+    counts = []
+    for code in codes:
+        in_flight: set[str] = set()
+        for kind, buf in code_events(code):
+            if kind == "reduce_scatter":
+                in_flight.add(buf)
+            elif kind == "wait":
+                in_flight.discard(buf)
+            elif kind == "all_gather":
+                counts.append(len(in_flight))
+    return counts
+
+
 def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
     """In the generated code, whether (every all-gather but a graph's first, every reduce-scatter
     but a graph's last two) has a compute kernel between its issue and its wait: the overlap the
@@ -260,6 +276,8 @@ def main(backend: str) -> None:
             prefetch, overlapped, detail = code_overlaps(code)
             check(f"{name}_code_prefetch", prefetch, detail)
             check(f"{name}_code_reduction_overlap", overlapped, detail)
+            beside = code_reductions_beside_gathers(code)
+            check(f"{name}_code_one_transfer_at_a_time", not any(beside), (beside, detail))
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (a 10 ms latency makes the blocks share a bucket).
