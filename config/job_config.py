@@ -271,7 +271,8 @@ class Compile:
     bucket_memory_cap_mb: float = 1024.0
     """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
     compute_flops: float | None = None
-    """Auto bucketing: FLOP/s one rank achieves; unset = measured by a matmul benchmark."""
+    """Auto bucketing: FLOP/s one rank achieves; unset = measured at start on one transformer
+    block's forward and backward at the run's batch (the slowest rank's)."""
 
 
 @dataclass

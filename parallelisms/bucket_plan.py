@@ -6,7 +6,8 @@ Cost models
     * ``CommModel``: alpha-beta model of one ring collective, calibrated on the real process
       group (``calibrate_comm_model``) or given per cluster (``comm.alpha_us``,
       ``comm.bandwidth_gbps``).
-    * ``ComputeModel``: a FLOP rate (``compile.compute_flops``, or a matmul benchmark).
+    * ``ComputeModel``: a FLOP rate (``compile.compute_flops``, or measured on a module of the
+      model by ``measure_rate``).
 
 Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one step per bucket)
     Forward, step ``i`` runs ``B_i``'s forward compute ``F_i``:
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallelisms.device import device_peak_flops, synchronize
+from parallelisms.device import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +135,10 @@ class ComputeModel:
             raise ValueError(f"{COMPUTE_OPTION} must be a finite number > 0, got {self.flops_per_second} FLOP/s")
 
     @classmethod
-    def from_config(cls, compute_flops: float | None, device: torch.device | str, dtype: torch.dtype) -> ComputeModel:
-        """The configured rate, or when unset ``device_peak_flops``: measured once per process on
-        CPUs and unknown GPUs (shared with the MFU metric), the datasheet peak on known GPUs (an
-        optimistic compute time, so the planner errs towards smaller buckets); an error when
-        unset and the rate cannot be measured."""
-        if compute_flops is None:
-            measured = device_peak_flops(torch.device(device), dtype)
-            if measured is None:
-                raise ValueError(f"{COMPUTE_OPTION}: the matmul rate of {device} cannot be measured; set it")
-            return cls(measured)
-        return cls(float(compute_flops))
+    def from_config(cls, compute_flops: float | None, measure: Callable[[], float]) -> ComputeModel:
+        """The configured rate, or when unset what ``measure`` returns (e.g. ``measure_rate`` on
+        one block of the model)."""
+        return cls(float(compute_flops) if compute_flops is not None else measure())
 
     def time(self, flops: float) -> float:
         """Seconds to run ``flops`` floating-point operations."""
@@ -175,6 +169,31 @@ class _AllGatherTimer:
         dist.all_gather_single(output, shard, group=self._group)  # all_gather_into_tensor's new name
         synchronize(self._device)
         return time.perf_counter() - start
+
+
+def measure_rate(
+    module: torch.nn.Module, inputs: Sequence[torch.Tensor], flops: float, min_seconds: float = 0.2
+) -> float:
+    """FLOP/s of eager forward and backward passes of ``module`` on ``inputs`` (``flops`` per
+    pass), timed after one untimed pass, over at least ``min_seconds`` and 2 passes.
+
+    The rate the whole computation reaches, not only its matmuls: where attention, norms and
+    elementwise ops weigh (a CPU whose bf16 matmuls run on AMX), a matmul benchmark overstates
+    it many times, and the planner would then see little compute to hide communication behind."""
+    device = next(module.parameters()).device
+
+    def one_pass() -> None:
+        outputs = module(*inputs)
+        outputs.float().sum().backward()
+
+    one_pass()
+    synchronize(device)
+    passes, start = 0, time.perf_counter()
+    while passes < 2 or time.perf_counter() - start < min_seconds:
+        one_pass()
+        passes += 1
+        synchronize(device)
+    return flops * passes / (time.perf_counter() - start)
 
 
 def calibrate_comm_model(

@@ -21,6 +21,7 @@ from parallelisms.bucket_plan import (
     PlanUnit,
     calibrate_comm_model,
     default_manual_patterns,
+    measure_rate,
     plan_auto,
     plan_manual,
     saved_or_new_plan,
@@ -33,7 +34,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
-from .model import Transformer, TransformerModelArgs, check_args
+from .model import Transformer, TransformerBlock, TransformerModelArgs, check_args, precompute_rope_cache
 from .pipeline import pipeline_layout
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,31 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     return units
 
 
+def block_rate(
+    model: Transformer, units: list[PlanUnit], batch: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """FLOP/s of one transformer block's forward and backward, measured on a fresh block in
+    ``dtype`` (attention in the model's attention dtype) at ``batch`` sequences of the model's
+    length: one block's weights, gradients and activations for a moment."""
+    args = model.args
+    block_unit = next((u for u in units if u.name.startswith("layers.")), None)
+    if block_unit is None:
+        raise ValueError("compile.compute_flops: this model part has no transformer block to time; set it")
+    with torch.device("meta"):
+        block = TransformerBlock(args)
+    block = block.to_empty(device=device).to(dtype)
+    block.attention.attention_dtype = next(iter(model.layers.values())).attention.attention_dtype
+    # A generator of its own: the values do not matter, and the run's random state stays as it was.
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+    x = torch.randn(batch, args.max_seq_len, args.dim, device=device, dtype=dtype, generator=generator)
+    x.requires_grad_()
+    rope_cache = precompute_rope_cache(args, device)
+    return measure_rate(block, (x, rope_cache), block_unit.forward_flops + block_unit.backward_flops)
+
+
 def bucket_plan(
     model: nn.Module, parallel_dims: ParallelDims, config: JobConfig, saved_plans: str | None = None
 ) -> BucketPlan | None:
@@ -186,10 +212,19 @@ def bucket_plan(
                     comm.alpha_s * 1e6,
                     comm.bandwidth_bytes_per_s / 1e9,
                 )
-            compute = ComputeModel.from_config(config.compile.compute_flops, torch.device(device_type), param_dtype)
+            compute = ComputeModel.from_config(
+                config.compile.compute_flops,
+                lambda: block_rate(
+                    model, units, config.training.local_batch_size, torch.device(device_type), param_dtype
+                ),
+            )
         # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
         rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device_type)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+        source = (
+            "compile.compute_flops" if config.compile.compute_flops is not None else "one block timed, slowest rank"
+        )
+        logger.info("auto bucketing prices compute at %.3g FLOP/s (%s)", rate.item(), source)
         return plan_auto(
             units,
             comm,

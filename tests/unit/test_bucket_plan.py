@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +31,11 @@ from parallelisms.bucket_plan import (  # _Costs and _predict: the cost model pl
     _predict,
     calibrate_comm_model,
     default_manual_patterns,
+    measure_rate,
     plan_auto,
     plan_manual,
     saved_or_new_plan,
 )
-from parallelisms.device import device_peak_flops
 from tests.spawn import spawn_ranks
 
 _WORLD_SIZE = 2
@@ -88,14 +89,33 @@ def test_bad_compute_rate_names_the_option(flops_per_second: float) -> None:
     with pytest.raises(ValueError, match=r"compile\.compute_flops"):
         ComputeModel(flops_per_second)
     with pytest.raises(ValueError, match=r"compile\.compute_flops"):
-        ComputeModel.from_config(flops_per_second, "cpu", torch.float32)
+        ComputeModel.from_config(flops_per_second, lambda: 1e9)
 
 
 def test_compute_model_from_config_or_measured() -> None:
-    assert ComputeModel.from_config(2e12, "cpu", torch.float32).time(4e12) == pytest.approx(2.0)
-    measured = ComputeModel.from_config(None, "cpu", torch.float32).flops_per_second
-    assert measured == device_peak_flops(torch.device("cpu"), torch.float32)  # benchmarked once, cached
-    assert math.isfinite(measured) and measured > 0
+    def measure() -> float:
+        raise AssertionError("a configured rate is not measured")
+
+    assert ComputeModel.from_config(2e12, measure).time(4e12) == pytest.approx(2.0)
+    assert ComputeModel.from_config(None, lambda: 5e9).flops_per_second == 5e9
+
+
+class _Sleeper(torch.nn.Module):
+    """Forward takes 20 ms, backward next to nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x * self.weight
+
+
+def test_measure_rate_is_flops_over_the_time_of_a_pass() -> None:
+    # 1e9 FLOPs per pass of ~20 ms: ~5e10 FLOP/s (sleep overshoots a little, never undershoots).
+    rate = measure_rate(_Sleeper(), (torch.ones(4, requires_grad=True),), flops=1e9, min_seconds=0.1)
+    assert 3.5e10 < rate <= 5e10
 
 
 # ---------------------------------------------------------------------------
