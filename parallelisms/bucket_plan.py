@@ -179,7 +179,7 @@ def measure_rate(
 
     The rate the whole computation reaches, not only its matmuls: where attention, norms and
     elementwise ops weigh (a CPU whose bf16 matmuls run on AMX), a matmul benchmark overstates
-    it many times, and the planner would then see little compute to hide communication behind."""
+    it several times, and the planner would then see little compute to hide communication behind."""
     device = next(module.parameters()).device
 
     def one_pass() -> None:
