@@ -178,6 +178,33 @@ def block_rate(
     return measure_rate(block, (x, rope_cache), block_unit.forward_flops + block_unit.backward_flops)
 
 
+def _cost_models(
+    model: Transformer, units: list[PlanUnit], parallel_dims: ParallelDims, config: JobConfig, dtype: torch.dtype
+) -> tuple[CommModel, ComputeModel]:
+    """Auto bucketing's link and compute models: configured, or measured on every rank."""
+    device = torch.device(parallel_dims.mesh.device_type)
+    with user_input():
+        if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
+            comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
+        else:
+            comm = calibrate_comm_model(parallel_dims.dp_mesh.get_group(), device=device)
+            logger.info(
+                "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
+                comm.alpha_s * 1e6,
+                comm.bandwidth_bytes_per_s / 1e9,
+            )
+        compute = ComputeModel.from_config(
+            config.compile.compute_flops,
+            lambda: block_rate(model, units, config.training.local_batch_size, device, dtype),
+        )
+    # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
+    rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    source = "compile.compute_flops" if config.compile.compute_flops is not None else "one block timed, slowest rank"
+    logger.info("auto bucketing prices compute at %.3g FLOP/s (%s)", rate.item(), source)
+    return comm, ComputeModel(rate.item())
+
+
 def bucket_plan(
     model: nn.Module, parallel_dims: ParallelDims, config: JobConfig, saved_plans: str | None = None
 ) -> BucketPlan | None:
@@ -196,39 +223,16 @@ def bucket_plan(
             return plan_manual(units, patterns or default_manual_patterns([u.name for u in units]))
 
     dp_group = parallel_dims.dp_mesh.get_group()
-    device_type = parallel_dims.mesh.device_type
     memory_cap_bytes = int(config.compile.bucket_memory_cap_mb * 2**20)
     reduce_factor = getattr(torch, config.training.mixed_precision_reduce).itemsize / param_dtype.itemsize
     reshard = _reshard_after_forward(parallel_dims, config)
 
     def make_plan() -> BucketPlan:
-        with user_input():
-            if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
-                comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
-            else:
-                comm = calibrate_comm_model(dp_group, device=device_type)
-                logger.info(
-                    "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
-                    comm.alpha_s * 1e6,
-                    comm.bandwidth_bytes_per_s / 1e9,
-                )
-            compute = ComputeModel.from_config(
-                config.compile.compute_flops,
-                lambda: block_rate(
-                    model, units, config.training.local_batch_size, torch.device(device_type), param_dtype
-                ),
-            )
-        # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
-        rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device_type)
-        dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-        source = (
-            "compile.compute_flops" if config.compile.compute_flops is not None else "one block timed, slowest rank"
-        )
-        logger.info("auto bucketing prices compute at %.3g FLOP/s (%s)", rate.item(), source)
+        comm, compute = _cost_models(model, units, parallel_dims, config, param_dtype)
         return plan_auto(
             units,
             comm,
-            ComputeModel(rate.item()),
+            compute,
             world_size=parallel_dims.dp_degree,
             memory_cap_bytes=memory_cap_bytes,
             reduce_scatter_bytes_factor=reduce_factor,
