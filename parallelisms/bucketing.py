@@ -335,12 +335,12 @@ def _compute_point(start: fx.Node, end: fx.Node, share: float) -> fx.Node:
     while node is not end and node.op != "output":
         nodes.append(node)
         node = node.next
-    total = sum(_flops(n) for n in nodes)
-    done = 0.0
-    for node in nodes:
+    flops = [_flops(n) for n in nodes]
+    total, done = sum(flops), 0.0
+    for node, node_flops in zip(nodes, flops):
         if total and done >= share * total:
             return node
-        done += _flops(node)
+        done += node_flops
     return end
 
 
