@@ -442,7 +442,9 @@ AG/RS/AR: all-gathers, reduce-scatters, all-reduces one rank issues in one step 
   ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
 wire MiB: what a ring algorithm sends per rank for them: size x (N-1)/N, all-reduce twice that.
   theory: FSDP's wire MiB, (2 x P in the compute dtype + P in the reduce dtype) x (N-1)/N for P
-  parameters (all-gather forward and backward, reduce-scatter gradients).
+  parameters (all-gather forward and backward, reduce-scatter gradients). On gloo a reduce-scatter
+  is an all-reduce of its whole input underneath, so FSDP2's real gradient bytes are twice what
+  this counts; compiled SimpleFSDP issues that all-reduce itself, and is counted with it.
 compile s: first step minus the median timed step, with a fresh Inductor cache per run (median over
   rounds): the compile for compiled variants, one-time set-up (lazy init, optimizer state) for eager ones.
 loss: global loss at the last timed step, first round (same data and seed everywhere: the variants

@@ -14,7 +14,9 @@ what to merge and where everything goes:
   bucket i computes (prefetch); in backward, one transfer at a time runs beside a bucket's
   compute: first the previous bucket's gradient reduction, then, from a point set by their bytes,
   the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
-  and never beside a gather's buffers.
+  and never beside a gather's buffers;
+- on gloo, whose reduce-scatter is an all-reduce of a copy of its input, each data-parallel
+  reduce-scatter becomes that all-reduce on the bucket itself and a copy of the rank's part.
 
 Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
@@ -35,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import (
@@ -42,11 +45,13 @@ from torch._inductor.fx_passes.bucketing import (
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
 )
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import flop_registry
 
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
 REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
 ALL_REDUCES = {c10d.all_reduce.default}
@@ -203,7 +208,11 @@ class BucketingPass(CustomGraphPass):
         self.dp_groups: set[str] = set()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
+        # The rank is part of the key: on gloo the rewritten graph keeps this rank's part of each
+        # reduction, and ranks on one machine share Inductor's cache folder. (Today the DeviceMesh
+        # SimpleFSDP's graphs hold already hashes differently on each rank; this does not rely on it.)
+        rank = dist.get_rank() if dist.is_initialized() else None
+        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder, rank))
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport()
@@ -217,6 +226,7 @@ class BucketingPass(CustomGraphPass):
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
             self._one_transfer_at_a_time(graph)
+        self._all_reduce_on_gloo(graph)
         stable_topological_sort(graph)
         graph.lint()
         for node in graph.nodes:
@@ -272,6 +282,49 @@ class BucketingPass(CustomGraphPass):
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
 
+    def _all_reduce_on_gloo(self, graph: fx.Graph) -> None:
+        """On gloo, each data-parallel reduce-scatter becomes an all-reduce of its own input and
+        a copy of this rank's part, right after the wait.
+
+        gloo's reduce-scatter is that all-reduce run on a fresh copy of the input (ProcessGroupGloo
+        in torch 2.13), so the bytes sent are the same, and the copy, a bucket's worth of memory
+        and of time on cores that also compute, is saved. NCCL reduce-scatters natively."""
+        for node in list(graph.nodes):
+            if collective_kind(node) != "reduce_scatter" or not self._is_data_parallel(node):
+                continue
+            gradients, reduce_op, group_size, group_name = node.args
+            value = gradients.meta["val"]
+            rank = _gloo_rank(group_name, value.device)
+            if rank is None:
+                continue
+            rows = value.shape[0] // group_size
+            with graph.inserting_before(node):
+                reduced = graph.call_function(c10d.all_reduce.default, (gradients, reduce_op, group_name))
+            reduced.meta = {**node.meta, "val": value.clone()}
+            node.replace_all_uses_with(reduced)
+            graph.erase_node(node)
+            for wait in list(reduced.users):
+                users = list(wait.users)
+                wait.meta["val"] = reduced.meta["val"]
+                part_value = value[rank * rows : (rank + 1) * rows]
+                with graph.inserting_after(wait):
+                    part = graph.call_function(aten.slice.Tensor, (wait, 0, rank * rows, (rank + 1) * rows))
+                with graph.inserting_after(part):
+                    # Copied into a buffer of its own (not a lazy clone Inductor would compute
+                    # where the gradients are used) so that the full-size one is freed here.
+                    buffer = graph.call_function(
+                        aten.empty.memory_format,
+                        (list(part_value.shape),),
+                        {"dtype": value.dtype, "device": value.device},
+                    )
+                with graph.inserting_after(buffer):
+                    own = graph.call_function(aten.copy_.default, (buffer, part))
+                part.meta = {**wait.meta, "val": part_value}
+                buffer.meta = {**wait.meta, "val": part_value.clone()}
+                own.meta = {**wait.meta, "val": buffer.meta["val"]}
+                for user in users:
+                    user.replace_input_with(wait, own)
+
     def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
         """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
         of the gradients of the bucket before it, then the gather of the bucket after it.
@@ -310,6 +363,12 @@ class BucketingPass(CustomGraphPass):
             for wait in waits[bucket]:
                 if order[wait] > order[point]:
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
+
+
+def _gloo_rank(group_name: str, device: torch.device) -> int | None:
+    """The rank in the process group when it runs its collectives on gloo, else None."""
+    group = _resolve_process_group(group_name)
+    return group.rank() if isinstance(group._get_backend(device), dist.ProcessGroupGloo) else None
 
 
 def _bytes(node: fx.Node) -> int:

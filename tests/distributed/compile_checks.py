@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3.parallelize import BLOCK_BUCKETS, plan_units
 from parallelisms.bucket_plan import CommModel, ComputeModel, default_manual_patterns, plan_auto, plan_manual
-from parallelisms.bucketing import WAIT, BucketingPass, collective_kind, is_view_op
+from parallelisms.bucketing import WAIT, BucketingPass, GraphReport, collective_kind, is_view_op
 from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
 from parallelisms.simple_fsdp import apply_simple_fsdp
 
@@ -118,11 +118,13 @@ def prefetch_order_holds(graph: fx.Graph) -> bool:
 
 
 def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
-    """For each reduce-scatter in graph order, how many earlier ones were issued and not yet waited for."""
+    """For each gradient reduction (reduce-scatter, or all-reduce on gloo) in graph order, how
+    many earlier ones were issued and not yet waited for. Inductor's later passes make the
+    all-reduce work in place (``all_reduce_``) in the graph the pass handed over."""
     in_flight: set[fx.Node] = set()
     counts = []
     for node in graph.nodes:
-        if collective_kind(node) == "reduce_scatter":
+        if collective_kind(node) in ("reduce_scatter", "all_reduce") or node.target is IN_PLACE_ALL_REDUCE:
             counts.append(len(in_flight))
             in_flight.add(node)
         elif node.target is WAIT:
@@ -130,27 +132,38 @@ def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
     return counts
 
 
+IN_PLACE_ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
 COLLECTIVE_LINE = re.compile(
-    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|wait_tensor)\.default\("
+    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_reduce_|wait_tensor)\.default\("
 )
 KERNEL_LINE = re.compile(r"^\s*(extern_kernels\.\w+|cpp_fused\w*)\(")
 
 
+def _first_buffer(arguments: str) -> str:
+    """The buffer a collective's arguments name first (``buf33`` in ``reinterpret_tensor(buf33, ...)``)."""
+    return re.search(r"\bbuf\d+", arguments).group(0)
+
+
 def code_events(code: str) -> list[tuple[str, str]]:
-    """The order of Inductor's generated wrapper code: ("all_gather" | "reduce_scatter" | "wait",
-    buffer) for each collective issued or waited for, ("kernel", "") for each compute kernel called."""
+    """The order of Inductor's generated wrapper code: ("all_gather" | "reduction" | "wait", buffer)
+    for each collective issued or waited for (a reduction: a reduce-scatter, or on gloo an
+    all-reduce in place), ("kernel", "") for each compute kernel called."""
     events = []
     for line in code.splitlines():
         match = COLLECTIVE_LINE.search(line)
         if match and match.group(1) == "wait_tensor":
-            events.append(("wait", line[match.end() :].split(")")[0].strip()))
+            events.append(("wait", _first_buffer(line[match.end() :])))
         elif match and match.group(1) == "all_gather_into_tensor_out":
             events.append(("all_gather", re.search(r"out=(\w+)", line).group(1)))
+        elif match and match.group(1) == "all_reduce_":
+            events.append(("reduction", _first_buffer(line[match.end() :])))
         elif match:
-            kind = "reduce_scatter" if match.group(1) == "reduce_scatter_tensor" else "all_gather"
+            kind = "reduction" if match.group(1) == "reduce_scatter_tensor" else "all_gather"
             events.append((kind, line.split("=")[0].strip()))
         elif KERNEL_LINE.match(line):
             events.append(("kernel", ""))
+        elif re.search(r"\bdel buf\d+", line):  # also "bufB = bufA; del bufA  # reuse"
+            events.append(("free", re.search(r"\bdel (buf\d+)", line).group(1)))
     return events
 
 
@@ -161,13 +174,13 @@ def _kernel_while_in_flight(events: list[tuple[str, str]], kind: str, buf: str) 
 
 
 def code_reductions_beside_gathers(codes: list[str]) -> list[int]:
-    """For each all-gather in the generated code, how many reduce-scatters were issued and not
-    yet waited for when it was issued."""
+    """For each all-gather in the generated code, how many reductions were issued and not yet
+    waited for when it was issued."""
     counts = []
     for code in codes:
         in_flight: set[str] = set()
         for kind, buf in code_events(code):
-            if kind == "reduce_scatter":
+            if kind == "reduction":
                 in_flight.add(buf)
             elif kind == "wait":
                 in_flight.discard(buf)
@@ -176,19 +189,34 @@ def code_reductions_beside_gathers(codes: list[str]) -> list[int]:
     return counts
 
 
+def code_reductions_freed_at_wait(codes: list[str]) -> list[str]:
+    """The reduction buffers in the generated code that are neither freed nor reused between their
+    wait and the next reduction: each would hold a bucket's full-size gradients beside the next
+    bucket's. (The last one goes when the graph returns.)"""
+    kept = []
+    for code in codes:
+        events = code_events(code)
+        for buf in (buf for kind, buf in events if kind == "reduction"):
+            after_wait = events[events.index(("wait", buf)) + 1 :]
+            next_issue = next((i for i, (kind, _) in enumerate(after_wait) if kind == "reduction"), None)
+            if next_issue is not None and ("free", buf) not in after_wait[:next_issue]:
+                kept.append(buf)
+    return kept
+
+
 def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
-    """In the generated code, whether (every all-gather but a graph's first, every reduce-scatter
-    but a graph's last two) has a compute kernel between its issue and its wait: the overlap the
+    """In the generated code, whether (every all-gather but a graph's first, every reduction but
+    a graph's last two) has a compute kernel between its issue and its wait: the overlap the
     pass ordered, unless Inductor's own scheduling undoes it. The first all-gather has nothing to
-    hide behind; the last reduce-scatter neither, and the one before it only the embedding's
+    hide behind; the last reduction neither, and the one before it only the embedding's
     gradient, which Inductor computes earlier."""
     prefetch, overlapped, detail = True, True, []
     for code in codes:
         events = code_events(code)
         gathers = [buf for kind, buf in events if kind == "all_gather"]
-        scatters = [buf for kind, buf in events if kind == "reduce_scatter"]
+        reductions = [buf for kind, buf in events if kind == "reduction"]
         prefetch &= all(_kernel_while_in_flight(events, "all_gather", buf) for buf in gathers[1:])
-        overlapped &= all(_kernel_while_in_flight(events, "reduce_scatter", buf) for buf in scatters[:-2])
+        overlapped &= all(_kernel_while_in_flight(events, "reduction", buf) for buf in reductions[:-2])
         compact = [f"{kind}:{buf}" if kind != "kernel" else "k" for kind, buf in events]
         detail.append(re.sub(r"\bk( k)+\b", "k", " ".join(compact)))
     return prefetch and bool(codes), overlapped and bool(codes), detail
@@ -204,6 +232,12 @@ def saved_gathered_weights(forward: fx.Graph) -> int:
         if isinstance(node, fx.Node) and node.target is WAIT and collective_kind(node.args[0]) == "all_gather":
             count += 1
     return count
+
+
+def gradient_reductions(report: GraphReport) -> int:
+    """The gradient reductions in a backward graph; on gloo (these checks) the pass makes them
+    all-reduces, so the graph must hold no reduce-scatter."""
+    return -1 if report.collectives["reduce_scatter"] else report.collectives["all_reduce"]
 
 
 def main(backend: str) -> None:
@@ -222,12 +256,12 @@ def main(backend: str) -> None:
 
     tolerance = 0.0 if backend == "aot_eager" else 1e-4
     if backend == "aot_eager":
-        # No bucketing: one all-gather per parameter forward, one reduce-scatter per parameter backward.
+        # No bucketing: one all-gather per parameter forward, one reduction per parameter backward.
         losses, none_pass, _ = compiled_run(mesh, backend, None)
         forward, backward = none_pass.reports
         check(
             "none_counts",
-            forward.collectives["all_gather"] == n_params and backward.collectives["reduce_scatter"] == n_params,
+            forward.collectives["all_gather"] == n_params and gradient_reductions(backward) == n_params,
             (forward, backward, n_params),
         )
         check("none_losses", losses == eager, (losses, eager))
@@ -241,7 +275,7 @@ def main(backend: str) -> None:
     check(
         "manual_counts",
         forward.collectives["all_gather"] == len(manual.buckets)
-        and backward.collectives["reduce_scatter"] == len(manual.buckets),
+        and gradient_reductions(backward) == len(manual.buckets),
         (forward, backward),
     )
     check("manual_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
@@ -263,7 +297,7 @@ def main(backend: str) -> None:
     check(
         "block_counts",
         forward.collectives == {"all_gather": buckets}
-        and backward.collectives == {"all_gather": buckets, "reduce_scatter": buckets},
+        and backward.collectives == {"all_gather": buckets, "all_reduce": buckets},
         (forward, backward),
     )
     check("block_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
@@ -278,6 +312,8 @@ def main(backend: str) -> None:
             check(f"{name}_code_reduction_overlap", overlapped, detail)
             beside = code_reductions_beside_gathers(code)
             check(f"{name}_code_one_transfer_at_a_time", not any(beside), (beside, detail))
+            kept = code_reductions_freed_at_wait(code)
+            check(f"{name}_code_reduction_freed_at_wait", not kept, (kept, detail))
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (a 10 ms latency makes the blocks share a bucket).
@@ -290,7 +326,7 @@ def main(backend: str) -> None:
         check(
             "auto_counts",
             forward.collectives["all_gather"] == len(auto.buckets)
-            and backward.collectives["reduce_scatter"] == len(auto.buckets),
+            and gradient_reductions(backward) == len(auto.buckets),
             (forward, backward, auto.describe()),
         )
         check("auto_losses", losses == eager, (losses, eager))
