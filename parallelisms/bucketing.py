@@ -298,6 +298,8 @@ class BucketingPass(CustomGraphPass):
             if rank is None:
                 continue
             rows = value.shape[0] // group_size
+            start, stop = rank * rows, (rank + 1) * rows
+            part_value = value[start:stop]
             with graph.inserting_before(node):
                 reduced = graph.call_function(c10d.all_reduce.default, (gradients, reduce_op, group_name))
             reduced.meta = {**node.meta, "val": value.clone()}
@@ -306,9 +308,8 @@ class BucketingPass(CustomGraphPass):
             for wait in list(reduced.users):
                 users = list(wait.users)
                 wait.meta["val"] = reduced.meta["val"]
-                part_value = value[rank * rows : (rank + 1) * rows]
                 with graph.inserting_after(wait):
-                    part = graph.call_function(aten.slice.Tensor, (wait, 0, rank * rows, (rank + 1) * rows))
+                    part = graph.call_function(aten.slice.Tensor, (wait, 0, start, stop))
                 with graph.inserting_after(part):
                     # Copied into a buffer of its own (not a lazy clone Inductor would compute
                     # where the gradients are used) so that the full-size one is freed here.

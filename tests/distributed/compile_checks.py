@@ -117,6 +117,9 @@ def prefetch_order_holds(graph: fx.Graph) -> bool:
     return all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
 
 
+IN_PLACE_ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
+
+
 def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
     """For each gradient reduction (reduce-scatter, or all-reduce on gloo) in graph order, how
     many earlier ones were issued and not yet waited for. Inductor's later passes make the
@@ -132,7 +135,6 @@ def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
     return counts
 
 
-IN_PLACE_ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
 COLLECTIVE_LINE = re.compile(
     r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_reduce_|wait_tensor)\.default\("
 )
