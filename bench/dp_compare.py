@@ -359,17 +359,17 @@ def graph_note(r: dict[str, Any]) -> str | None:
             f"{r['model']} {r['variant']}: one block graph, fw AG {forward.get('all_gather', 0)}, "
             f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)}{recompiled}"
         )
-    in_graphs = {k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    in_graphs = {
+        k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    }
     runtime = r["collectives"]
-    agrees = (
-        in_graphs["all_gather"] == runtime["all_gather"] and in_graphs["reduce_scatter"] == runtime["reduce_scatter"]
-    )
+    agrees = all(in_graphs[k] == runtime[k] for k in ("all_gather", "reduce_scatter", "all_to_all"))
     buckets = "per-parameter" if r["buckets"] is None else f"{len(r['buckets'])} buckets"
     note = (
         f"{r['model']} {r['variant']}: {buckets}; graphs fw AG {forward.get('all_gather', 0)}, "
         f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)} "
-        f"AR {in_graphs['all_reduce']}; "
-        + ("matches the profiled step" if agrees else "DIFFERS from the profiled step (AG/RS)")
+        f"A2A {backward.get('all_to_all', 0)} AR {in_graphs['all_reduce']}; "
+        + ("matches the profiled step" if agrees else "DIFFERS from the profiled step (AG/RS/A2A)")
     )
     return note + recompiled
 
@@ -387,7 +387,7 @@ def _with_spread(spread: dict[str, float] | None, fmt: str) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
-        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'RS':>4} {'AR':>4} "
+        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'RS':>4} {'AR':>4} {'A2A':>4} "
         f"{'wire MiB':>8} {'theory':>9} {'compile s':>9} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -400,7 +400,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{name} {_with_spread(r['tps_per_rank'], '.0f'):>22} {_with_spread(r['tps_ratio'], '.2f'):>19} "
             f"{_ratio(r['scaling'])} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
-            f"{c['all_gather']:>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} "
+            f"{c['all_gather']:>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} {c.get('all_to_all', 0):>4} "
             f"{r['wire_bytes_estimate'] / MIB:>8.1f} {r['theory_bytes'] / MIB:>9.1f} "
             f"{r['compile_s']:>9.1f} {r['final_loss']:>7.4f}"
         )
@@ -438,13 +438,13 @@ tok/s/rank: tokens per rank per second of the timed steps (the slowest rank's st
   (same model, precision and ranks), median [min-max]; x mem: the same for tracked memory (median).
 scale: tok/s/rank on this many ranks over the same variant's on 1 rank (scaling efficiency).
 mem MiB: peak tracked tensor memory per rank (max over ranks), first round.
-AG/RS/AR: all-gathers, reduce-scatters, all-reduces one rank issues in one step (profiled step,
-  ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
+AG/RS/AR/A2A: all-gathers, reduce-scatters, all-reduces, all-to-alls one rank issues in one step
+  (profiled step, ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
 wire MiB: what a ring algorithm sends per rank for them: size x (N-1)/N, all-reduce twice that.
   theory: FSDP's wire MiB, (2 x P in the compute dtype + P in the reduce dtype) x (N-1)/N for P
   parameters (all-gather forward and backward, reduce-scatter gradients). On gloo a reduce-scatter
   is an all-reduce of its whole input underneath, so FSDP2's real gradient bytes are twice what
-  this counts; compiled SimpleFSDP issues that all-reduce itself, and is counted with it.
+  this counts; compiled SimpleFSDP reduces with an all-to-all there, which sends the theory's bytes.
 compile s: first step minus the median timed step, with a fresh Inductor cache per run (median over
   rounds): the compile for compiled variants, one-time set-up (lazy init, optimizer state) for eager ones.
 loss: global loss at the last timed step, first round (same data and seed everywhere: the variants

@@ -16,7 +16,7 @@ what to merge and where everything goes:
   the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
   and never beside a gather's buffers;
 - on gloo, whose reduce-scatter is an all-reduce of a copy of its input, each data-parallel
-  reduce-scatter becomes that all-reduce on the bucket itself and a copy of the rank's part.
+  reduce-scatter becomes an all-to-all of the bucket's chunks and a sum of the chunks received.
 
 Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
@@ -55,6 +55,7 @@ aten = torch.ops.aten
 ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
 REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
 ALL_REDUCES = {c10d.all_reduce.default}
+ALL_TO_ALLS = {c10d.all_to_all_single.default}
 WAIT = c10d.wait_tensor.default
 
 # Ops that only re-describe a tensor: moving them together with the wait they follow is free.
@@ -133,7 +134,7 @@ def is_gradient_reduction(node: fx.Node) -> bool:
 
 
 def collective_kind(node: fx.Node) -> str | None:
-    """'all_gather', 'reduce_scatter', 'all_reduce' or None."""
+    """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all' or None."""
     if node.op != "call_function":
         return None
     if node.target in ALL_GATHERS:
@@ -142,6 +143,8 @@ def collective_kind(node: fx.Node) -> str | None:
         return "reduce_scatter"
     if node.target in ALL_REDUCES:
         return "all_reduce"
+    if node.target in ALL_TO_ALLS:
+        return "all_to_all"
     return None
 
 
@@ -208,11 +211,7 @@ class BucketingPass(CustomGraphPass):
         self.dp_groups: set[str] = set()
 
     def uuid(self) -> str:
-        # The rank is part of the key: on gloo the rewritten graph keeps this rank's part of each
-        # reduction, and ranks on one machine share Inductor's cache folder. (Today the DeviceMesh
-        # SimpleFSDP's graphs hold already hashes differently on each rank; this does not rely on it.)
-        rank = dist.get_rank() if dist.is_initialized() else None
-        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder, rank))
+        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
 
     def __call__(self, graph: fx.Graph) -> None:
         report = GraphReport()
@@ -226,7 +225,7 @@ class BucketingPass(CustomGraphPass):
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
             self._one_transfer_at_a_time(graph)
-        self._all_reduce_on_gloo(graph)
+        self._all_to_all_on_gloo(graph)
         stable_topological_sort(graph)
         graph.lint()
         for node in graph.nodes:
@@ -282,49 +281,56 @@ class BucketingPass(CustomGraphPass):
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
 
-    def _all_reduce_on_gloo(self, graph: fx.Graph) -> None:
-        """On gloo, each data-parallel reduce-scatter becomes an all-reduce of its own input and
-        a copy of this rank's part, right after the wait.
+    def _all_to_all_on_gloo(self, graph: fx.Graph) -> None:
+        """On gloo, each data-parallel reduce-scatter becomes an all-to-all of the bucket's chunks
+        and a sum of the chunks received, right after the wait.
 
-        gloo's reduce-scatter is that all-reduce run on a fresh copy of the input (ProcessGroupGloo
-        in torch 2.13), so the bytes sent are the same, and the copy, a bucket's worth of memory
-        and of time on cores that also compute, is saved. NCCL reduce-scatters natively."""
+        gloo's reduce-scatter is an all-reduce run on a fresh copy of its input (ProcessGroupGloo
+        in torch 2.13): twice a reduce-scatter's bytes, and a copy, on cores that also compute.
+        The all-to-all sends each rank only its own chunk of every other rank's bucket. NCCL
+        reduce-scatters natively."""
         for node in list(graph.nodes):
             if collective_kind(node) != "reduce_scatter" or not self._is_data_parallel(node):
                 continue
             gradients, reduce_op, group_size, group_name = node.args
             value = gradients.meta["val"]
-            rank = _gloo_rank(group_name, value.device)
-            if rank is None:
+            if reduce_op not in ("sum", "avg") or not _runs_on_gloo(group_name, value.device):
                 continue
-            rows = value.shape[0] // group_size
-            start, stop = rank * rows, (rank + 1) * rows
-            part_value = value[start:stop]
+            splits = [value.shape[0] // group_size] * group_size
             with graph.inserting_before(node):
-                reduced = graph.call_function(c10d.all_reduce.default, (gradients, reduce_op, group_name))
-            reduced.meta = {**node.meta, "val": value.clone()}
-            node.replace_all_uses_with(reduced)
+                exchanged = graph.call_function(c10d.all_to_all_single.default, (gradients, splits, splits, group_name))
+            exchanged.meta = {**node.meta, "val": value.clone()}
+            node.replace_all_uses_with(exchanged)
             graph.erase_node(node)
-            for wait in list(reduced.users):
+            for wait in list(exchanged.users):
                 users = list(wait.users)
-                wait.meta["val"] = reduced.meta["val"]
+                wait.meta["val"] = exchanged.meta["val"]
+                chunks_value = value.view(group_size, -1, *value.shape[1:])
                 with graph.inserting_after(wait):
-                    part = graph.call_function(aten.slice.Tensor, (wait, 0, start, stop))
-                with graph.inserting_after(part):
-                    # Copied into a buffer of its own (not a lazy clone Inductor would compute
-                    # where the gradients are used) so that the full-size one is freed here.
+                    chunks = graph.call_function(aten.view.default, (wait, list(chunks_value.shape)))
+                with graph.inserting_after(chunks):
+                    summed = graph.call_function(aten.sum.dim_IntList, (chunks, [0]))
+                with graph.inserting_after(summed):
+                    # Written into a buffer of its own: Inductor would compute a sum only the
+                    # graph's outputs use where they are returned, keeping every bucket's
+                    # full-size chunks alive to the end of backward.
                     buffer = graph.call_function(
                         aten.empty.memory_format,
-                        (list(part_value.shape),),
+                        (list(chunks_value.shape[1:]),),
                         {"dtype": value.dtype, "device": value.device},
                     )
                 with graph.inserting_after(buffer):
-                    own = graph.call_function(aten.copy_.default, (buffer, part))
-                part.meta = {**wait.meta, "val": part_value}
-                buffer.meta = {**wait.meta, "val": part_value.clone()}
-                own.meta = {**wait.meta, "val": buffer.meta["val"]}
+                    reduced = graph.call_function(aten.copy_.default, (buffer, summed))
+                chunks.meta = {**wait.meta, "val": chunks_value}
+                summed.meta = {**wait.meta, "val": chunks_value.sum(0)}
+                buffer.meta = {**wait.meta, "val": chunks_value.sum(0)}
+                reduced.meta = {**wait.meta, "val": chunks_value.sum(0)}
+                if reduce_op == "avg":
+                    with graph.inserting_after(reduced):
+                        reduced = graph.call_function(aten.div.Tensor, (reduced, group_size))
+                    reduced.meta = {**wait.meta, "val": chunks_value.sum(0)}
                 for user in users:
-                    user.replace_input_with(wait, own)
+                    user.replace_input_with(wait, reduced)
 
     def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
         """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
@@ -366,10 +372,9 @@ class BucketingPass(CustomGraphPass):
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
 
 
-def _gloo_rank(group_name: str, device: torch.device) -> int | None:
-    """The rank in the process group when it runs its collectives on gloo, else None."""
-    group = _resolve_process_group(group_name)
-    return group.rank() if isinstance(group._get_backend(device), dist.ProcessGroupGloo) else None
+def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
+    """Whether the process group runs its collectives on ``device`` with gloo."""
+    return isinstance(_resolve_process_group(group_name)._get_backend(device), dist.ProcessGroupGloo)
 
 
 def _bytes(node: fx.Node) -> int:

@@ -117,17 +117,13 @@ def prefetch_order_holds(graph: fx.Graph) -> bool:
     return all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
 
 
-IN_PLACE_ALL_REDUCE = torch.ops._c10d_functional.all_reduce_.default
-
-
 def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
-    """For each gradient reduction (reduce-scatter, or all-reduce on gloo) in graph order, how
-    many earlier ones were issued and not yet waited for. Inductor's later passes make the
-    all-reduce work in place (``all_reduce_``) in the graph the pass handed over."""
+    """For each gradient reduction (reduce-scatter, or all-to-all on gloo) in graph order, how
+    many earlier ones were issued and not yet waited for."""
     in_flight: set[fx.Node] = set()
     counts = []
     for node in graph.nodes:
-        if collective_kind(node) in ("reduce_scatter", "all_reduce") or node.target is IN_PLACE_ALL_REDUCE:
+        if collective_kind(node) in ("reduce_scatter", "all_to_all"):
             counts.append(len(in_flight))
             in_flight.add(node)
         elif node.target is WAIT:
@@ -136,7 +132,7 @@ def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
 
 
 COLLECTIVE_LINE = re.compile(
-    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_reduce_|wait_tensor)\.default\("
+    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_to_all_single|wait_tensor)\.default\("
 )
 KERNEL_LINE = re.compile(r"^\s*(extern_kernels\.\w+|cpp_fused\w*)\(")
 
@@ -149,7 +145,7 @@ def _first_buffer(arguments: str) -> str:
 def code_events(code: str) -> list[tuple[str, str]]:
     """The order of Inductor's generated wrapper code: ("all_gather" | "reduction" | "wait", buffer)
     for each collective issued or waited for (a reduction: a reduce-scatter, or on gloo an
-    all-reduce in place), ("kernel", "") for each compute kernel called."""
+    all-to-all), ("kernel", "") for each compute kernel called."""
     events = []
     for line in code.splitlines():
         match = COLLECTIVE_LINE.search(line)
@@ -157,10 +153,8 @@ def code_events(code: str) -> list[tuple[str, str]]:
             events.append(("wait", _first_buffer(line[match.end() :])))
         elif match and match.group(1) == "all_gather_into_tensor_out":
             events.append(("all_gather", re.search(r"out=(\w+)", line).group(1)))
-        elif match and match.group(1) == "all_reduce_":
-            events.append(("reduction", _first_buffer(line[match.end() :])))
         elif match:
-            kind = "reduction" if match.group(1) == "reduce_scatter_tensor" else "all_gather"
+            kind = "all_gather" if match.group(1) == "all_gather_into_tensor" else "reduction"
             events.append((kind, line.split("=")[0].strip()))
         elif KERNEL_LINE.match(line):
             events.append(("kernel", ""))
@@ -238,8 +232,8 @@ def saved_gathered_weights(forward: fx.Graph) -> int:
 
 def gradient_reductions(report: GraphReport) -> int:
     """The gradient reductions in a backward graph; on gloo (these checks) the pass makes them
-    all-reduces, so the graph must hold no reduce-scatter."""
-    return -1 if report.collectives["reduce_scatter"] else report.collectives["all_reduce"]
+    all-to-alls, so the graph must hold no reduce-scatter."""
+    return -1 if report.collectives["reduce_scatter"] else report.collectives["all_to_all"]
 
 
 def main(backend: str) -> None:
@@ -299,7 +293,7 @@ def main(backend: str) -> None:
     check(
         "block_counts",
         forward.collectives == {"all_gather": buckets}
-        and backward.collectives == {"all_gather": buckets, "all_reduce": buckets},
+        and backward.collectives == {"all_gather": buckets, "all_to_all": buckets},
         (forward, backward),
     )
     check("block_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
