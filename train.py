@@ -81,7 +81,8 @@ def _first_line(error: BaseException) -> str:
 def exit_without_teardown(code: int) -> None:
     """Ends the process without Python finalization or C++ destructors: tearing down gloo's
     connections at exit sometimes aborts a rank (std::terminate) after a finished run, which
-    torchrun would report as a failed job. Every rank has passed the final barrier by now."""
+    torchrun would report as a failed job. For the end of a run (train.py's and the workers' of
+    tests/ and bench/), once every rank has passed its last barrier."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from config.manager import load_config
+from train import exit_without_teardown
 from trainer.checkpoint import CheckpointManager
 from trainer.trainer import Trainer
 
@@ -141,6 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
     run(args.root, args.out, args.repeats, overrides)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

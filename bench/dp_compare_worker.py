@@ -36,6 +36,7 @@ sys.path.insert(0, REPO)
 
 from config.manager import load_config
 from parallelisms.device import reset_peak_memory
+from train import exit_without_teardown
 from trainer.distributed import set_collective_timeout
 from trainer.metrics import peak_memory_gib
 from trainer.trainer import Trainer
@@ -295,6 +296,7 @@ def main() -> None:
     )
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
     run(args.out, args.warmup, args.steps, overrides)
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 from config.manager import batch_layout, load_config
 from models.builder import build_model, model_args
 from models.llama3.model import Attention
+from train import exit_without_teardown
 from trainer.distributed import parallel_dims_from_config
 from trainer.dry_run import dry_run, measure_steps
 from trainer.loss import Loss
@@ -82,8 +83,7 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump({"peak": peak, "seconds": time.perf_counter() - start, "report": report}, f)
-    sys.stdout.flush()
-    os._exit(0)  # without the interpreter's teardown, where gloo's threads have aborted a rank
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch.distributed as dist
 
 from config.manager import load_config
+from train import exit_without_teardown
 from trainer.trainer import Trainer
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> None:
     trainer.dataloader = RecordingLoader(trainer.dataloader, path)
     trainer.train()
     trainer.close()
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from torch._dynamo.utils import counters
 
 from config.manager import load_config
 from parallelisms.compile import graph_break_count
+from train import exit_without_teardown
 from trainer.trainer import Trainer
 
 
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> None:
         trainer.close()
         del trainer
         gc.collect()
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":
