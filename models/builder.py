@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config.job_config import MODEL_SIZE_FIELDS, ConfigError, JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
-from parallelisms.device import attention_dtype, fast_bfloat16
+from parallelisms.device import attention_dtype, causal_query_chunk, fast_bfloat16
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import Schedule
 from parallelisms.tensor_parallel import local_loss
@@ -141,11 +141,20 @@ def build_model(
         "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
     compute_dtype = getattr(torch, config.training.mixed_precision_param)
+    # A dry run stands for GPUs, whose attention needs neither.
     upcast = None if fake_mode else attention_dtype(device.type, compute_dtype, args.head_dim)
-    if upcast is not None:  # (a dry run stands for GPUs, where attention keeps the compute dtype)
+    query_chunk = None if fake_mode else causal_query_chunk(device.type, config.training.seq_len)
+    if upcast is not None:
         names = [str(dtype).removeprefix("torch.") for dtype in (upcast, compute_dtype)]
         logger.info("attention in %s: faster than %s for heads of %d on %s", *names, args.head_dim, device.type)
-        model.set_attention_dtype(upcast)
+    if query_chunk is not None:
+        logger.info(
+            "attention over queries in chunks of %d at seq %d: faster than %s's causal kernel, which masks keys it could skip",
+            query_chunk,
+            config.training.seq_len,
+            device.type,
+        )
+    model.configure_attention(upcast, query_chunk)
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
     # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the

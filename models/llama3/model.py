@@ -149,8 +149,10 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
-    # The dtype attention computes in when it is not its inputs' (see Transformer.set_attention_dtype).
+    # How attention computes, where the device asks for it (see Transformer.configure_attention):
+    # the dtype when not its inputs', and the rows of queries per call of the kernel.
     attention_dtype: torch.dtype | None = None
+    query_chunk: int | None = None
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
@@ -182,12 +184,30 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.attention_dtype is None or self.attention_dtype == v.dtype:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return causal_attention(q, k, v, self.query_chunk)
         dtype = self.attention_dtype
         # Autocast would cast the inputs back to its own dtype.
         with torch.autocast(v.device.type, enabled=False):
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
+            out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.query_chunk)
         return out.to(v.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None) -> torch.Tensor:
+    """Causal scaled dot-product attention over [batch, heads, seq, head_dim]. With ``query_chunk``
+    the queries attend in chunks of that many rows, each to the keys up to its own last row: the
+    same result, for kernels that compute the keys past a query's position and mask them rather
+    than skip them (``parallelisms.device.causal_query_chunk``)."""
+    seqlen = q.shape[-2]
+    if query_chunk is None or seqlen <= query_chunk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    outputs = []
+    for start in range(0, seqlen, query_chunk):
+        stop = min(start + query_chunk, seqlen)
+        # Row r of the chunk is position start + r: it sees keys 0 .. start + r.
+        mask = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).tril(start)
+        keys, values = k[..., :stop, :], v[..., :stop, :]
+        outputs.append(F.scaled_dot_product_attention(q[..., start:stop, :], keys, values, attn_mask=mask))
+    return torch.cat(outputs, dim=-2)
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
@@ -265,10 +285,12 @@ class Transformer(nn.Module):
             # One parameter under two names: state dicts list both, named_parameters() one.
             self.output.weight = self.tok_embeddings.weight
 
-    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
-        """Computes attention in ``dtype`` whatever the dtype of its inputs (None: theirs)."""
+    def configure_attention(self, dtype: torch.dtype | None, query_chunk: int | None) -> None:
+        """Computes attention in ``dtype`` whatever the dtype of its inputs (None: theirs), the
+        queries in chunks of ``query_chunk`` rows (None: all at once)."""
         for layer in self.layers.values():
             layer.attention.attention_dtype = dtype
+            layer.attention.query_chunk = query_chunk
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map token ids [batch, seqlen] (or hidden states [batch, seqlen, dim] on a

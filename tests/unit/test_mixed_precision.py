@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from config.manager import load_config
 from models.builder import _log_precision, build_model, resolve_precision
 from models.llama3 import llama3_flavors
+from parallelisms.device import causal_query_chunk
 from parallelisms.parallel_dims import ParallelDims
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256, max_seq_len=32, n_layers=2)
@@ -101,6 +102,17 @@ def test_precision_is_one_line(caplog):
         ("INFO", "mixed precision: forward under bfloat16 autocast, float32 weights and gradients"),
         ("INFO", "mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32"),
     ]
+
+
+def test_short_sequences_attend_over_query_chunks_on_a_cpu():
+    """Up to 512 tokens torch's CPU kernel computes every key for every query: the model splits
+    the queries (parallelisms/device.py causal_query_chunk); longer sequences and GPUs do not."""
+    chunks = {seq: causal_query_chunk("cpu", seq) for seq in (128, 256, 512, 1024)}
+    assert chunks == {128: None, 256: 128, 512: 128, 1024: None}
+    assert causal_query_chunk("cuda", 512) is None
+    model, _ = one_process("--training.seq_len", "512")
+    assert {layer.attention.query_chunk for layer in model.layers.values()} == {128}
+    assert one_process("--training.seq_len", "1024")[0].layers["0"].attention.query_chunk is None
 
 
 def test_narrow_heads_attend_in_float32_on_a_cpu_under_bfloat16():
