@@ -282,8 +282,8 @@ class BucketingPass(CustomGraphPass):
                 previous_wait.prepend(node)
 
     def _all_to_all_on_gloo(self, graph: fx.Graph) -> None:
-        """On gloo, each data-parallel reduce-scatter becomes an all-to-all of the bucket's chunks
-        and a sum of the chunks received, right after the wait.
+        """On gloo, each data-parallel reduce-scatter (a sum) becomes an all-to-all of the bucket's
+        chunks and a sum of the chunks received, right after the wait.
 
         gloo's reduce-scatter is an all-reduce run on a fresh copy of its input (ProcessGroupGloo
         in torch 2.13): twice a reduce-scatter's bytes, and a copy, on cores that also compute.
@@ -294,9 +294,11 @@ class BucketingPass(CustomGraphPass):
                 continue
             gradients, reduce_op, group_size, group_name = node.args
             value = gradients.meta["val"]
-            if reduce_op not in ("sum", "avg") or not _runs_on_gloo(group_name, value.device):
+            if reduce_op != "sum" or not _runs_on_gloo(group_name, value.device):
                 continue
             splits = [value.shape[0] // group_size] * group_size
+            chunks_value = value.view(group_size, -1, *value.shape[1:])
+            part_value = chunks_value.sum(0)
             with graph.inserting_before(node):
                 exchanged = graph.call_function(c10d.all_to_all_single.default, (gradients, splits, splits, group_name))
             exchanged.meta = {**node.meta, "val": value.clone()}
@@ -305,7 +307,6 @@ class BucketingPass(CustomGraphPass):
             for wait in list(exchanged.users):
                 users = list(wait.users)
                 wait.meta["val"] = exchanged.meta["val"]
-                chunks_value = value.view(group_size, -1, *value.shape[1:])
                 with graph.inserting_after(wait):
                     chunks = graph.call_function(aten.view.default, (wait, list(chunks_value.shape)))
                 with graph.inserting_after(chunks):
@@ -316,19 +317,15 @@ class BucketingPass(CustomGraphPass):
                     # full-size chunks alive to the end of backward.
                     buffer = graph.call_function(
                         aten.empty.memory_format,
-                        (list(chunks_value.shape[1:]),),
+                        (list(part_value.shape),),
                         {"dtype": value.dtype, "device": value.device},
                     )
                 with graph.inserting_after(buffer):
                     reduced = graph.call_function(aten.copy_.default, (buffer, summed))
                 chunks.meta = {**wait.meta, "val": chunks_value}
-                summed.meta = {**wait.meta, "val": chunks_value.sum(0)}
-                buffer.meta = {**wait.meta, "val": chunks_value.sum(0)}
-                reduced.meta = {**wait.meta, "val": chunks_value.sum(0)}
-                if reduce_op == "avg":
-                    with graph.inserting_after(reduced):
-                        reduced = graph.call_function(aten.div.Tensor, (reduced, group_size))
-                    reduced.meta = {**wait.meta, "val": chunks_value.sum(0)}
+                summed.meta = {**wait.meta, "val": part_value}
+                buffer.meta = {**wait.meta, "val": part_value.clone()}
+                reduced.meta = {**wait.meta, "val": buffer.meta["val"]}  # copy_ returns the buffer
                 for user in users:
                     user.replace_input_with(wait, reduced)
 
