@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 
 def _sum_gradients(module: FSDPModule) -> None:
@@ -14,6 +18,37 @@ def _sum_gradients(module: FSDPModule) -> None:
     # averaged; gloo has no PREMUL_SUM, hence plain SUM collectives.
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
+
+
+class AllToAllReduceScatter(ReduceScatter):
+    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received.
+
+    gloo's reduce-scatter is an all-reduce run on a fresh copy of its input (ProcessGroupGloo in
+    torch 2.13): twice a reduce-scatter's bytes. The all-to-all sends each rank only its own chunk
+    of every other rank's input. NCCL reduce-scatters natively and keeps FSDP2's default."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if op != dist.ReduceOp.SUM or async_op:
+            raise ValueError(f"the all-to-all reduce-scatter sums synchronously, not {op} (async_op={async_op})")
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        torch.sum(received.view(group.size(), -1), dim=0, out=output_tensor)
+        return None
+
+
+def _reduces_on_gloo(dp_mesh: DeviceMesh) -> bool:
+    group = dp_mesh.get_group(dp_mesh.ndim - 1)  # the shard dimension: FSDP2 reduce-scatters over it
+    return isinstance(group._get_backend(torch.device(dp_mesh.device_type)), dist.ProcessGroupGloo)
 
 
 def apply_fsdp2(
@@ -35,9 +70,12 @@ def apply_fsdp2(
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    on_gloo = _reduces_on_gloo(dp_mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
+            if on_gloo:
+                module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
