@@ -37,7 +37,6 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import (
@@ -48,6 +47,7 @@ from torch._inductor.fx_passes.bucketing import (
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import flop_registry
 
+from parallelisms.device import reduce_scatter_as_all_to_all
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
@@ -282,19 +282,15 @@ class BucketingPass(CustomGraphPass):
                 previous_wait.prepend(node)
 
     def _all_to_all_on_gloo(self, graph: fx.Graph) -> None:
-        """On gloo, each data-parallel reduce-scatter (a sum) becomes an all-to-all of the bucket's
-        chunks and a sum of the chunks received, right after the wait.
-
-        gloo's reduce-scatter is an all-reduce run on a fresh copy of its input (ProcessGroupGloo
-        in torch 2.13): twice a reduce-scatter's bytes, and a copy, on cores that also compute.
-        The all-to-all sends each rank only its own chunk of every other rank's bucket. NCCL
-        reduce-scatters natively."""
+        """Where ``reduce_scatter_as_all_to_all`` says so (gloo), each data-parallel reduce-scatter
+        (a sum) becomes an all-to-all of the bucket's chunks and a sum of the chunks received,
+        right after the wait: each rank is sent only its own chunk of every other rank's bucket."""
         for node in list(graph.nodes):
             if collective_kind(node) != "reduce_scatter" or not self._is_data_parallel(node):
                 continue
             gradients, reduce_op, group_size, group_name = node.args
             value = gradients.meta["val"]
-            if reduce_op != "sum" or not _runs_on_gloo(group_name, value.device):
+            if reduce_op != "sum" or not reduce_scatter_as_all_to_all(_resolve_process_group(group_name), value.device):
                 continue
             splits = [value.shape[0] // group_size] * group_size
             chunks_value = value.view(group_size, -1, *value.shape[1:])
@@ -367,11 +363,6 @@ class BucketingPass(CustomGraphPass):
             for wait in waits[bucket]:
                 if order[wait] > order[point]:
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
-
-
-def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
-    """Whether the process group runs its collectives on ``device`` with gloo."""
-    return isinstance(_resolve_process_group(group_name)._get_backend(device), dist.ProcessGroupGloo)
 
 
 def _bytes(node: fx.Node) -> int:

@@ -5,6 +5,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``accelerator_count``: ranks per node by default (one per accelerator, else 2 CPU processes);
 - ``device_type`` / ``rank_device``: the accelerator of this local rank, made current, else the CPU;
 - ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
+- ``reduce_scatter_as_all_to_all``: gradient reductions as an all-to-all and a sum (gloo);
 - ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
 - ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
 - ``fast_bfloat16``: whether bf16 matmuls beat fp32 (the default precision follows it);
@@ -60,6 +61,14 @@ def rank_device(local_rank: int) -> torch.device:
 def backend_for(device: torch.device) -> str:
     """The process group backend for ``device``: torch's default, nccl on CUDA and gloo on a CPU."""
     return dist.get_default_backend_for_device(torch.device(device))
+
+
+def reduce_scatter_as_all_to_all(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a sum reduce-scatter over ``group`` should run as an all-to-all of the input's chunks
+    and a sum of the chunks received: where the group runs on gloo, whose reduce-scatter is an
+    all-reduce of a fresh copy of its input (ProcessGroupGloo in torch 2.13), twice the bytes. NCCL
+    reduce-scatters natively."""
+    return isinstance(group._get_backend(torch.device(device)), dist.ProcessGroupGloo)
 
 
 def supports_async_tp(device_type: str) -> bool:

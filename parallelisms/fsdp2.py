@@ -12,6 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from parallelisms.device import reduce_scatter_as_all_to_all
+
 
 def _sum_gradients(module: FSDPModule) -> None:
     # The trainer divides the loss by the global token count, so gradients must be summed, not
@@ -21,11 +23,8 @@ def _sum_gradients(module: FSDPModule) -> None:
 
 
 class AllToAllReduceScatter(ReduceScatter):
-    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received.
-
-    gloo's reduce-scatter is an all-reduce run on a fresh copy of its input (ProcessGroupGloo in
-    torch 2.13): twice a reduce-scatter's bytes. The all-to-all sends each rank only its own chunk
-    of every other rank's input. NCCL reduce-scatters natively and keeps FSDP2's default."""
+    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received,
+    where ``reduce_scatter_as_all_to_all`` says so (gloo); NCCL keeps FSDP2's default."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -44,11 +43,6 @@ class AllToAllReduceScatter(ReduceScatter):
         dist.all_to_all_single(received, input_tensor, group=group)
         torch.sum(received.view(group.size(), -1), dim=0, out=output_tensor)
         return None
-
-
-def _reduces_on_gloo(dp_mesh: DeviceMesh) -> bool:
-    group = dp_mesh.get_group(dp_mesh.ndim - 1)  # the shard dimension: FSDP2 reduce-scatters over it
-    return isinstance(group._get_backend(torch.device(dp_mesh.device_type)), dist.ProcessGroupGloo)
 
 
 def apply_fsdp2(
@@ -70,11 +64,12 @@ def apply_fsdp2(
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    on_gloo = _reduces_on_gloo(dp_mesh)
+    shard_group = dp_mesh.get_group(dp_mesh.ndim - 1)  # FSDP2 reduce-scatters over the shard dimension
+    all_to_all = reduce_scatter_as_all_to_all(shard_group, torch.device(dp_mesh.device_type))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
-            if on_gloo:
+            if all_to_all:
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 

@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 
 from parallelisms import device as dev
 
@@ -52,3 +54,15 @@ def test_deterministic_algorithms_with_cublas_workspace(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]
+
+
+def test_reduce_scatter_as_all_to_all_only_on_gloo():
+    # The decision asks the group's own backend: gloo's reduce-scatter is an all-reduce of a copy.
+    # Any other backend keeps its reduce-scatter; torch's test backend "fake" stands in for NCCL.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dev.reduce_scatter_as_all_to_all(dist.group.WORLD, torch.device("cpu"))
+        fake = dist.new_group(backend="fake", pg_options=None)
+        assert not dev.reduce_scatter_as_all_to_all(fake, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
