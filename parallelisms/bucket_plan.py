@@ -21,7 +21,8 @@ Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one st
           have nothing to hide behind: fully exposed, charged to their own step.
         * exposed_backward[i] = ``max(0, RS(B_{i+1}) + AG(B_{i-1}) - G_i)``, plus those two
           unhidden collectives on steps ``n-1`` and ``0``. Without resharding there are no
-          re-gathers, so every backward ``AG`` term is 0.
+          re-gathers, so every backward ``AG`` term is 0; with it, only units marked
+          ``regathered`` count.
     Memory: while ``B_i`` computes, ``B_{i+1}`` is being gathered, so the gathered weights of
     two consecutive buckets are alive together; their sum must stay under the memory cap.
 
@@ -289,6 +290,8 @@ class PlanUnit:
     param_bytes: int
     forward_flops: float
     backward_flops: float
+    regathered: bool = True
+    """Whether backward gathers the weights again when resharding after forward."""
 
     def __post_init__(self) -> None:
         if self.param_bytes < 0 or self.forward_flops < 0 or self.backward_flops < 0:
@@ -419,7 +422,7 @@ class _Costs:
 
     def regather(self, units: Sequence[PlanUnit]) -> float:
         """Backward all-gather: only resharded weights are gathered again."""
-        return self.all_gather(units) if self.reshard_after_forward else 0.0
+        return self.all_gather([unit for unit in units if unit.regathered]) if self.reshard_after_forward else 0.0
 
     def reduce_scatter(self, units: Sequence[PlanUnit]) -> float:
         gradient_bytes = sum(unit.param_bytes for unit in units) * self.reduce_scatter_bytes_factor

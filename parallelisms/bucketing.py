@@ -274,8 +274,15 @@ class BucketingPass(CustomGraphPass):
                 node.meta["tessera_bucket"] = bucket
 
     def _prefetch_all_gathers(self, graph: fx.Graph) -> None:
-        """Issues each data-parallel all-gather right before the previous one's wait."""
+        """Issues the first data-parallel all-gather at the start of the graph and each next one
+        right before the previous one's wait. In backward the first re-gathered bucket is a block
+        (the output's weights stay gathered from forward): its gather runs beside the output's
+        and the loss's backward."""
         gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and self._is_data_parallel(n)]
+        if gathers:
+            last_input = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")][-1]
+            for node in reversed(issue_chain(gathers[0])):
+                last_input.append(node)
         for previous, gather in zip(gathers, gathers[1:]):
             previous_wait = next(iter(previous.users))
             for node in issue_chain(gather):

@@ -126,7 +126,7 @@ def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: Jo
         param_dtype=getattr(torch, config.training.mixed_precision_param),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward=_reshard_after_forward(parallel_dims, config),
-        reshard_blocks=list(model.layers.values()),
+        blocks=list(model.layers.values()),
         compiled=config.compile.enable,
     )
 
@@ -149,7 +149,10 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
         forward = 0.0 if name in ("tok_embeddings", "norm") else 2.0 * numel * tokens
         if name.startswith("layers."):
             forward += 4.0 * tokens * args.max_seq_len * args.dim
-        units.append(PlanUnit(name, numel * param_dtype.itemsize, forward, 2.0 * forward))
+        # Backward re-gathers only the blocks' weights: the embedding's backward needs none, and
+        # SimpleFSDP keeps the final norm and output gathered (apply_simple_fsdp's ``blocks``).
+        regathered = name.startswith("layers.")
+        units.append(PlanUnit(name, numel * param_dtype.itemsize, forward, 2.0 * forward, regathered))
     return units
 
 

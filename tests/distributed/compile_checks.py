@@ -37,7 +37,7 @@ def build(mesh, reshard: bool) -> Transformer:
         mesh,
         mode="fully_shard",
         reshard_after_forward=reshard,
-        reshard_blocks=list(model.layers.values()),
+        blocks=list(model.layers.values()),
         compiled=True,
     )
     model.to_empty(device="cpu")
@@ -281,9 +281,12 @@ def main(backend: str) -> None:
         check("manual_prefetch_order", prefetch_order_holds(manual_pass.graphs[0]))
         in_flight = reductions_in_flight_at_issue(manual_pass.graphs[1])
         check("manual_one_reduction_in_flight", in_flight == [0] * len(manual.buckets), in_flight)
-        # Resharded: backward re-gathers every bucket whose weights it needs (the embedding's it does not).
-        check("reshard_regathers", backward.collectives["all_gather"] == len(manual.buckets) - 1, backward)
-        check("reshard_frees_gathered", saved_gathered_weights(manual_pass.graphs[0]) == 0)
+        # Resharded: backward re-gathers every block's bucket; not the embedding's, whose backward
+        # needs no weight, nor the final norm and output's, kept gathered (its first need).
+        block_buckets = sum(b.units[0].startswith("layers.") for b in manual.buckets)
+        check("reshard_regathers", backward.collectives["all_gather"] == block_buckets, (backward, block_buckets))
+        saved = saved_gathered_weights(manual_pass.graphs[0])
+        check("reshard_frees_gathered", saved == params_per_unit["norm"] + params_per_unit["output"], saved)
 
     # Block: one forward and one backward graph for all the blocks (compiled once, reused), each
     # with the block's two buckets, prefetched and re-gathered.

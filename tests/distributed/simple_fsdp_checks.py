@@ -105,7 +105,7 @@ def build(
             param_dtype=param_dtype,
             reduce_dtype=torch.float32,
             reshard_after_forward=reshard,
-            reshard_blocks=blocks,
+            blocks=blocks,
         )
     elif impl == "fsdp2" and mode == "replicate":
         apply_ddp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)

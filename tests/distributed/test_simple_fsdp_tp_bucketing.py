@@ -57,9 +57,10 @@ def test_manual_buckets_match_single_process(tmp_path):
         # One pass (the whole model), run on one forward and one backward graph.
         ((forward, backward),) = report["graph_passes"]
         assert forward["data_parallel"] == {"all_gather": BUCKETS}, report
-        # Backward re-gathers every bucket but tok_embeddings' (resharded after forward) and
-        # reduces every bucket's gradients (on gloo an all-to-all: parallelisms/bucketing.py).
-        assert backward["data_parallel"] == {"all_gather": BUCKETS - 1, "all_to_all": BUCKETS}, report
+        # Backward re-gathers the blocks' buckets (not tok_embeddings', whose backward needs no
+        # weight, nor norm + output's, kept gathered after forward) and reduces every bucket's
+        # gradients (on gloo an all-to-all: parallelisms/bucketing.py).
+        assert backward["data_parallel"] == {"all_gather": BUCKETS - 2, "all_to_all": BUCKETS}, report
         # TP's own collectives stay one per tensor: sequence parallel gathers each norm's output
         # (2 per block and the final norm's) and reduce-scatters each block's two output
         # projections and the embedding's output.

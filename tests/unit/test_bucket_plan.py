@@ -7,6 +7,7 @@ seconds: every expected boundary below can be checked by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -261,6 +262,17 @@ def test_predicted_exposed_times_of_three_buckets_without_resharding() -> None:
     )
     assert [b.predicted_exposed_forward_s for b in plan.buckets] == pytest.approx([3.0, 2.0, 1.0])
     # No re-gathers: step 2 -> 0; step 1: RS(B2) 7 - G1 5 = 2; step 0: 5 - 2 + RS(B0) 5 = 8.
+    assert [b.predicted_exposed_backward_s for b in plan.buckets] == pytest.approx([8.0, 2.0, 0.0])
+
+
+def test_predicted_exposed_times_when_backward_regathers_only_some_units() -> None:
+    # u0 (an embedding: its backward needs no weight) and u3 (kept gathered, like the final norm
+    # and output) are not gathered again; u1 and u2, the blocks, are.
+    units = [dataclasses.replace(u, regathered=u.name in ("u1", "u2")) for u in _THREE_BUCKET_UNITS]
+    plan = predict_plan(units, _THREE_BUCKETS, _comm(1.0), _UNIT_RATE, _WORLD_SIZE, reduce_scatter_bytes_factor=2.0)
+    assert [b.predicted_exposed_forward_s for b in plan.buckets] == pytest.approx([3.0, 2.0, 1.0])
+    # Step 2: AG(B1) 3 under G2 4 -> 0, no re-gather of B2 = 0. Step 1: RS(B2) 7 + nothing for B0
+    # under G1 5 -> 2. Step 0: RS(B1) 5 under G0 2 -> 3, plus the unhidden RS(B0) 5 = 8.
     assert [b.predicted_exposed_backward_s for b in plan.buckets] == pytest.approx([8.0, 2.0, 0.0])
 
 
