@@ -19,8 +19,8 @@ they reshard: backward starts with the parameters outside them (the output proje
 norm), so gathering those again would only add an exposed all-gather at its start; FSDP2 keeps
 its root's gathered the same way. (The embedding's backward needs no weight: nothing to keep.)
 Unlike FSDP2 in ``apply_fsdp2``, the last block reshards too: its gathered weights would sit
-beside the loss's backward, at the step's peak (on the wide benchmark model +91 MiB, 747 against
-656, for 1.10x tokens/s; on the debug model 0.95x).
+beside the loss's backward, at the step's peak (tried on the wide benchmark model: 747 MiB tracked
+in each of 3 rounds, against 656 in 2 of 3 without, for 1.10x tokens/s; 0.95x on the debug model).
 
 Activation checkpointing. A block already wrapped by ``checkpoint_wrapper`` (full AC, op-level
 SAC, or the checkpointed blocks of every-N-th AC) gets no block-level region: its checkpoint
