@@ -307,6 +307,15 @@ def _shard_parameters(model: nn.Module, config: _GatherConfig) -> None:
         module.__class__ = _gathering_class(type(module), names)
 
 
+def _keep_gathered_outside(model: nn.Module, blocks: list[nn.Module], config: _GatherConfig) -> None:
+    """The parameters outside ``blocks`` keep their gathered copy from forward to backward."""
+    in_blocks = {id(module) for block in blocks for module in block.modules()}
+    keep_config = replace(config, region_contexts=_region_contexts(False))
+    for module in model.modules():
+        if id(module) not in in_blocks and hasattr(module, "_simple_fsdp_config"):
+            module._simple_fsdp_config = keep_config
+
+
 # ---------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------
@@ -353,18 +362,12 @@ def apply_simple_fsdp(
             raise ValueError("hybrid_shard needs a mesh with named dims (dp_replicate, dp_shard)")
         hsdp_meshes = tuple(dp_mesh[name] for name in dp_mesh.mesh_dim_names)
     reshard_after_forward = reshard_after_forward and mode != "replicate"
-    config = _GatherConfig(
-        dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, _region_contexts(reshard_after_forward)
-    )
+    contexts = _region_contexts(reshard_after_forward)
+    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, contexts)
     _shard_parameters(model, config)
     if not reshard_after_forward or blocks is None:
         return
-    in_blocks = {id(module) for block in blocks for module in block.modules()}
-    keep_config = replace(config, region_contexts=_region_contexts(False))
-    for module in model.modules():
-        if id(module) not in in_blocks and hasattr(module, "_simple_fsdp_config"):
-            module._simple_fsdp_config = keep_config
-
+    _keep_gathered_outside(model, blocks, config)
     if compiled:
         return
     dp_group_names = frozenset(group.group_name for group in dp_mesh.get_all_groups())
