@@ -13,6 +13,8 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``causal_query_chunk``: causal attention over chunks of queries where the kernel masks instead of
   skipping (short sequences on a CPU);
 - ``pinned_memory_available``: pinned-memory staging of asynchronous checkpoints;
+- ``cache_freed_host_memory``: on a CPU, malloc keeps freed memory for reuse (CUDA's allocator
+  caches by itself);
 - ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
 - ``profiler_activities``: CUDA kernels in profiler traces;
 - ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
@@ -21,6 +23,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -122,6 +125,35 @@ def causal_query_chunk(device_type: str, seq_len: int) -> int | None:
 def pinned_memory_available() -> bool:
     """Whether pinned (page-locked) host memory helps: only copies from an accelerator use it."""
     return torch.accelerator.is_available()
+
+
+# glibc's mallopt parameters (malloc.h), and the environment variables by which a user tunes malloc
+# (or replaces it) before the process starts.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_MALLOC_TUNING = (
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
+)
+
+
+def cache_freed_host_memory(device: torch.device) -> bool:
+    """On a CPU, makes glibc's malloc keep the memory of freed tensors for the next ones, as CUDA's
+    caching allocator does on a GPU. By default every buffer over 32 MiB (a bucket of gathered
+    weights, its gradients, a transport's copy) is a fresh mmap that the step faults in page by page
+    and unmaps when freed, and the top of the heap is given back too. The cost is resident memory:
+    the heap keeps its high-water mark. Left alone where the user tuned or replaced malloc (one of
+    ``_MALLOC_TUNING`` set) and off glibc. Returns whether malloc now keeps freed memory."""
+    if torch.device(device).type != "cpu" or any(os.environ.get(name) for name in _MALLOC_TUNING):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, _ = libc.mallopt, libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return False  # not glibc: another malloc, with its own policy
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from config.job_config import Parallelism, user_input
-from parallelisms.device import backend_for, rank_device
+from parallelisms.device import backend_for, cache_freed_host_memory, rank_device
 from parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 def init_distributed(init_timeout_seconds: int) -> torch.device:
     """Joins the job's process group (a group of one without torchrun) and returns this rank's device."""
     device = rank_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if cache_freed_host_memory(device):
+        logger.info("CPU: freed memory is kept for reuse (glibc malloc without mmap or trimming)")
     if dist.is_initialized():  # a second Trainer in the same process (benchmarks, tests)
         return device
     backend = backend_for(device)

@@ -5,6 +5,8 @@ tests/distributed/test_cuda.py runs the CUDA side on a machine that has GPUs."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,3 +68,43 @@ def test_reduce_scatter_as_all_to_all_only_on_gloo():
         assert not dev.reduce_scatter_as_all_to_all(fake, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+# Run in a fresh interpreter: malloc's settings are the whole process's. Prints what
+# cache_freed_host_memory returned and the page faults of the last of ten 64 MiB buffers, each
+# filled and freed in turn, as a training step's buffers are: the heap needs a few rounds to settle
+# (each aligned block leaves a small chunk behind that keeps it from merging at first).
+_REFILL = """
+import resource, sys, torch
+from parallelisms.device import cache_freed_host_memory
+applied = cache_freed_host_memory(torch.device(sys.argv[1]))
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 * 2**20)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(applied, faults)
+"""
+PAGES_OF_64_MIB = 64 * 2**20 // 4096
+
+
+def _refill(device: str, **env: str) -> tuple[str, int]:
+    clean = {k: v for k, v in os.environ.items() if k not in dev._MALLOC_TUNING}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _REFILL, device],
+        env={**clean, "PYTHONPATH": repo, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+def test_freed_host_memory_is_reused_without_page_faults():
+    # Kept: the last buffer reuses an earlier one's pages. Default malloc: it maps fresh pages and
+    # faults every one of them in.
+    applied, faults = _refill("cpu")
+    assert applied == "True" and faults < PAGES_OF_64_MIB // 10
+    applied, faults = _refill("cpu", MALLOC_TRIM_THRESHOLD_="131072")  # a user's own tuning wins
+    assert applied == "False" and faults > PAGES_OF_64_MIB // 2
+    assert _refill("meta")[0] == "False"  # an accelerator's memory is its allocator's business
