@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 
 from parallelisms import device as dev
+from tests.launch import REPO
 
 no_accelerator = pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the CPU-only branches")
 
@@ -89,10 +90,9 @@ PAGES_OF_64_MIB = 64 * 2**20 // 4096
 
 def _refill(device: str, **env: str) -> tuple[str, int]:
     clean = {k: v for k, v in os.environ.items() if k not in dev._MALLOC_TUNING}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(
         [sys.executable, "-c", _REFILL, device],
-        env={**clean, "PYTHONPATH": repo, **env},
+        env={**clean, "PYTHONPATH": REPO, **env},
         capture_output=True,
         text=True,
         check=True,
