@@ -6,6 +6,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``device_type`` / ``rank_device``: the accelerator of this local rank, made current, else the CPU;
 - ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
 - ``reduce_scatter_as_all_to_all``: gradient reductions as an all-to-all and a sum (gloo);
+- ``all_gather_as_broadcasts``: parameter gathers as one broadcast per rank (gloo);
 - ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
 - ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
 - ``fast_bfloat16``: whether bf16 matmuls beat fp32 (the default precision follows it);
@@ -66,12 +67,24 @@ def backend_for(device: torch.device) -> str:
     return dist.get_default_backend_for_device(torch.device(device))
 
 
+def _on_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
+    return isinstance(group._get_backend(torch.device(device)), dist.ProcessGroupGloo)
+
+
 def reduce_scatter_as_all_to_all(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether a sum reduce-scatter over ``group`` should run as an all-to-all of the input's chunks
     and a sum of the chunks received: where the group runs on gloo, whose reduce-scatter is an
     all-reduce of a fresh copy of its input (ProcessGroupGloo in torch 2.13), twice the bytes. NCCL
     reduce-scatters natively."""
-    return isinstance(group._get_backend(torch.device(device)), dist.ProcessGroupGloo)
+    return _on_gloo(group, device)
+
+
+def all_gather_as_broadcasts(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether an all-gather over ``group`` should run as one broadcast per rank, each into its
+    slot of the output, issued together: where the group runs on gloo, whose all-gather of a large
+    bucket takes about twice as long (bench/gloo_collectives.py) and allocates buffers of its own.
+    NCCL all-gathers natively."""
+    return _on_gloo(group, device)
 
 
 def supports_async_tp(device_type: str) -> bool:

@@ -10,9 +10,9 @@ import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from parallelisms.device import reduce_scatter_as_all_to_all
+from parallelisms.device import all_gather_as_broadcasts, reduce_scatter_as_all_to_all
 
 
 def _sum_gradients(module: FSDPModule) -> None:
@@ -45,6 +45,32 @@ class AllToAllReduceScatter(ReduceScatter):
         return None
 
 
+class BroadcastAllGather(AllGather):
+    """An all-gather as one broadcast per rank, each into its slot of the output, issued together,
+    where ``all_gather_as_broadcasts`` says so (gloo); NCCL keeps FSDP2's default."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if async_op:
+            raise ValueError("the broadcast all-gather runs synchronously (async_op=True)")
+        slots = output_tensor.chunk(group.size())
+        own = slots[group.rank()]
+        if own.data_ptr() != input_tensor.data_ptr():  # FSDP2 usually copies the shard in already
+            own.copy_(input_tensor)
+        works = [dist.broadcast(slot, group_src=src, group=group, async_op=True) for src, slot in enumerate(slots)]
+        for work in works:
+            work.wait()
+        return None
+
+
 def apply_fsdp2(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -65,12 +91,16 @@ def apply_fsdp2(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     shard_group = dp_mesh.get_group(dp_mesh.ndim - 1)  # FSDP2 reduce-scatters over the shard dimension
-    all_to_all = reduce_scatter_as_all_to_all(shard_group, torch.device(dp_mesh.device_type))
+    device = torch.device(dp_mesh.device_type)
+    all_to_all = reduce_scatter_as_all_to_all(shard_group, device)
+    broadcasts = all_gather_as_broadcasts(shard_group, device)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
             if all_to_all:
                 module.set_custom_reduce_scatter(AllToAllReduceScatter())
+            if broadcasts:
+                module.set_custom_all_gather(BroadcastAllGather())
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:

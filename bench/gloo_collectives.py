@@ -1,14 +1,18 @@
-"""Benchmark: the three ways to reduce a gradient bucket on 2 gloo ranks, timed alone.
+"""Benchmark: the ways to reduce a gradient bucket, and to gather a parameter bucket, on 2 gloo
+ranks, timed alone.
 
-    python bench/gloo_reductions.py [--sizes-mib 3,11,49] [--rounds 3] [--repeats 8]
+    python bench/gloo_collectives.py [--sizes-mib 3,11,49] [--rounds 3] [--repeats 8]
 
-What SimpleFSDP's graph pass chooses between on gloo (parallelisms/bucketing.py): gloo's own
-reduce-scatter (which copies its input and all-reduces the copy), an all-reduce of the bucket in
-place followed by a copy of this rank's part, and an all-to-all of the bucket's chunks followed by
-their sum. Each round times every method ``repeats`` times per size (wall and process CPU time of
-rank 0, median), the methods interleaved so that the machine's drift hits them alike; output
-buffers are allocated once, as a training step's allocator would hand them back. Prints the median
-and [min-max] over rounds in milliseconds and writes ``bench/results/gloo_reductions.json``.
+What data parallelism chooses between on gloo (parallelisms/device.py, used by FSDP2 and by
+SimpleFSDP's graph pass). Reductions: gloo's own reduce-scatter (which copies its input and
+all-reduces the copy), an all-reduce of the bucket in place followed by a copy of this rank's part,
+and an all-to-all of the bucket's chunks followed by their sum. Gathers: gloo's own all-gather, one
+broadcast per rank into its slot of the output (issued together, then waited for), and an
+all-to-all of the shard repeated once per rank. A size is the full bucket's (the reduction's input,
+the gather's output). Each round times every method ``repeats`` times per size (wall and process
+CPU time of rank 0, median), the methods interleaved so that the machine's drift hits them alike;
+output buffers are allocated once, as a training step's allocator would hand them back. Prints the
+median and [min-max] over rounds in milliseconds and writes ``bench/results/gloo_collectives.json``.
 Launches itself under ``torchrun --nproc-per-node 2`` with ``OMP_NUM_THREADS=1``.
 """
 
@@ -25,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-METHODS = ("reduce_scatter", "all_reduce", "all_to_all")
+METHODS = ("reduce_scatter", "all_reduce", "all_to_all", "all_gather", "broadcasts", "all_to_all_gather")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -33,13 +37,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sizes-mib", default="3,11,49", help="bucket sizes in MiB (fp32)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=8, help="timings per method, size and round")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "gloo_reductions.json"))
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "gloo_collectives.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def time_method(method: str, bucket, part, received, repeats: int) -> tuple[float, float]:
-    """Median (wall, CPU) seconds of one reduction of ``bucket`` into this rank's ``part``."""
+    """Median (wall, CPU) seconds of one reduction of ``bucket`` into this rank's ``part``, or one
+    gather of ``part`` into ``received``."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,9 +58,19 @@ def time_method(method: str, bucket, part, received, repeats: int) -> tuple[floa
         elif method == "all_reduce":
             dist.all_reduce(bucket)
             part.copy_(bucket[rank * rows : (rank + 1) * rows])
-        else:
+        elif method == "all_to_all":
             dist.all_to_all_single(received, bucket)
             part.copy_(received.view(world, rows).sum(0))
+        elif method == "all_gather":
+            dist.all_gather_into_tensor(received, part)
+        elif method == "broadcasts":
+            slots = received.chunk(world)
+            slots[rank].copy_(part)
+            works = [dist.broadcast(slot, group_src=src, async_op=True) for src, slot in enumerate(slots)]
+            for work in works:
+                work.wait()
+        else:
+            dist.all_to_all_single(received, part.repeat(world))
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return statistics.median(walls), statistics.median(cpus)
@@ -92,12 +107,12 @@ def format_table(times: dict[str, dict[str, list[list[float]]]]) -> str:
         ms = [v * 1e3 for v in values]
         return f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]"
 
-    header = f"{'MiB':>4} {'method':<15} {'wall ms':>20} {'CPU ms':>20}"
+    header = f"{'MiB':>4} {'method':<17} {'wall ms':>20} {'CPU ms':>20}"
     lines = [header, "-" * len(header)]
     for size, methods in times.items():
         for method, rounds in methods.items():
             lines.append(
-                f"{size:>4} {method:<15} {spread([w for w, _ in rounds]):>20} {spread([c for _, c in rounds]):>20}"
+                f"{size:>4} {method:<17} {spread([w for w, _ in rounds]):>20} {spread([c for _, c in rounds]):>20}"
             )
     return "\n".join(lines)
 

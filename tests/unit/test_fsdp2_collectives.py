@@ -1,0 +1,62 @@
+"""FSDP2's collectives as gloo runs them (parallelisms/fsdp2.py), against gloo's own."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelisms.fsdp2 import AllToAllReduceScatter, BroadcastAllGather
+from tests.spawn import spawn_ranks
+
+_WORLD_SIZE = 3  # more than 2: a slot swapped between two ranks would still pass on 2
+_TIMEOUT_S = 120
+
+
+def _check_collectives(rank: int) -> None:
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    shard = torch.randn(1000)
+    expected = torch.empty(_WORLD_SIZE * shard.numel())
+    dist.all_gather_into_tensor(expected, shard)
+
+    # FSDP2 hands over its shard as a view of the output's own slot...
+    output = torch.full_like(expected, float("nan"))
+    own_slot = output.chunk(_WORLD_SIZE)[rank]
+    own_slot.copy_(shard)
+    assert BroadcastAllGather()(output, own_slot, group) is None
+    assert torch.equal(output, expected)
+    # ... or as a tensor of its own, which is copied in first.
+    output = torch.full_like(expected, float("nan"))
+    BroadcastAllGather()(output, shard.clone(), group)
+    assert torch.equal(output, expected)
+    with pytest.raises(ValueError, match="synchronously"):
+        BroadcastAllGather()(output, shard, group, async_op=True)
+
+    gradients = torch.randn(_WORLD_SIZE * 1000)
+    expected_part = torch.empty(1000)
+    dist.reduce_scatter_tensor(expected_part, gradients)
+    part = torch.empty(1000)
+    AllToAllReduceScatter()(part, gradients, group, dist.ReduceOp.SUM)
+    # Both sum 3 terms per element, in different orders: equal to fp32 rounding.
+    torch.testing.assert_close(part, expected_part, rtol=1e-6, atol=1e-6)
+
+
+def _worker(rank: int, init_method: str, passed: Any) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
+    _check_collectives(rank)
+    passed[rank] = 1  # before teardown: gloo can abort a process while it exits
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns gloo ranks
+def test_broadcast_all_gather_and_all_to_all_reduce_scatter_match_gloo() -> None:
+    """The broadcast all-gather equals gloo's all-gather bitwise; the all-to-all reduce-scatter
+    equals gloo's reduce-scatter to rounding, on 3 ranks."""
+    passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)
+    exit_codes = spawn_ranks(_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
+    assert list(passed) == [1] * _WORLD_SIZE, f"passed per rank {list(passed)}, exit codes {exit_codes}"
