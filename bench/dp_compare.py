@@ -356,20 +356,23 @@ def graph_note(r: dict[str, Any]) -> str | None:
     if r["variant"] == "simplefsdp_block":
         # One block's graphs, run for every block; the rest of the model gathers eagerly.
         return (
-            f"{r['model']} {r['variant']}: one block graph, fw AG {forward.get('all_gather', 0)}, "
-            f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)}{recompiled}"
+            f"{r['model']} {r['variant']}: one block graph, fw AG {forward.get('all_gather', 0)} "
+            f"BC {forward.get('broadcast', 0)}, bw AG {backward.get('all_gather', 0)} "
+            f"BC {backward.get('broadcast', 0)} RS {backward.get('reduce_scatter', 0)}{recompiled}"
         )
     in_graphs = {
-        k: forward.get(k, 0) + backward.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+        k: forward.get(k, 0) + backward.get(k, 0)
+        for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
     }
     runtime = r["collectives"]
-    agrees = all(in_graphs[k] == runtime[k] for k in ("all_gather", "reduce_scatter", "all_to_all"))
+    agrees = all(in_graphs[k] == runtime.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"))
     buckets = "per-parameter" if r["buckets"] is None else f"{len(r['buckets'])} buckets"
     note = (
-        f"{r['model']} {r['variant']}: {buckets}; graphs fw AG {forward.get('all_gather', 0)}, "
-        f"bw AG {backward.get('all_gather', 0)} RS {backward.get('reduce_scatter', 0)} "
+        f"{r['model']} {r['variant']}: {buckets}; graphs fw AG {forward.get('all_gather', 0)} "
+        f"BC {forward.get('broadcast', 0)}, bw AG {backward.get('all_gather', 0)} "
+        f"BC {backward.get('broadcast', 0)} RS {backward.get('reduce_scatter', 0)} "
         f"A2A {backward.get('all_to_all', 0)} AR {in_graphs['all_reduce']}; "
-        + ("matches the profiled step" if agrees else "DIFFERS from the profiled step (AG/RS/A2A)")
+        + ("matches the profiled step" if agrees else "DIFFERS from the profiled step (AG/BC/RS/A2A)")
     )
     return note + recompiled
 
@@ -387,7 +390,8 @@ def _with_spread(spread: dict[str, float] | None, fmt: str) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
-        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'RS':>4} {'AR':>4} {'A2A':>4} "
+        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'BC':>4} {'RS':>4} {'AR':>4} "
+        f"{'A2A':>4} "
         f"{'wire MiB':>8} {'theory':>9} {'compile s':>9} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -400,7 +404,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{name} {_with_spread(r['tps_per_rank'], '.0f'):>22} {_with_spread(r['tps_ratio'], '.2f'):>19} "
             f"{_ratio(r['scaling'])} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
-            f"{c['all_gather']:>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} {c.get('all_to_all', 0):>4} "
+            f"{c['all_gather']:>4} {c.get('broadcast', 0):>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} "
+            f"{c.get('all_to_all', 0):>4} "
             f"{r['wire_bytes_estimate'] / MIB:>8.1f} {r['theory_bytes'] / MIB:>9.1f} "
             f"{r['compile_s']:>9.1f} {r['final_loss']:>7.4f}"
         )

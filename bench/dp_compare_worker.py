@@ -58,12 +58,21 @@ C10D_OPS: dict[str, tuple[str, int]] = {
     "c10d::allreduce_": ("all_reduce", 0),
     "c10d::allreduce_coalesced_": ("all_reduce", 0),
     "c10d::alltoall_base_": ("all_to_all", 1),
+    "c10d::broadcast_": ("broadcast", 0),
 }
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "other")
 # Per-rank bytes a ring algorithm sends for a collective of size S over N ranks, as a factor of
 # S: all-gather, reduce-scatter and all-to-all S (N-1)/N, all-reduce (reduce-scatter + all-gather)
-# twice that.
-WIRE_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0, "other": 0.0}
+# twice that; a broadcast sends S to N-1 ranks, S (N-1)/N per rank on average over the N
+# broadcasts (one per source) that make a gather on gloo.
+WIRE_FACTOR = {
+    "all_gather": 1.0,
+    "reduce_scatter": 1.0,
+    "all_reduce": 2.0,
+    "all_to_all": 1.0,
+    "broadcast": 1.0,
+    "other": 0.0,
+}
 # Element sizes of the profiler's type names.
 ITEMSIZE = {
     "float": 4,

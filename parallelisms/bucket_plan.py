@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallelisms.device import synchronize
+from parallelisms.device import all_gather_into, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ FALLBACK_COMM_MODEL = CommModel(alpha_s=100e-6, bandwidth_bytes_per_s=1e9)
 
 
 class _AllGatherTimer:
-    """Times one all-gather into a single tensor on the real group; buffers are kept per message size."""
+    """Times one all-gather into a single tensor on the real group, done as SimpleFSDP's compiled
+    graphs do it (``all_gather_into``); buffers are kept per message size."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self._group = group
@@ -167,7 +168,7 @@ class _AllGatherTimer:
         shard, output = self._buffers[full_bytes]
         synchronize(self._device)
         start = time.perf_counter()
-        dist.all_gather_single(output, shard, group=self._group)  # all_gather_into_tensor's new name
+        all_gather_into(output, shard, self._group or dist.group.WORLD)
         synchronize(self._device)
         return time.perf_counter() - start
 
@@ -215,7 +216,8 @@ def calibrate_comm_model(
 
     Args:
         time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
-            inject a fake one. Default: a real all-gather (``all_gather_single``) on ``group``.
+            inject a fake one. Default: a real all-gather on ``group``, as the compiled graphs gather
+            (``all_gather_into``: broadcasts on gloo).
 
     Timing too noisy to fit (the large message no slower): one warning, ``FALLBACK_COMM_MODEL``.
 

@@ -16,7 +16,9 @@ what to merge and where everything goes:
   the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
   and never beside a gather's buffers;
 - on gloo, whose reduce-scatter is an all-reduce of a copy of its input, each data-parallel
-  reduce-scatter becomes an all-to-all of the bucket's chunks and a sum of the chunks received.
+  reduce-scatter becomes an all-to-all of the bucket's chunks and a sum of the chunks received;
+  each data-parallel all-gather becomes one broadcast per rank into its slot of the bucket
+  (gloo's all-gather of a large bucket takes twice as long).
 
 Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
@@ -47,7 +49,7 @@ from torch._inductor.fx_passes.bucketing import (
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import flop_registry
 
-from parallelisms.device import reduce_scatter_as_all_to_all
+from parallelisms.device import all_gather_as_broadcasts, reduce_scatter_as_all_to_all
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
@@ -56,6 +58,7 @@ ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_
 REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
 ALL_REDUCES = {c10d.all_reduce.default}
 ALL_TO_ALLS = {c10d.all_to_all_single.default}
+BROADCASTS = {c10d.broadcast_.default}
 WAIT = c10d.wait_tensor.default
 
 # Ops that only re-describe a tensor: moving them together with the wait they follow is free.
@@ -134,7 +137,7 @@ def is_gradient_reduction(node: fx.Node) -> bool:
 
 
 def collective_kind(node: fx.Node) -> str | None:
-    """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all' or None."""
+    """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all', 'broadcast' or None."""
     if node.op != "call_function":
         return None
     if node.target in ALL_GATHERS:
@@ -145,6 +148,8 @@ def collective_kind(node: fx.Node) -> str | None:
         return "all_reduce"
     if node.target in ALL_TO_ALLS:
         return "all_to_all"
+    if node.target in BROADCASTS:
+        return "broadcast"
     return None
 
 
@@ -185,7 +190,7 @@ def unit_of(path: str | None, units: list[str]) -> str | None:
 @dataclass
 class GraphReport:
     """What the pass left in one graph: the collective counts and, when bucketing, the bucket
-    index of each all-gather in graph order."""
+    index of each all-gather (on gloo: each set of broadcasts) in graph order."""
 
     collectives: collections.Counter = field(default_factory=collections.Counter)
     all_gather_buckets: list[int] = field(default_factory=list)
@@ -227,6 +232,9 @@ class BucketingPass(CustomGraphPass):
             self._one_transfer_at_a_time(graph)
         self._all_to_all_on_gloo(graph)
         stable_topological_sort(graph)
+        # On a sorted graph: the broadcasts' order against the shard's copy and the bucket's readers
+        # is a mutation's, which the sort cannot see.
+        self._broadcasts_on_gloo(graph)
         graph.lint()
         for node in graph.nodes:
             kind = collective_kind(node)
@@ -234,7 +242,8 @@ class BucketingPass(CustomGraphPass):
                 report.collectives[kind] += 1
                 if self._is_data_parallel(node):
                     report.data_parallel[kind] += 1
-                    if kind == "all_gather" and self.buckets is not None:
+                    gather = kind == "all_gather" or (kind == "broadcast" and node.args[1] == 0)
+                    if gather and self.buckets is not None:
                         report.all_gather_buckets.append(self._bucket_of(node))
         self.reports.append(report)
 
@@ -332,6 +341,51 @@ class BucketingPass(CustomGraphPass):
                 for user in users:
                     user.replace_input_with(wait, reduced)
 
+    def _broadcasts_on_gloo(self, graph: fx.Graph) -> None:
+        """Where ``all_gather_as_broadcasts`` says so (gloo), each data-parallel all-gather becomes
+        one broadcast per rank, in place into that rank's slot of the gathered buffer, all issued
+        where the all-gather was and waited for where it was. The users read the buffer after the
+        last wait; each broadcast (and wait) mutates its slot, which orders them for Inductor."""
+        for node in list(graph.nodes):
+            if collective_kind(node) != "all_gather" or not self._is_data_parallel(node):
+                continue
+            shard, group_size, group_name = node.args
+            group = _resolve_process_group(group_name)
+            if not all_gather_as_broadcasts(group, shard.meta["val"].device):
+                continue
+            rows = shard.meta["val"].shape[0]
+            rank = group.rank()
+            with graph.inserting_before(node):
+                buffer = node.kwargs.get("out")
+                if buffer is None:
+                    buffer = graph.call_function(
+                        aten.empty.memory_format,
+                        (list(node.meta["val"].shape),),
+                        {"dtype": node.meta["val"].dtype, "device": node.meta["val"].device},
+                    )
+                    buffer.meta = {**node.meta, "val": node.meta["val"].clone()}
+                slots = []
+                for src in range(group_size):
+                    slot = graph.call_function(aten.slice.Tensor, (buffer, 0, src * rows, (src + 1) * rows))
+                    slot.meta = {**node.meta, "val": buffer.meta["val"][src * rows : (src + 1) * rows]}
+                    slots.append(slot)
+                if not _is_slot_of(shard, buffer, rank * rows):
+                    own = graph.call_function(aten.copy_.default, (slots[rank], shard))
+                    own.meta = {**node.meta, "val": slots[rank].meta["val"]}
+                sends = []
+                for src, slot in enumerate(slots):
+                    send = graph.call_function(c10d.broadcast_.default, (slot, src, group_name))
+                    send.meta = {**node.meta, "val": slot.meta["val"]}
+                    sends.append(send)
+            for wait in list(node.users):
+                with graph.inserting_before(wait):
+                    for send in sends:
+                        done = graph.call_function(WAIT, (send,))
+                        done.meta = {**wait.meta, "val": send.meta["val"]}
+                wait.replace_all_uses_with(buffer)
+                graph.erase_node(wait)
+            graph.erase_node(node)
+
     def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
         """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
         of the gradients of the bucket before it, then the gather of the bucket after it.
@@ -370,6 +424,20 @@ class BucketingPass(CustomGraphPass):
             for wait in waits[bucket]:
                 if order[wait] > order[point]:
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
+
+
+def _is_slot_of(node: fx.Node, buffer: fx.Node, start: int) -> bool:
+    """Whether ``node`` is the rows of ``buffer`` from ``start`` on (torch's bucket merge gathers
+    from the rank's own slot of the output), seen through an in-place copy into it."""
+    if node.op == "call_function" and node.target is aten.copy_.default:
+        node = node.args[0]
+    return (
+        node.op == "call_function"
+        and node.target in (aten.narrow.default, aten.slice.Tensor)
+        and node.args[0] is buffer
+        and node.args[1] == 0
+        and node.args[2] == start
+    )
 
 
 def _bytes(node: fx.Node) -> int:

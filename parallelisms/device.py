@@ -6,7 +6,8 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``device_type`` / ``rank_device``: the accelerator of this local rank, made current, else the CPU;
 - ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
 - ``reduce_scatter_as_all_to_all``: gradient reductions as an all-to-all and a sum (gloo);
-- ``all_gather_as_broadcasts``: parameter gathers as one broadcast per rank (gloo);
+- ``all_gather_as_broadcasts`` / ``all_gather_into``: parameter gathers as one broadcast per rank
+  (gloo);
 - ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
 - ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
 - ``fast_bfloat16``: whether bf16 matmuls beat fp32 (the default precision follows it);
@@ -85,6 +86,21 @@ def all_gather_as_broadcasts(group: dist.ProcessGroup, device: torch.device) -> 
     bucket takes about twice as long (bench/gloo_collectives.py) and allocates buffers of its own.
     NCCL all-gathers natively."""
     return _on_gloo(group, device)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Gathers every rank's ``shard`` into ``output`` in rank order and waits: as one broadcast per
+    rank where ``all_gather_as_broadcasts`` says so, otherwise with the backend's all-gather."""
+    if not all_gather_as_broadcasts(group, output.device):
+        dist.all_gather_into_tensor(output, shard, group=group)
+        return
+    slots = output.chunk(group.size())
+    own = slots[group.rank()]
+    if own.data_ptr() != shard.data_ptr():  # FSDP2 hands over its shard in place already
+        own.copy_(shard)
+    works = [dist.broadcast(slot, group_src=src, group=group, async_op=True) for src, slot in enumerate(slots)]
+    for work in works:
+        work.wait()
 
 
 def supports_async_tp(device_type: str) -> bool:

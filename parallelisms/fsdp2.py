@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from parallelisms.device import all_gather_as_broadcasts, reduce_scatter_as_all_to_all
+from parallelisms.device import all_gather_as_broadcasts, all_gather_into, reduce_scatter_as_all_to_all
 
 
 def _sum_gradients(module: FSDPModule) -> None:
@@ -61,13 +61,7 @@ class BroadcastAllGather(AllGather):
     ) -> dist.Work | None:
         if async_op:
             raise ValueError("the broadcast all-gather runs synchronously (async_op=True)")
-        slots = output_tensor.chunk(group.size())
-        own = slots[group.rank()]
-        if own.data_ptr() != input_tensor.data_ptr():  # FSDP2 usually copies the shard in already
-            own.copy_(input_tensor)
-        works = [dist.broadcast(slot, group_src=src, group=group, async_op=True) for src, slot in enumerate(slots)]
-        for work in works:
-            work.wait()
+        all_gather_into(output_tensor, input_tensor, group)
         return None
 
 

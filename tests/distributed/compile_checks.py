@@ -98,24 +98,36 @@ def check(name: str, condition: bool, detail: object = "") -> None:
         print(f"CHECK {name} ok", flush=True)
 
 
+def gathered_buffer(broadcast: fx.Node) -> fx.Node:
+    """The bucket a broadcast (of the gloo all-gather: one per rank) writes one slot of."""
+    return broadcast.args[0].args[0]
+
+
 def prefetch_order_holds(graph: fx.Graph) -> bool:
-    """In forward, bucket i+1's all-gather is issued before bucket i's first compute node."""
+    """In forward, bucket i+1's all-gather (on gloo its first broadcast) is issued before bucket
+    i's first compute node: the first reader of the gathered bucket after the gather's issue,
+    other than the collectives and views (before it, the shards are copied in)."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    gathers = [n for n in nodes if collective_kind(n) == "all_gather"]
+    gathers = [n for n in nodes if collective_kind(n) == "broadcast" and n.args[1] == 0]
 
     def first_compute(gather: fx.Node) -> int:
-        wait = next(u for u in gather.users if u.target is WAIT)
-        frontier, seen = list(wait.users), []
+        frontier, seen = list(gathered_buffer(gather).users), []
         while frontier:
             user = frontier.pop()
-            if is_view_op(user):
+            if is_view_op(user) or collective_kind(user) or user.target is WAIT:
                 frontier.extend(user.users)
-            else:
+            elif index[user] > index[gather]:
                 seen.append(index[user])
         return min(seen)
 
-    return all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
+    return bool(gathers) and all(index[nxt] < first_compute(cur) for cur, nxt in zip(gathers, gathers[1:]))
+
+
+def gathers(report: GraphReport) -> int:
+    """The parameter gathers in a graph; on gloo (these checks) the pass makes each one broadcast
+    per rank, so the graph must hold no all-gather."""
+    return -1 if report.collectives["all_gather"] else report.collectives["broadcast"] // dist.get_world_size()
 
 
 def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
@@ -133,7 +145,8 @@ def reductions_in_flight_at_issue(graph: fx.Graph) -> list[int]:
 
 
 COLLECTIVE_LINE = re.compile(
-    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_to_all_single|wait_tensor)\.default\("
+    r"_c10d_functional\.(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_to_all_single|broadcast_|wait_tensor)"
+    r"\.default\("
 )
 KERNEL_LINE = re.compile(r"^\s*(extern_kernels\.\w+|cpp_fused\w*)\(")
 
@@ -146,12 +159,21 @@ def _first_buffer(arguments: str) -> str:
 def code_events(code: str) -> list[tuple[str, str]]:
     """The order of Inductor's generated wrapper code: ("all_gather" | "reduction" | "wait", buffer)
     for each collective issued or waited for (a reduction: a reduce-scatter, or on gloo an
-    all-to-all), ("kernel", "") for each compute kernel called."""
-    events = []
+    all-to-all; a gather: on gloo the first of its broadcasts, the bucket's last wait),
+    ("kernel", "") for each compute kernel called."""
+    events, broadcast_buffers = [], set()
     for line in code.splitlines():
         match = COLLECTIVE_LINE.search(line)
         if match and match.group(1) == "wait_tensor":
-            events.append(("wait", _first_buffer(line[match.end() :])))
+            buf = _first_buffer(line[match.end() :])
+            if ("wait", buf) in events and buf in broadcast_buffers:  # the bucket's last wait counts
+                events.remove(("wait", buf))
+            events.append(("wait", buf))
+        elif match and match.group(1) == "broadcast_":
+            buf = _first_buffer(line[match.end() :])
+            if buf not in broadcast_buffers:
+                broadcast_buffers.add(buf)
+                events.append(("all_gather", buf))
         elif match and match.group(1) == "all_gather_into_tensor_out":
             events.append(("all_gather", re.search(r"out=(\w+)", line).group(1)))
         elif match:
@@ -220,13 +242,14 @@ def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
 
 
 def saved_gathered_weights(forward: fx.Graph) -> int:
-    """Forward-graph outputs (saved for backward) that come from an all-gather's wait."""
+    """Forward-graph outputs (saved for backward) that are views of a gathered bucket."""
     output = next(n for n in forward.nodes if n.op == "output")
+    buckets = {gathered_buffer(n) for n in forward.nodes if collective_kind(n) == "broadcast"}
     count = 0
     for node in output.args[0]:
         while isinstance(node, fx.Node) and is_view_op(node):
             node = node.args[0]
-        if isinstance(node, fx.Node) and node.target is WAIT and collective_kind(node.args[0]) == "all_gather":
+        if isinstance(node, fx.Node) and node in buckets:
             count += 1
     return count
 
@@ -258,7 +281,7 @@ def main(backend: str) -> None:
         forward, backward = none_pass.reports
         check(
             "none_counts",
-            forward.collectives["all_gather"] == n_params and gradient_reductions(backward) == n_params,
+            gathers(forward) == n_params and gradient_reductions(backward) == n_params,
             (forward, backward, n_params),
         )
         check("none_losses", losses == eager, (losses, eager))
@@ -271,8 +294,7 @@ def main(backend: str) -> None:
     forward, backward = manual_pass.reports
     check(
         "manual_counts",
-        forward.collectives["all_gather"] == len(manual.buckets)
-        and gradient_reductions(backward) == len(manual.buckets),
+        gathers(forward) == len(manual.buckets) and gradient_reductions(backward) == len(manual.buckets),
         (forward, backward),
     )
     check("manual_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
@@ -284,7 +306,7 @@ def main(backend: str) -> None:
         # Resharded: backward re-gathers every block's bucket; not the embedding's, whose backward
         # needs no weight, nor the final norm and output's, kept gathered (its first need).
         block_buckets = sum(b.units[0].startswith("layers.") for b in manual.buckets)
-        check("reshard_regathers", backward.collectives["all_gather"] == block_buckets, (backward, block_buckets))
+        check("reshard_regathers", gathers(backward) == block_buckets, (backward, block_buckets))
         saved = saved_gathered_weights(manual_pass.graphs[0])
         check("reshard_frees_gathered", saved == params_per_unit["norm"] + params_per_unit["output"], saved)
 
@@ -296,8 +318,8 @@ def main(backend: str) -> None:
     buckets = len(BLOCK_BUCKETS)
     check(
         "block_counts",
-        forward.collectives == {"all_gather": buckets}
-        and backward.collectives == {"all_gather": buckets, "all_to_all": buckets},
+        forward.collectives == {"broadcast": 2 * buckets}
+        and backward.collectives == {"broadcast": 2 * buckets, "all_to_all": buckets},
         (forward, backward),
     )
     check("block_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
@@ -325,8 +347,7 @@ def main(backend: str) -> None:
         check("auto_plan_has_multi_unit_bucket", any(len(b.units) > 1 for b in auto.buckets), auto.describe())
         check(
             "auto_counts",
-            forward.collectives["all_gather"] == len(auto.buckets)
-            and gradient_reductions(backward) == len(auto.buckets),
+            gathers(forward) == len(auto.buckets) and gradient_reductions(backward) == len(auto.buckets),
             (forward, backward, auto.describe()),
         )
         check("auto_losses", losses == eager, (losses, eager))
@@ -334,7 +355,7 @@ def main(backend: str) -> None:
         # Never reshard: the forward keeps the gathered weights for backward, which gathers nothing.
         losses, keep_pass, _ = compiled_run(mesh, backend, [b.units for b in manual.buckets], reshard=False)
         forward, backward = keep_pass.reports
-        check("never_no_regather", backward.collectives["all_gather"] == 0, backward)
+        check("never_no_regather", gathers(backward) == 0, backward)
         check("never_keeps_gathered", saved_gathered_weights(keep_pass.graphs[0]) > 0)
         check("never_losses", losses == eager, (losses, eager))
 
