@@ -22,12 +22,16 @@ def _sum_gradients(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-class AllToAllReduceScatter(ReduceScatter):
-    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received,
-    where ``reduce_scatter_as_all_to_all`` says so (gloo); NCCL keeps FSDP2's default."""
+class _PlainBuffers:
+    """Buffers of a custom FSDP2 collective: plain ``torch.empty`` tensors."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AllToAllReduceScatter(_PlainBuffers, ReduceScatter):
+    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received,
+    where ``reduce_scatter_as_all_to_all`` says so (gloo); NCCL keeps FSDP2's default."""
 
     def __call__(
         self,
@@ -45,12 +49,9 @@ class AllToAllReduceScatter(ReduceScatter):
         return None
 
 
-class BroadcastAllGather(AllGather):
+class BroadcastAllGather(_PlainBuffers, AllGather):
     """An all-gather as one broadcast per rank, each into its slot of the output, issued together,
     where ``all_gather_as_broadcasts`` says so (gloo); NCCL keeps FSDP2's default."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
