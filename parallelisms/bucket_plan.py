@@ -216,8 +216,7 @@ def calibrate_comm_model(
 
     Args:
         time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
-            inject a fake one. Default: a real all-gather on ``group``, as the compiled graphs gather
-            (``all_gather_into``: broadcasts on gloo).
+            inject a fake one. Default: ``all_gather_into`` on ``group``, as compiled graphs gather.
 
     Timing too noisy to fit (the large message no slower): one warning, ``FALLBACK_COMM_MODEL``.
 
