@@ -166,8 +166,9 @@ class Optimizer:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
-    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
-    """Kernel choice: foreach, fused (where the device supports it) or for-loop."""
+    implementation: Literal["foreach", "fused", "for-loop"] = "fused"
+    """Kernel choice: fused (one pass over each tensor, where the device has the kernel: CUDA and
+    CPU do), foreach or for-loop."""
 
 
 @dataclass

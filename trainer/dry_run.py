@@ -229,16 +229,16 @@ def measure_steps(
     def mark() -> None:
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
 
+    for group in optimizer.param_groups:
+        # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
+        # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
+        group.update(foreach=False, fused=False)
     for step in range(STEPS):
         batches = [make_batch() for _ in range(accumulation)]
         if step < STEPS - 1:
             # Warm-up: the optimizer state and the wrappers' lazily built buffers come to be.
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, lambda: None)
             continue
-        for group in optimizer.param_groups:
-            # MemTracker counts the in-place list operations of foreach (and fused) steps on fake
-            # tensors as new optimizer state (100 GiB for 8B on 8 ranks): measure per tensor.
-            group.update(foreach=False, fused=False)
         tracker.track_external(*built.parts, optimizer)
         with tracker:
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, mark)

@@ -57,7 +57,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     weight_decay: float = 0.1,
-    implementation: str = "foreach",
+    implementation: str = "fused",
 ) -> torch.optim.Optimizer:
     """One optimizer over the trainable parameters of all model parts (e.g. this rank's pipeline
     stages; DTensors welcome). ``fused`` falls back to ``foreach`` with a warning where the

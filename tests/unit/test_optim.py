@@ -48,6 +48,42 @@ def test_build_optimizer_matches_torch_adamw(implementation: str) -> None:
         torch.testing.assert_close(param, expected)
 
 
+@pytest.mark.parametrize(
+    "shape, cuts",
+    [((64, 256), (21, 43)), ((2004, 256), (1002,)), ((256,), (128,)), ((256,), (64, 128, 192))],
+)
+def test_fused_adamw_on_row_shards_equals_the_whole_bitwise(shape: tuple[int, ...], cuts: tuple[int, ...]) -> None:
+    """What lets a data-parallel layout match one process bitwise with the default (fused) kernel:
+    stepping dim-0 shards gives the whole tensor's bits when each shard holds a multiple of the
+    CPU's vector width (8 floats with AVX2, 16 with AVX-512), as whole rows of 256 do. The kernel
+    computes a tensor's last elements past such a multiple on a scalar path, which may round
+    differently, so shards of other sizes can differ in the last bit."""
+    _assert_shards_step_like_the_whole(shape, cuts, "fused")
+
+
+def test_foreach_adamw_on_any_shards_equals_the_whole_bitwise() -> None:
+    """foreach rounds every element alike: the cut that the fused kernel steps differently (a
+    305-element tensor at 101, found by search) gives the whole tensor's bits."""
+    _assert_shards_step_like_the_whole((305,), (101,), "foreach")
+
+
+def _assert_shards_step_like_the_whole(shape: tuple[int, ...], cuts: tuple[int, ...], implementation: str) -> None:
+    torch.manual_seed(0)
+    values, grads = torch.randn(shape), [torch.randn(shape) for _ in range(3)]
+    bounds = [0, *cuts, shape[0]]
+    whole = nn.Parameter(values.clone())
+    shards = [nn.Parameter(values[a:b].clone()) for a, b in zip(bounds, bounds[1:])]
+    whole_optimizer = build_optimizer([nn.ParameterList([whole])], lr=0.01, implementation=implementation)
+    shard_optimizer = build_optimizer([nn.ParameterList(shards)], lr=0.01, implementation=implementation)
+    for grad in grads:
+        whole.grad = grad.clone()
+        for shard, a, b in zip(shards, bounds, bounds[1:]):
+            shard.grad = grad[a:b].clone()
+        whole_optimizer.step()
+        shard_optimizer.step()
+    assert torch.equal(torch.cat([s.detach() for s in shards]), whole.detach())
+
+
 def test_build_optimizer_collects_trainable_params_of_all_parts_once() -> None:
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     second.weight = first.weight  # tied across parts
