@@ -13,7 +13,10 @@ the variant's overrides: same data, seed and per-rank batch for all. Each round 
 table gives the median over the rounds and the spread (min-max). Absolute numbers on a shared
 machine are noise; the ratios against ``fsdp2_eager`` (same model, precision, ranks and round) are
 the result. The 1-rank runs (``--ranks 1,2``; only ``ONE_RANK_VARIANTS``) give the scaling
-efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant.
+efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant. ``--ceiling`` adds
+what the machine allows: as many 1-rank runs as the largest rank count, launched at once and
+independent (no communication), over one alone; the ranks of a data-parallel run share the cores,
+memory and caches the same way, and communicate on top.
 
 ``--manual-plan`` adds hand-written bucket plans as variants of their own, to set the auto
 planner against the best plan one can write for the same model in the same rounds.
@@ -88,15 +91,13 @@ class RunSpec:
     round: int = 0
     n_layers: int | None = None
     cache_dir: str | None = None
-
-    @property
-    def group(self) -> tuple[str, str, str, int]:
-        return (self.model, self.precision, self.variant, self.nproc)
+    side_by_side: int = 1  # launches of this run at once (the scaling ceiling)
 
     @property
     def label(self) -> str:
         depth = f"_{self.n_layers}layers" if self.n_layers else ""
-        return f"{self.model}{depth}_{self.precision}_{self.nproc}rank_{self.variant}_r{self.round}"
+        ranks = f"{self.nproc}rank" + (f"x{self.side_by_side}" if self.side_by_side > 1 else "")
+        return f"{self.model}{depth}_{self.precision}_{ranks}_{self.variant}_r{self.round}"
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ MEMORY_METHOD = (
 )
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated flavors (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--variants", help=f"comma-separated, from: {','.join(VARIANTS)} (default: all)")
@@ -146,12 +147,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated, from: fp32, bf16")
     parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1: ONE_RANK_VARIANTS only)")
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="with --ranks 1,N: also N 1-rank runs launched at once, independent: the scaling the machine allows",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="times every run is repeated (default 3)")
     parser.add_argument("--compile-depths", help="comma-separated layer counts: the compile-time table instead")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one variant may take (default 1800)")
     parser.add_argument(
         "--out", help="result JSON (default bench/results/dp_compare.json, dp_compare_quick.json with --quick)"
     )
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     models = args.models.split(",") if args.models else (QUICK_MODELS if args.quick else list(DEFAULT_SHAPES))
@@ -173,6 +184,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--precisions: choose from {', '.join(PRECISIONS)}")
     args.ranks = [int(n) for n in args.ranks.split(",")]
     args.compile_depths = [int(n) for n in args.compile_depths.split(",")] if args.compile_depths else None
+    if args.ceiling and (1 not in args.ranks or max(args.ranks) < 2):
+        parser.error("--ceiling compares 1-rank runs alone and side by side: give --ranks 1,N")
     if args.quick:
         args.rounds, args.ranks, args.precisions = 1, [2], ["fp32"]
     name = (
@@ -235,8 +248,9 @@ def stop_launch(process: subprocess.Popen) -> None:
 
 
 def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path: str) -> dict[str, Any]:
-    """Launches one run and returns the worker's result. Raises RuntimeError when the launch
-    fails and subprocess.TimeoutExpired after ``--timeout`` seconds (the launch is killed)."""
+    """Launches one run (``spec.side_by_side`` identical launches at once) and returns the worker's
+    result, side by side the first launch's with tokens/s averaged over all. Raises RuntimeError
+    when a launch fails and subprocess.TimeoutExpired after ``--timeout`` seconds (all are killed)."""
     # The warm-up stays within the shortest run's step count (the base config warms up over 6 steps).
     overrides = [
         *f"--model.flavor {spec.model} --training.seq_len {shape.seq_len} --training.local_batch_size {shape.batch_size}"
@@ -246,7 +260,6 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
         *args.variant_flags[spec.variant],
     ]
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
-        out = os.path.join(tmp, "result.json")
         if spec.cache_dir:
             # The compile-time table: torch's own caches on, in a folder the cold and warm launches
             # share, and one dump folder, as a restart of the same job has (SimpleFSDP's saved plan).
@@ -263,26 +276,49 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
         # Compile in the rank's own process: the cores already run the ranks.
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCHINDUCTOR_COMPILE_THREADS="1", **caches)
         torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={spec.nproc} {WORKER}"
-        worker_args = f"--out {out} --warmup {args.warmup} --steps {args.steps} --"
-        command = [sys.executable, *torchrun.split(), *worker_args.split(), *overrides]
-        with open(log_path, "w") as log:
-            log.write(" ".join(command) + "\n\n")
-            log.flush()
-            process = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                returncode = process.wait(timeout=args.timeout)
-            except BaseException:
-                stop_launch(process)
-                raise
-        if returncode != 0 or not os.path.exists(out):
-            cause = first_traceback(log_path).splitlines()[-1:] or [""]
-            raise RuntimeError(f"torchrun exited with code {returncode}: {cause[0].strip()}")
-        with open(out) as f:
-            result = json.load(f)
+        outs = [os.path.join(tmp, f"result{i}.json") for i in range(spec.side_by_side)]
+        logs = [log_path] + [f"{log_path}.{i}" for i in range(1, spec.side_by_side)]
+        commands = [
+            [sys.executable, *torchrun.split(), *f"--out {out} --warmup {args.warmup} --steps {args.steps} --".split()]
+            + overrides
+            for out in outs
+        ]
+        returncodes = launch_together(commands, logs, env, args.timeout)
+        results = []
+        for out, log, returncode in zip(outs, logs, returncodes, strict=True):
+            if returncode != 0 or not os.path.exists(out):
+                cause = first_traceback(log).splitlines()[-1:] or [""]
+                raise RuntimeError(f"torchrun exited with code {returncode}: {cause[0].strip()}")
+            with open(out) as f:
+                results.append(json.load(f))
+    result = results[0]
+    if spec.side_by_side > 1:
+        result["side_by_side_tps"] = [r["tps_per_rank"] for r in results]
+        result["tps_per_rank"] = statistics.mean(result["side_by_side_tps"])
     result["overrides"] = overrides
     return result
+
+
+def launch_together(commands: list[list[str]], logs: list[str], env: dict[str, str], timeout: float) -> list[int]:
+    """Starts every command at once, each writing to its log, and returns their exit codes.
+    Raises subprocess.TimeoutExpired after ``timeout`` seconds, with every launch stopped."""
+    processes = []
+    try:
+        for command, log in zip(commands, logs, strict=True):
+            with open(log, "w") as f:
+                f.write(" ".join(command) + "\n\n")
+                f.flush()
+                processes.append(
+                    subprocess.Popen(
+                        command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in processes]
+    except BaseException:
+        for process in processes:
+            stop_launch(process)
+        raise
 
 
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*")
@@ -301,23 +337,34 @@ def first_traceback(path: str, max_lines: int = 30) -> str:
 
 
 def summarize_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, precision, variant, ranks): the first round's collectives and memory,
-    and over the rounds the median and spread of tokens/s per rank, of its ratio to the same
-    round's FSDP2 eager run, and the scaling efficiency against the same variant on 1 rank."""
-    done = {(r["model"], r["precision"], r["variant"], r["nproc"], r["round"]): r for r in results if r["ok"]}
+    """One row per (model, precision, variant, ranks, side by side): the first round's collectives
+    and memory, and over the rounds the median and spread of tokens/s per rank, of its ratio to the
+    same round's FSDP2 eager run, and the scaling efficiency against the same variant on 1 rank
+    alone (for 1-rank runs side by side: the machine's ceiling for it)."""
+    done = {
+        (r["model"], r["precision"], r["variant"], r["nproc"], r["side_by_side"], r["round"]): r
+        for r in results
+        if r["ok"]
+    }
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        groups.setdefault((r["model"], r["precision"], r["variant"], r["nproc"]), []).append(r)
+        groups.setdefault((r["model"], r["precision"], r["variant"], r["nproc"], r["side_by_side"]), []).append(r)
     rows = []
-    for (model, precision, variant, nproc), runs in groups.items():
+    for (model, precision, variant, nproc, side_by_side), runs in groups.items():
         ok = [r for r in runs if r["ok"]]
-        row: dict[str, Any] = {"model": model, "precision": precision, "variant": variant, "nproc": nproc}
+        row: dict[str, Any] = {
+            "model": model,
+            "precision": precision,
+            "variant": variant,
+            "nproc": nproc,
+            "side_by_side": side_by_side,
+        }
         if not ok:
             rows.append(row | {"ok": False, "error": runs[0]["error"]})
             continue
-        baselines = [done.get((model, precision, BASELINE, nproc, r["round"])) for r in ok]
+        baselines = [done.get((model, precision, BASELINE, nproc, side_by_side, r["round"])) for r in ok]
         paired = [(r, base) for r, base in zip(ok, baselines, strict=True) if base is not None]
-        one_rank = [done[key] for r in ok if (key := (model, precision, variant, 1, r["round"])) in done]
+        one_rank = [done[key] for r in ok if (key := (model, precision, variant, 1, 1, r["round"])) in done]
         tps = [r["tps_per_rank"] for r in ok]
         ratios = [r["tps_per_rank"] / base["tps_per_rank"] for r, base in paired]
         memory = [r["memory"]["tracked_peak_bytes"] / b["memory"]["tracked_peak_bytes"] for r, b in paired]
@@ -331,9 +378,10 @@ def summarize_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tps_ratio": _spread(ratios) if ratios else None,
                 "memory_ratio": statistics.median(memory) if memory else None,
                 "scaling": statistics.median(tps) / statistics.median(r["tps_per_rank"] for r in one_rank)
-                if nproc > 1 and one_rank
+                if nproc * side_by_side > 1 and one_rank
                 else None,
                 "compile_s": statistics.median(r["compile_s"] for r in ok),
+                "cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in ok),
             }
         )
     return rows
@@ -390,20 +438,22 @@ def _with_spread(spread: dict[str, float] | None, fmt: str) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
-        f"{'x tps [min-max]':>19} {'scale':>5} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'BC':>4} {'RS':>4} {'AR':>4} "
+        f"{'x tps [min-max]':>19} {'scale':>5} {'step s':>6} {'CPU s':>6} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'BC':>4} {'RS':>4} {'AR':>4} "
         f"{'A2A':>4} "
         f"{'wire MiB':>8} {'theory':>9} {'compile s':>9} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
-        name = f"{r['model']:<16} {r['precision']:<4} {r['nproc']:>5} {r['variant']:<18}"
+        ranks = f"{r['nproc']}x{r['side_by_side']}" if r["side_by_side"] > 1 else str(r["nproc"])
+        name = f"{r['model']:<16} {r['precision']:<4} {ranks:>5} {r['variant']:<18}"
         if not r["ok"]:
             lines.append(f"{name} FAILED: {r['error']}")
             continue
         c = r["collectives"]
         lines.append(
             f"{name} {_with_spread(r['tps_per_rank'], '.0f'):>22} {_with_spread(r['tps_ratio'], '.2f'):>19} "
-            f"{_ratio(r['scaling'])} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
+            f"{_ratio(r['scaling'])} {r['tokens_per_rank_per_step'] / r['tps_per_rank']['median']:>6.2f} "
+            f"{r['cpu_s_per_step']:>6.2f} {r['memory']['tracked_peak_bytes'] / MIB:>8.1f} {_ratio(r['memory_ratio'])} "
             f"{c['all_gather']:>4} {c.get('broadcast', 0):>4} {c['reduce_scatter']:>4} {c['all_reduce']:>4} "
             f"{c.get('all_to_all', 0):>4} "
             f"{r['wire_bytes_estimate'] / MIB:>8.1f} {r['theory_bytes'] / MIB:>9.1f} "
@@ -437,11 +487,15 @@ def format_depth_table(results: list[dict[str, Any]]) -> str:
 
 
 LEGEND = f"""\
-prec: fp32, or bf16 mixed precision (fp32 weights and reduction). ranks: 1 (no data parallelism) or 2.
+prec: fp32, or bf16 mixed precision (fp32 weights and reduction). ranks: 1 (no data parallelism), 2, 1x2 (--ceiling).
 tok/s/rank: tokens per rank per second of the timed steps (the slowest rank's step time each step; data
   loading excluded), median over the rounds [min-max]. x tps: ratio to the same round's {BASELINE}
   (same model, precision and ranks), median [min-max]; x mem: the same for tracked memory (median).
-scale: tok/s/rank on this many ranks over the same variant's on 1 rank (scaling efficiency).
+scale: tok/s/rank on this many ranks over the same variant's on 1 rank (scaling efficiency); for 1xN
+  (--ceiling), N independent 1-rank runs at once over one alone: what the machine allows.
+step s: seconds per step at the median tok/s/rank. CPU s: CPU seconds per step a rank's process used,
+  all threads (compute, and the backend's communication threads), median over rounds; below step s,
+  the rank waited.
 mem MiB: peak tracked tensor memory per rank (max over ranks), first round.
 AG/RS/AR/A2A: all-gathers, reduce-scatters, all-reduces, all-to-alls one rank issues in one step
   (profiled step, ProcessGroup-level c10d ops: model, gradient clipping and loss all-reduce).
@@ -459,14 +513,21 @@ loss: global loss at the last timed step, first round (same data and seed everyw
 def throughput_runs(args: argparse.Namespace) -> list[RunSpec]:
     """Every round's launches; within a round, each model's variants back to back."""
     return [
-        RunSpec(model, variant, precision, nproc, round_index)
+        RunSpec(model, variant, precision, nproc, round_index, side_by_side=side_by_side)
         for round_index in range(args.rounds)
         for model in args.models
         for precision in args.precisions
-        for nproc in args.ranks
+        for nproc, side_by_side in launch_shapes(args)
         for variant in args.variants
         if nproc > 1 or variant in ONE_RANK_VARIANTS
     ]
+
+
+def launch_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(ranks, launches side by side) of each round: every --ranks alone, with --ceiling also the
+    largest rank count's worth of 1-rank launches at once."""
+    shapes = [(nproc, 1) for nproc in args.ranks]
+    return shapes + [(1, max(args.ranks))] if args.ceiling else shapes
 
 
 def depth_runs(args: argparse.Namespace, cache_root: str) -> list[RunSpec]:
@@ -563,6 +624,7 @@ def write_results(
                     "quick": args.quick,
                     "precisions": args.precisions,
                     "ranks": args.ranks,
+                    "ceiling": args.ceiling,
                     "rounds": args.rounds,
                     "compile_depths": args.compile_depths,
                 },

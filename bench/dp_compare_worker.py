@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -175,6 +176,12 @@ def profiled_step(trainer: Trainer, batch: list, trace_dir: str) -> tuple[Collec
     return parse_collectives(events), baseline, transient_peak_bytes(events), loss
 
 
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, all threads: compute and the backend's communication threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
     """Trains ``warmup`` untimed then ``steps`` timed steps and profiles one more; this rank's
     step times, losses, collectives and memory."""
@@ -189,11 +196,13 @@ def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
             gc.collect()
             gc.disable()
             reset_peak_memory(trainer.device)
+            cpu_start = process_cpu_s()
         start = time.perf_counter()
         losses.append(trainer.train_step(batch)["loss"])
         step_times.append(time.perf_counter() - start)
         if i == 0:
             set_collective_timeout(trainer.config.comm.train_timeout_seconds, trainer.parallel_dims.mesh)
+    cpu_s = process_cpu_s() - cpu_start
     peak_rss_gib = peak_memory_gib(trainer.device)
     gc.enable()
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -207,6 +216,7 @@ def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
         "baseline_bytes": baseline,
         "transient_peak_bytes": transient,
         "peak_rss_gib": peak_rss_gib,
+        "cpu_s_per_step": cpu_s / steps,
     }
 
 
@@ -239,6 +249,8 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
         # Rate over the whole timed window (sum of step times), like the trainer's tokens/s.
         "tps_per_rank": mine["tokens"] * len(timed) / sum(timed),
         "tps_total": mine["tokens"] * world * len(timed) / sum(timed),
+        # Compute plus communication work per step; below the step time, the rank waited.
+        "cpu_s_per_step": statistics.mean(r["cpu_s_per_step"] for r in gathered),
         "losses": mine["losses"],
         "final_loss": mine["losses"][-1],
         "profiled_step_loss": mine["profiled_loss"],
