@@ -276,7 +276,10 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
         # Compile in the rank's own process: the cores already run the ranks.
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, TORCHINDUCTOR_COMPILE_THREADS="1", **caches)
         torchrun = f"-m torch.distributed.run --standalone --nproc-per-node={spec.nproc} {WORKER}"
-        outs = [os.path.join(tmp, f"result{i}.json") for i in range(spec.side_by_side)]
+        # Each launch in a folder of its own: the worker's dump folder (SimpleFSDP's saved plan).
+        outs = [os.path.join(tmp, f"launch{i}", "result.json") for i in range(spec.side_by_side)]
+        for out in outs:
+            os.makedirs(os.path.dirname(out))
         logs = [log_path] + [f"{log_path}.{i}" for i in range(1, spec.side_by_side)]
         commands = [
             [sys.executable, *torchrun.split(), *f"--out {out} --warmup {args.warmup} --steps {args.steps} --".split()]
