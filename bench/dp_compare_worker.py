@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -176,12 +175,6 @@ def profiled_step(trainer: Trainer, batch: list, trace_dir: str) -> tuple[Collec
     return parse_collectives(events), baseline, transient_peak_bytes(events), loss
 
 
-def process_cpu_s() -> float:
-    """CPU seconds this process has used, all threads: compute and the backend's communication threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
     """Trains ``warmup`` untimed then ``steps`` timed steps and profiles one more; this rank's
     step times, losses, collectives and memory."""
@@ -196,13 +189,14 @@ def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
             gc.collect()
             gc.disable()
             reset_peak_memory(trainer.device)
-            cpu_start = process_cpu_s()
+            # CPU seconds of the whole process: compute and the backend's communication threads.
+            cpu_start = time.process_time()
         start = time.perf_counter()
         losses.append(trainer.train_step(batch)["loss"])
         step_times.append(time.perf_counter() - start)
         if i == 0:
             set_collective_timeout(trainer.config.comm.train_timeout_seconds, trainer.parallel_dims.mesh)
-    cpu_s = process_cpu_s() - cpu_start
+    cpu_s = time.process_time() - cpu_start
     peak_rss_gib = peak_memory_gib(trainer.device)
     gc.enable()
     with tempfile.TemporaryDirectory() as trace_dir:
