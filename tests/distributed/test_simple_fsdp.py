@@ -1,4 +1,4 @@
-"""SimpleFSDP on 2 and 4 gloo ranks: one torchrun launch per world size runs every check
+"""SimpleFSDP on 2 and 4 gloo ranks: one torchrun launch per world size runs that size's checks
 (``simple_fsdp_checks.py``), and each check is reported here as its own test."""
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ TIMEOUT_SECONDS = 300
 # leave out the checks whose counts and tolerances do not depend on the world size.
 CHECKS = {
     2: ["parity_replicate", "parity_fully_shard", "state_dict", "materialized", "reshard_memory", "dcp", "bf16"],
-    4: ["parity_replicate", "parity_fully_shard", "parity_hybrid_shard", "state_dict", "materialized", "dcp"]
-    + ["tensor_parallel"],
+    4: [
+        "parity_replicate",
+        "parity_fully_shard",
+        "parity_hybrid_shard",
+        "state_dict",
+        "materialized",
+        "dcp",
+        "tensor_parallel",
+    ],
 }
 
 
