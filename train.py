@@ -69,8 +69,11 @@ def _refuse(error: ConfigError) -> int:
 def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
 
-    # gloo reports a dead or hung peer as a plain RuntimeError raised from its transport.
-    return isinstance(error, dist.DistError) or "/gloo/" in str(error)
+    # gloo reports a dead or hung peer as a plain RuntimeError raised from its transport, whose text
+    # names gloo's source file; a wait on a connection that another operation's timeout already
+    # closed gets the stored reason alone.
+    message = str(error)
+    return isinstance(error, dist.DistError) or "/gloo/" in message or "timeout caused pair closure" in message
 
 
 def _first_line(error: BaseException) -> str:
