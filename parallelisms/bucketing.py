@@ -219,6 +219,8 @@ class BucketingPass(CustomGraphPass):
         return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
 
     def __call__(self, graph: fx.Graph) -> None:
+        if not any(collective_kind(node) for node in graph.nodes):
+            return  # nothing to bucket or order (a nested compile region's subgraph, or no data parallelism)
         report = GraphReport()
         self._find_dp_groups(graph)
         if self.buckets is not None:
@@ -289,7 +291,7 @@ class BucketingPass(CustomGraphPass):
         and the loss's backward."""
         gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and self._is_data_parallel(n)]
         if gathers:
-            last_input = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")][-1]
+            last_input = [n for n in graph.nodes if _is_input(n)][-1]
             for node in reversed(issue_chain(gathers[0])):
                 last_input.append(node)
         for previous, gather in zip(gathers, gathers[1:]):
@@ -393,7 +395,9 @@ class BucketingPass(CustomGraphPass):
         The gather is set up where the compute is as far along (in matmul FLOPs) as the
         reduction's share of the two transfers' bytes, and the reduction is waited for right
         before; with no gather there (weights kept from forward), right before the next bucket
-        issues its own reduction. Without bucketing, each reduction is its own bucket.
+        issues its own reduction. Without bucketing, each reduction is its own bucket. A nested
+        compile region's compute cannot be split: a point inside one moves to its nearer end (to
+        its end in the first region, so that the reduction runs beside some compute).
 
         A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
         alive to the end of backward (a DDP's worth of memory); a reduction left running beside
@@ -426,6 +430,13 @@ class BucketingPass(CustomGraphPass):
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
 
 
+def _is_input(node: fx.Node) -> bool:
+    """A graph input or constant; not a nested compile region's subgraph, fetched where it is called."""
+    if node.op == "get_attr":
+        return not isinstance(getattr(node.graph.owning_module, node.target, None), fx.GraphModule)
+    return node.op == "placeholder"
+
+
 def _is_slot_of(node: fx.Node, buffer: fx.Node, start: int) -> bool:
     """Whether ``node`` is the rows of ``buffer`` from ``start`` on (torch's bucket merge gathers
     from the rank's own slot of the output), seen through an in-place copy into it."""
@@ -446,7 +457,11 @@ def _bytes(node: fx.Node) -> int:
 
 
 def _flops(node: fx.Node) -> float:
-    """FLOPs of a matmul or attention node (torch's FLOP formulas), 0 for any other."""
+    """FLOPs of a matmul or attention node (torch's FLOP formulas), of the ones in a nested compile
+    region for a call of it, 0 for any other node."""
+    if _is_region_call(node):
+        subgraph = getattr(node.graph.owning_module, node.args[0].target)
+        return sum(_flops(inner) for inner in subgraph.graph.nodes)
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if formula is None or node.meta.get("val") is None:
         return 0.0
@@ -468,8 +483,14 @@ def _compute_point(start: fx.Node, end: fx.Node, share: float) -> fx.Node:
     for node, node_flops in zip(nodes, flops):
         if total and done >= share * total:
             return node
+        if total and done and _is_region_call(node) and done + node_flops / 2 >= share * total:
+            return node  # a region's compute cannot be split: its start, when nearer than its end
         done += node_flops
     return end
+
+
+def _is_region_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
 
 
 def issue_chain(collective: fx.Node) -> list[fx.Node]:

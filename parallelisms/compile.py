@@ -1,5 +1,6 @@
 """torch.compile: per transformer block (FSDP2, and SimpleFSDP with block bucketing) or the whole
-model (SimpleFSDP), with our collective passes for SimpleFSDP, and the graph breaks compilation
+model (SimpleFSDP, with each block's attention and feed-forward nested compile regions, compiled
+once for all blocks), with our collective passes for SimpleFSDP, and the graph breaks compilation
 ran into.
 
 Partitioner. Every compiled graph is split into forward and backward by torch's min-cut
@@ -15,9 +16,11 @@ are left untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._functorch.partitioners import is_sym_node
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.func import functional_call
 
 from parallelisms.bucketing import BucketingPass
 
@@ -78,14 +82,56 @@ def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, nu
     return True
 
 
+# Ops that only re-describe their input tensor.
+_VIEW_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
+    """A nested compile region's forward hands its backward what it needs as extra outputs, among
+    them its own inputs and views of them: under SimpleFSDP, the gathered weights. Taken from the
+    region's outputs they are saved for backward, whatever their gathers' recompute tags say; this
+    takes each from the region's input instead, viewed the same way, so that the partitioner
+    gathers it again in backward, as it does outside regions."""
+    graph = joint.graph
+    for call in graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        subgraph = getattr(joint, call.args[0].target)
+        outputs = subgraph.graph.find_nodes(op="output")[0].args[0]
+        placeholders = list(subgraph.graph.find_nodes(op="placeholder"))
+        for user in list(call.users):
+            if user.target is not operator.getitem:
+                continue
+            views, source = [], outputs[user.args[1]]
+            while isinstance(source, fx.Node) and source.op == "call_function" and source.target in _VIEW_OPS:
+                views.append(source)
+                source = source.args[0]
+            if not (isinstance(source, fx.Node) and source.op == "placeholder"):
+                continue
+            value = call.args[2 + placeholders.index(source)]  # invoke_subgraph(subgraph, name, *operands)
+            with graph.inserting_before(user):
+                for view in reversed(views):
+                    value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+                    value.meta = dict(view.meta)
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+    joint.recompile()
+
+
 class SavedValuesOrderPartitioner(CustomPartitionerFn):
-    """torch's min-cut partitioner, then the saved non-tensor objects moved behind the saved tensors
-    (see the module docstring). Usable as AOT autograd's ``partition_fn`` and as inductor's
-    ``custom_partitioner_fn``."""
+    """torch's min-cut partitioner, with nested compile regions' inputs read outside them first,
+    then the saved non-tensor objects moved behind the saved tensors (see the module docstring).
+    Usable as AOT autograd's ``partition_fn`` and as inductor's ``custom_partitioner_fn``."""
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        _read_region_inputs_outside(gm)
         fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         _order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         return fw_module, bw_module
@@ -174,6 +220,33 @@ def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: Bucket
         )
     else:
         model.compile(backend=_aot_eager(graph_pass), fullgraph=True)
+
+
+def apply_compile_regions(modules: Iterable[nn.Module], template: nn.Module) -> None:
+    """Runs each of ``modules`` (alike: one per transformer block) as one nested compile region
+    (``torch.compiler.nested_compile_region``): a whole-model compile then traces, partitions and
+    lowers their computation once and reuses it for all of them, so its compile time grows with
+    the graph between the regions, not with their operations. Outside torch.compile the region is
+    a plain call.
+
+    ``template`` is a copy of one of them on the meta device, taken before any parallelism: the
+    region runs it on each module's parameters, passed in as arguments. They are read from the
+    module outside the region, so SimpleFSDP's gathers stay in the outer graph, where the
+    bucketing pass merges them and orders them across blocks."""
+    names = [name for name, _ in template.named_parameters()]
+
+    @torch.compiler.nested_compile_region
+    def computation(*tensors: torch.Tensor) -> Any:
+        inputs, weights = tensors[: len(tensors) - len(names)], tensors[len(tensors) - len(names) :]
+        return functional_call(template, dict(zip(names, weights)), inputs)
+
+    for module in modules:
+        module.forward = functools.partial(_forward_in_region, module, names, computation)
+
+
+def _forward_in_region(module: nn.Module, names: list[str], region: Callable[..., Any], *inputs: Any) -> Any:
+    weights = [operator.attrgetter(name)(module) for name in names]
+    return region(*inputs, *weights)
 
 
 # ---------------------------------------------------------------------------

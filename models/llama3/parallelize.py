@@ -4,6 +4,7 @@ data parallel, so that its gathers are traced with the compute)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -27,7 +28,7 @@ from parallelisms.bucket_plan import (
     saved_or_new_plan,
 )
 from parallelisms.bucketing import BucketingPass
-from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
+from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.device import device_type, supports_async_tp
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
@@ -43,6 +44,11 @@ logger = logging.getLogger(__name__)
 # order; the feed-forward's gather is prefetched while attention computes.
 BLOCK_BUCKETS = [["attention_norm", "attention"], ["ffn_norm", "feed_forward"]]
 
+# Whole-model compile: the modules of each block compiled once, as nested compile regions, for all
+# blocks. Two per block, so that backward can set up a re-gather between them (a region's compute
+# cannot be split); the norms and residual adds around them stay in the outer graph.
+REGIONS = ("attention", "feed_forward")
+
 SAVED_PLANS = "bucket_plans"
 """Folder in the dump folder where auto bucket plans are kept for restarts (see saved_or_new_plan)."""
 
@@ -52,6 +58,18 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
     reports tell what each compiled graph holds), else None."""
     _check_tied(model.args, parallel_dims)
+    # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
+    # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
+    regions = (
+        config.compile.enable
+        and config.parallelism.data_parallel_impl == "simple_fsdp"
+        and config.compile.bucketing != "block"
+        and not parallel_dims.tp_enabled
+        and config.activation_checkpoint.mode == "none"
+        and len(model.layers) > 0
+    )
+    first = next(iter(model.layers.values()), None)
+    templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
     if parallel_dims.tp_enabled:
         with user_input():
             apply_tp(
@@ -79,6 +97,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
     graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
+    for name, template in templates.items():
+        apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass)
     return graph_pass
 

@@ -18,10 +18,11 @@ from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.llama3 import Transformer, llama3_flavors
-from models.llama3.parallelize import BLOCK_BUCKETS, plan_units
+from models.llama3.model import TransformerBlock
+from models.llama3.parallelize import BLOCK_BUCKETS, REGIONS, plan_units
 from parallelisms.bucket_plan import CommModel, ComputeModel, default_manual_patterns, plan_auto, plan_manual
 from parallelisms.bucketing import WAIT, BucketingPass, GraphReport, collective_kind, is_view_op
-from parallelisms.compile import apply_compile_per_block, apply_compile_whole_model
+from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from train import exit_without_teardown
 
@@ -69,14 +70,20 @@ class RecordingPass(BucketingPass):
         self.graphs: list[fx.Graph] = []
 
     def __call__(self, graph: fx.Graph) -> None:
+        reported = len(self.reports)
         super().__call__(graph)
-        self.graphs.append(graph)
+        if len(self.reports) > reported:
+            self.graphs.append(graph)
 
 
 def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[list[float], RecordingPass, list[str]]:
     """Losses, the pass with its graphs, and the code Inductor generated (none for aot_eager)."""
     model = build(mesh, reshard)
     graph_pass = RecordingPass(buckets)
+    with torch.device("meta"):
+        template = TransformerBlock(ARGS)
+    for name in REGIONS:  # as parallelize_llama does
+        apply_compile_regions([getattr(block, name) for block in model.layers.values()], getattr(template, name))
     apply_compile_whole_model(model, backend, graph_pass)
     losses, code = run_and_get_code(train, model)
     return losses, graph_pass, code
@@ -254,6 +261,12 @@ def saved_gathered_weights(forward: fx.Graph) -> int:
     return count
 
 
+def region_calls(graph: fx.Graph) -> list[str]:
+    """The subgraph each call of a nested compile region in ``graph`` runs, in graph order."""
+    calls = graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    return [call.args[0].target for call in calls]
+
+
 def gradient_reductions(report: GraphReport) -> int:
     """The gradient reductions in a backward graph; on gloo (these checks) the pass makes them
     all-to-alls, so the graph must hold no reduce-scatter."""
@@ -299,6 +312,13 @@ def main(backend: str) -> None:
     )
     check("manual_losses", all(abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, eager)), (losses, eager))
     check("manual_bucket_order", forward.all_gather_buckets == list(range(len(manual.buckets))), forward)
+    # Each block's attention and feed-forward: two regions, each compiled once and called per block.
+    regions = [region_calls(graph) for graph in manual_pass.graphs]
+    check(
+        "manual_blocks_share_two_regions",
+        all(len(calls) == 2 * ARGS.n_layers and len(set(calls)) == 2 for calls in regions),
+        regions,
+    )
     if manual_pass.graphs:
         check("manual_prefetch_order", prefetch_order_holds(manual_pass.graphs[0]))
         in_flight = reductions_in_flight_at_issue(manual_pass.graphs[1])

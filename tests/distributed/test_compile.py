@@ -14,6 +14,7 @@ AOT_EAGER_CHECKS = [
     "manual_counts",
     "manual_losses",
     "manual_bucket_order",
+    "manual_blocks_share_two_regions",
     "manual_prefetch_order",
     "manual_one_reduction_in_flight",
     "reshard_regathers",

@@ -129,6 +129,27 @@ def test_rotary_emb_equals_the_rotation_written_out_bitwise(head_dim: int):
     assert torch.equal(apply_rotary_emb(x, cache), expected)
 
 
+def test_rotary_emb_under_compile_equals_the_complex_multiply_bitwise():
+    """Under torch.compile the rotation is spelt out in real operations (Inductor generates no code
+    for complex ones, and a nested compile region's backward cannot hold them): compiled, it gives
+    the eager complex multiply's bits, forward and backward, at the debug model's head width."""
+    torch._dynamo.reset()
+    args = dataclasses.replace(tiny_args(), dim=64, n_heads=4)
+    cache = precompute_rope_cache(args)
+    x, grad = torch.randn(2, 16, 4, 16), torch.randn(2, 16, 4, 16)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    results = []
+    for rotate in (apply_rotary_emb, torch.compile(apply_rotary_emb, backend="aot_eager", fullgraph=True)):
+        leaf = x.clone().requires_grad_()
+        out = rotate(leaf, cache)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1  # it did compile
+    (eager_out, eager_grad), (compiled_out, compiled_grad) = results
+    assert torch.equal(compiled_out, eager_out)
+    assert torch.equal(compiled_grad, eager_grad)
+
+
 @pytest.mark.parametrize("seq, chunk", [(512, 128), (300, 128), (96, 32)])
 def test_causal_attention_over_query_chunks_equals_the_whole(seq: int, chunk: int):
     """Each chunk of queries attends to the keys up to its own last row under a mask: outputs and
