@@ -73,6 +73,7 @@ VIEW_OPS = {
     torch.ops.aten.as_strided.default,
     torch.ops.aten.alias.default,
     torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
     torch.ops.aten.permute.default,
     torch.ops.aten.clone.default,
     torch.ops.aten.contiguous.default,

@@ -34,7 +34,7 @@ from torch._functorch.partitioners import is_sym_node
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.func import functional_call
 
-from parallelisms.bucketing import BucketingPass
+from parallelisms.bucketing import BucketingPass, is_view_op
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +82,6 @@ def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, nu
     return True
 
 
-# Ops that only re-describe their input tensor.
-_VIEW_OPS = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.alias.default,
-}
-
-
 def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
     """A nested compile region's forward hands its backward what it needs as extra outputs, among
     them its own inputs and views of them: under SimpleFSDP, the gathered weights. Taken from the
@@ -108,7 +97,7 @@ def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
             if user.target is not operator.getitem:
                 continue
             views, source = [], outputs[user.args[1]]
-            while isinstance(source, fx.Node) and source.op == "call_function" and source.target in _VIEW_OPS:
+            while isinstance(source, fx.Node) and is_view_op(source):
                 views.append(source)
                 source = source.args[0]
             if not (isinstance(source, fx.Node) and source.op == "placeholder"):
