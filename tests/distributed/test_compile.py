@@ -62,6 +62,14 @@ RESTARTS = {
             *("--compile.bucketing", "block"),
         ],
     ),
+    # The whole model, its blocks' attention and feed-forward as nested compile regions.
+    "simple_fsdp_regions": (
+        2,
+        [
+            *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+            *("--compile.bucketing", "manual"),
+        ],
+    ),
     # One process: no mesh in the graph, only the op-level checkpoint's policy.
     "op_level_checkpoint": (
         1,
