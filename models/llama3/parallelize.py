@@ -60,15 +60,15 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     _check_tied(model.args, parallel_dims)
     # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
     # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
+    first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
     regions = (
         config.compile.enable
         and config.parallelism.data_parallel_impl == "simple_fsdp"
         and config.compile.bucketing != "block"
         and not parallel_dims.tp_enabled
         and config.activation_checkpoint.mode == "none"
-        and len(model.layers) > 0
+        and first is not None
     )
-    first = next(iter(model.layers.values()), None)
     templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
     if parallel_dims.tp_enabled:
         with user_input():
