@@ -95,6 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.variants = 1, 6, ",".join(QUICK_VARIANTS)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.variants = args.variants.split(",")
     unknown = [name for name in args.variants if name not in VARIANTS]
     if unknown:
