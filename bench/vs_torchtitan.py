@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,6 +172,9 @@ def run(side: str, name: str, titan: Titan, args: argparse.Namespace, round_inde
     """One launch; returns its steps, median tokens/s and wall time."""
     variant = VARIANTS[name]
     dump_folder = os.path.join(scratch, f"{name}-{side}-{round_index}")
+    # A folder left by an earlier run of the script: Tessera appends to its metrics.jsonl (the old
+    # steps would count in the median) and would reuse its saved bucket plan.
+    shutil.rmtree(dump_folder, ignore_errors=True)
     argv, cwd = command(side, variant, titan, args.steps, dump_folder)
     log_path = os.path.join(RESULTS_DIR, "vs_torchtitan_logs", f"{name}-{side}-round{round_index}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO if side == "tessera" else "")
