@@ -14,7 +14,7 @@ what to merge and where everything goes:
   bucket i computes (prefetch); in backward, one transfer at a time runs beside a bucket's
   compute: first the previous bucket's gradient reduction, then, from a point set by their bytes,
   the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
-  and never beside a gather's buffers;
+  never beside a gather's buffers nor beside the next bucket's gradient buffer;
 - on gloo, whose reduce-scatter is an all-reduce of a copy of its input, each data-parallel
   reduce-scatter becomes an all-to-all of the bucket's chunks and a sum of the chunks received;
   each data-parallel all-gather becomes one broadcast per rank into its slot of the bucket
@@ -395,10 +395,11 @@ class BucketingPass(CustomGraphPass):
 
         The gather is set up where the compute is as far along (in matmul FLOPs) as the
         reduction's share of the two transfers' bytes, and the reduction is waited for right
-        before; with no gather there (weights kept from forward), right before the next bucket
-        issues its own reduction. Without bucketing, each reduction is its own bucket. A nested
-        compile region's compute cannot be split: a point inside one moves to its nearer end (to
-        its end in the first region, so that the reduction runs beside some compute).
+        before; with no gather there (weights kept from forward, or the last blocks), right
+        before the next bucket's gradients are copied into their reduction buffer. Without
+        bucketing, each reduction is its own bucket. A nested compile region's compute cannot be
+        split: a point inside one moves to its nearer end (to its end in the first region, so
+        that the reduction runs beside some compute).
 
         A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
         alive to the end of backward (a DDP's worth of memory); a reduction left running beside
@@ -417,11 +418,11 @@ class BucketingPass(CustomGraphPass):
                 gathers.append(node)
         issues = sorted(first_issue.items(), key=lambda item: order[item[1]])
         for (bucket, issue), (_, next_issue) in zip(issues, issues[1:]):
-            point = barrier = next_issue
-            gather = next((g for g in gathers if order[issue] < order[g] < order[next_issue]), None)
+            point = barrier = end = _assembly_start(next_issue)
+            gather = next((g for g in gathers if order[issue] < order[g] < order[end]), None)
             if gather is not None:
                 share = _bytes(issue.args[0]) / (_bytes(issue.args[0]) + _bytes(gather))
-                point = _compute_point(gather.next, next_issue, share)
+                point = _compute_point(gather.next, end, share)
                 setup = [n for n in issue_chain(gather) if order[n] > order[issue]]
                 for node in setup:
                     point.prepend(node)
@@ -429,6 +430,22 @@ class BucketingPass(CustomGraphPass):
             for wait in waits[bucket]:
                 if order[wait] > order[point]:
                     barrier.prepend(wait)  # the topological sort pulls up what the wait needs
+
+
+def _assembly_start(reduction: fx.Node) -> fx.Node:
+    """Where a bucket's full-size gradient buffer comes into being: the first node of the merge
+    that reshapes and concatenates the bucket's gradients (after the last of them is computed)
+    into the reduction's input; the reduction itself when it reduces one gradient."""
+    bucket = reduction.meta.get("tessera_bucket")
+    if bucket is None:
+        return reduction
+    merged, stack = {reduction}, list(reduction.all_input_nodes)
+    while stack:  # back through the merge's own nodes only: the gradients' compute is not tagged
+        node = stack.pop()
+        if node not in merged and node.meta.get("tessera_bucket") == bucket:
+            merged.add(node)
+            stack.extend(node.all_input_nodes)
+    return next(n for n in reduction.graph.nodes if n in merged)
 
 
 def _is_input(node: fx.Node) -> bool:

@@ -230,6 +230,32 @@ def code_reductions_freed_at_wait(codes: list[str]) -> list[str]:
     return kept
 
 
+def code_reductions_made_beside_previous(codes: list[str]) -> list[str]:
+    """The reductions in the generated code whose input buffer (the bucket's full-size gradients)
+    is first assigned before the previous reduction's wait: the two buckets' gradients, and the
+    previous one's received chunks, would be alive at once."""
+    early = []
+    for code in codes:
+        lines = code.splitlines()
+        first_assigned: dict[str, int] = {}
+        previous_wait = None
+        for i, line in enumerate(lines):
+            assigned = re.match(r"\s*(buf\d+) = ", line)
+            if assigned:
+                first_assigned.setdefault(assigned.group(1), i)
+            match = COLLECTIVE_LINE.search(line)
+            if not match or match.group(1) not in ("reduce_scatter_tensor", "all_to_all_single"):
+                continue
+            source = _first_buffer(line[match.end() :])
+            if previous_wait is not None and first_assigned.get(source, -1) < previous_wait:
+                early.append(source)
+            output = line.split("=")[0].strip()
+            previous_wait = next(
+                j for j in range(i + 1, len(lines)) if "wait_tensor.default(" in lines[j] and output in lines[j]
+            )
+    return early
+
+
 def code_overlaps(codes: list[str]) -> tuple[bool, bool, list]:
     """In the generated code, whether (every all-gather but a graph's first, every reduction but
     a graph's last two) has a compute kernel between its issue and its wait: the overlap the
@@ -356,6 +382,8 @@ def main(backend: str) -> None:
             check(f"{name}_code_one_transfer_at_a_time", not any(beside), (beside, detail))
             kept = code_reductions_freed_at_wait(code)
             check(f"{name}_code_reduction_freed_at_wait", not kept, (kept, detail))
+            early = code_reductions_made_beside_previous(code)
+            check(f"{name}_code_reduction_made_after_previous_wait", not early, (early, detail))
 
     if backend == "aot_eager":
         # Auto: exactly the plan's buckets (a 10 ms latency makes the blocks share a bucket).

@@ -39,9 +39,9 @@ INDUCTOR_CHECKS = [
         AOT_EAGER_CHECKS.index("manual_counts") : AOT_EAGER_CHECKS.index("auto_plan_has_multi_unit_bucket")
     ],
     *("manual_code_prefetch", "manual_code_reduction_overlap", "manual_code_one_transfer_at_a_time"),
-    "manual_code_reduction_freed_at_wait",
+    *("manual_code_reduction_freed_at_wait", "manual_code_reduction_made_after_previous_wait"),
     *("block_code_prefetch", "block_code_reduction_overlap", "block_code_one_transfer_at_a_time"),
-    "block_code_reduction_freed_at_wait",
+    *("block_code_reduction_freed_at_wait", "block_code_reduction_made_after_previous_wait"),
 ]
 
 
