@@ -250,9 +250,8 @@ def code_reductions_made_beside_previous(codes: list[str]) -> list[str]:
             if previous_wait is not None and first_assigned.get(source, -1) < previous_wait:
                 early.append(source)
             output = line.split("=")[0].strip()
-            previous_wait = next(
-                j for j in range(i + 1, len(lines)) if "wait_tensor.default(" in lines[j] and output in lines[j]
-            )
+            waited = re.compile(rf"wait_tensor\.default\({output}\b")
+            previous_wait = next(j for j in range(i + 1, len(lines)) if waited.search(lines[j]))
     return early
 
 
