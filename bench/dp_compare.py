@@ -21,7 +21,7 @@ memory and caches the same way, and communicate on top.
 ``--manual-plan`` adds hand-written bucket plans as variants of their own, to set the auto
 planner against the best plan one can write for the same model in the same rounds.
 
-``--compile-depths`` measures compile time instead: for each depth (debugmodel's width), FSDP2's
+``--compile-depths`` measures compile time instead, in fp32: for each depth (debugmodel's width), FSDP2's
 per-block compile, SimpleFSDP's per-block compile (block bucketing) and its whole-model compile
 with auto buckets (``DEPTH_VARIANTS``, or those of them ``--variants`` names), each launched twice
 on one fresh Inductor cache: cold, then as a restart of the same job would (warm caches).
