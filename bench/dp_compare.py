@@ -21,10 +21,11 @@ memory and caches the same way, and communicate on top.
 ``--manual-plan`` adds hand-written bucket plans as variants of their own, to set the auto
 planner against the best plan one can write for the same model in the same rounds.
 
-``--compile-depths`` measures compile time instead, in fp32: for each depth (debugmodel's width), FSDP2's
-per-block compile, SimpleFSDP's per-block compile (block bucketing) and its whole-model compile
-with auto buckets (``DEPTH_VARIANTS``, or those of them ``--variants`` names), each launched twice
-on one fresh Inductor cache: cold, then as a restart of the same job would (warm caches).
+``--compile-depths`` measures compile time instead, in fp32: for each depth (debugmodel's width),
+FSDP2's per-block compile, SimpleFSDP's per-block compile (block bucketing) and its whole-model
+compile with auto buckets (``DEPTH_VARIANTS``, or those of them ``--variants`` names), each
+launched twice on one fresh Inductor cache: cold, then as a restart of the same job would (warm
+caches).
 
 Prints the table and writes ``bench/results/dp_compare.json`` (``dp_compare_quick.json`` with
 ``--quick``, ``dp_compare_depth.json`` for depths): all numbers, per-step times and losses, machine
