@@ -56,27 +56,43 @@ SIMPLE_FSDP_AUTO = "--parallelism.data_parallel_impl simple_fsdp --compile.enabl
 
 @dataclass(frozen=True)
 class Variant:
-    """One comparison: ``nproc`` ranks, torchtitan's flags and Tessera's (beside COMMON)."""
+    """One comparison: ``nproc`` ranks, torchtitan's flags and Tessera's (beside COMMON), and the
+    words naming it in the table."""
 
     nproc: int
     titan: str
     tessera: str
+    label: str
 
 
 VARIANTS = {
-    "fp32_1rank_eager": Variant(1, FP32, FP32),
-    "fp32_1rank_compile": Variant(1, f"{FP32} --compile.enable", f"{FP32} --compile.enable"),
-    "fp32_fsdp2_eager": Variant(2, FP32, FP32),
-    "fp32_fsdp2_compile": Variant(2, f"{FP32} --compile.enable", f"{FP32} --compile.enable"),
-    "fp32_simplefsdp_auto_vs_fsdp2_compile": Variant(2, f"{FP32} --compile.enable", f"{FP32} {SIMPLE_FSDP_AUTO}"),
-    "bf16_1rank_eager": Variant(1, BF16, BF16),
-    "bf16_fsdp2_eager": Variant(2, BF16, BF16),
-    "bf16_fsdp2_compile": Variant(2, f"{BF16} --compile.enable", f"{BF16} --compile.enable"),
-    "bf16_simplefsdp_auto_vs_fsdp2_compile": Variant(2, f"{BF16} --compile.enable", f"{BF16} {SIMPLE_FSDP_AUTO}"),
-    "defaults_1rank_eager": Variant(1, "", ""),
-    "defaults_1rank_compile": Variant(1, "--compile.enable", "--compile.enable"),
-    "defaults_fsdp2_eager": Variant(2, "", ""),
-    "defaults_fsdp2_compile": Variant(2, "--compile.enable", "--compile.enable"),
+    "defaults_1rank_eager": Variant(1, "", "", "**defaults**, eager"),
+    "defaults_1rank_compile": Variant(1, "--compile.enable", "--compile.enable", "**defaults**, compile"),
+    "defaults_fsdp2_eager": Variant(2, "", "", "**defaults**, FSDP2 eager"),
+    "defaults_fsdp2_compile": Variant(2, "--compile.enable", "--compile.enable", "**defaults**, FSDP2 + compile"),
+    "fp32_1rank_eager": Variant(1, FP32, FP32, "fp32 both, eager"),
+    "fp32_1rank_compile": Variant(1, f"{FP32} --compile.enable", f"{FP32} --compile.enable", "fp32 both, compile"),
+    "fp32_fsdp2_eager": Variant(2, FP32, FP32, "fp32 both, FSDP2 eager"),
+    "fp32_fsdp2_compile": Variant(
+        2, f"{FP32} --compile.enable", f"{FP32} --compile.enable", "fp32 both, FSDP2 + compile"
+    ),
+    "fp32_simplefsdp_auto_vs_fsdp2_compile": Variant(
+        2,
+        f"{FP32} --compile.enable",
+        f"{FP32} {SIMPLE_FSDP_AUTO}",
+        "fp32, Tessera SimpleFSDP compiled vs torchtitan FSDP2 + compile",
+    ),
+    "bf16_1rank_eager": Variant(1, BF16, BF16, "bf16 both, eager"),
+    "bf16_fsdp2_eager": Variant(2, BF16, BF16, "bf16 both, FSDP2 eager"),
+    "bf16_fsdp2_compile": Variant(
+        2, f"{BF16} --compile.enable", f"{BF16} --compile.enable", "bf16 both, FSDP2 + compile"
+    ),
+    "bf16_simplefsdp_auto_vs_fsdp2_compile": Variant(
+        2,
+        f"{BF16} --compile.enable",
+        f"{BF16} {SIMPLE_FSDP_AUTO}",
+        "bf16, Tessera SimpleFSDP compiled vs torchtitan FSDP2 + compile",
+    ),
 }
 QUICK_VARIANTS = ["defaults_1rank_eager", "defaults_fsdp2_eager"]
 
@@ -231,16 +247,23 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """The table as the README gives it: the median ratio over the rounds and their range, in bold
+    for the defaults."""
+    rounds = sorted({row["rounds"] for row in rows})
     lines = [
-        f"Measured {info['date']} on {info['cpu_model']} ({info['usable_cores']} cores), torch {info['torch']}.",
+        f"Measured {info['date']} on {info['cpu_model']} ({info['usable_cores']} cores), torch {info['torch']}, "
+        f"{'/'.join(map(str, rounds))} rounds.",
         "",
-        "| variant | ranks | torchtitan tokens/s | Tessera tokens/s | Tessera / torchtitan (min-max over rounds) |",
+        "| variant | ranks | torchtitan tokens/s | Tessera tokens/s | Tessera / torchtitan |",
         "|---|---|---|---|---|",
     ]
     for row in rows:
+        ratio = f"{row['ratio_median']:.2f}"
+        if row["variant"].startswith("defaults"):
+            ratio = f"**{ratio}**"
         lines.append(
-            f"| {row['variant']} | {row['ranks']} | {row['torchtitan_tps']:,.0f} | {row['tessera_tps']:,.0f} "
-            f"| **{row['ratio_median']:.2f}** ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}, {row['rounds']} rounds) |"
+            f"| {VARIANTS[row['variant']].label} | {row['ranks']} | {row['torchtitan_tps']:,.0f} "
+            f"| {row['tessera_tps']:,.0f} | {ratio} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) |"
         )
     return "\n".join(lines) + "\n"
 
