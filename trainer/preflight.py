@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 
 from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
@@ -36,7 +37,42 @@ def check(config: JobConfig, world_size: int) -> None:
         raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
+    check_output_folders(config)
     check_files(config)
+
+
+def check_output_folders(config: JobConfig) -> None:
+    """Raises a one-line ConfigError naming the option when a folder the run will write to cannot
+    be made or written. Found by the run itself, a checkpoint folder fails at the first save (after
+    the steps before it, and again on every restart), a trace folder crashes the profiler."""
+    dump = config.job.dump_folder
+    folders = [("job.dump_folder", dump), ("job.cache_dir", config.job.cache_dir)]
+    ckpt = config.checkpoint
+    if ckpt.enable or ckpt.create_seed_checkpoint:
+        folders.append(("checkpoint.folder", os.path.join(dump, ckpt.folder)))
+    if config.metrics.enable_tensorboard:
+        folders.append(("metrics.save_tb_folder", os.path.join(dump, config.metrics.save_tb_folder)))
+    if config.profiling.enable_profiling:
+        folders.append(("profiling.save_traces_folder", os.path.join(dump, config.profiling.save_traces_folder)))
+    for option, folder in folders:
+        if problem := _unwritable(folder):
+            raise ConfigError(f"{option}: {problem}")
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why ``folder`` cannot be created or written, else None; leaves nothing behind."""
+    existing = os.path.abspath(folder)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        if existing == os.path.abspath(folder):
+            return f"{folder} is not a folder"
+        return f"cannot create {folder}: {existing} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tessera-write-check-", dir=existing))
+    except OSError as e:
+        return f"cannot create {folder}: nothing can be written in {existing} ({e.strerror})"
+    return None
 
 
 def check_files(config: JobConfig) -> None:

@@ -8,9 +8,13 @@ import json
 import os
 
 import pytest
+import torch.distributed as dist
 
+from config.job_config import ConfigError
+from config.manager import load_config
 from tests.launch import REPO, run_script
 from trainer import preflight
+from trainer.trainer import Trainer
 
 # (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
 CASES: list[tuple[str, list[str], str]] = [
@@ -161,6 +165,25 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
     ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),
+    # Folders the run writes to (/proc takes no new folders, whoever runs the tests).
+    ("folders", ["--job.dump_folder", "{d}/bad.jsonl"], "job.dump_folder: {d}/bad.jsonl is not a folder"),
+    (
+        "folders",
+        ["--checkpoint.enable", "--checkpoint.folder", "/proc/tessera_checkpoints"],
+        "checkpoint.folder: cannot create /proc/tessera_checkpoints: nothing can be written in /proc",
+    ),
+    (
+        "folders",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/bad.jsonl/checkpoint"],
+        "checkpoint.folder: cannot create {d}/bad.jsonl/checkpoint: {d}/bad.jsonl is not a folder",
+    ),
+    ("folders", ["--metrics.save_tb_folder", "/proc/tessera_tb"], "metrics.save_tb_folder: cannot create /proc/"),
+    (
+        "folders",
+        ["--profiling.enable_profiling", "--profiling.save_traces_folder", "/proc/tessera_traces"],
+        "profiling.save_traces_folder: cannot create /proc/tessera_traces",
+    ),
+    ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
 ]
 
 
@@ -211,13 +234,13 @@ def test_a_hundred_mistakes_each_get_one_line(tmp_path, capsys):
     assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
 
 
-@pytest.mark.slow  # ten launches of run_train.sh
+@pytest.mark.slow  # eleven launches of run_train.sh
 def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
     """The first case of each class, as users meet it: one line from the script, exit 2, no
     traceback, no rank started."""
     _prepare(tmp_path)
     firsts = {kind: (args, expected) for kind, args, expected in reversed(CASES)}
-    assert len(firsts) == 10, sorted(firsts)
+    assert len(firsts) == 11, sorted(firsts)
 
     def launch(case: tuple[list[str], str]):
         args = [arg.format(d=tmp_path) for arg in case[0]]
@@ -233,6 +256,18 @@ def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
         or "[rank" in result.stderr + result.stdout  # caught before any rank started
     ]
     assert not failures, "\n".join(failures)
+
+
+def test_the_ranks_check_the_output_folders_themselves(tmp_path):
+    """Started by torchrun without run_train.sh's check, a rank refuses an unwritable checkpoint
+    folder with the same line before it joins the process group, not at its first save."""
+    (tmp_path / "a_file").write_text("")
+    folder = str(tmp_path / "a_file" / "checkpoint")
+    config = load_config(["--checkpoint.enable", "--checkpoint.folder", folder, "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError, match=f"^checkpoint.folder: cannot create {folder}: .* is not a folder$"):
+        Trainer(config)
+    assert not dist.is_initialized()
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check leaves nothing behind
 
 
 @pytest.mark.slow  # launches run_train.sh
