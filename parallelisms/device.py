@@ -18,6 +18,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``cache_freed_host_memory``: on a CPU, malloc keeps freed memory for reuse (CUDA's allocator
   caches by itself);
 - ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
+- ``memory_per_rank``: an accelerator's own memory, or a share of the host's;
 - ``profiler_activities``: CUDA kernels in profiler traces;
 - ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
 - ``synchronize``: waiting for the accelerator before reading a clock.
@@ -51,6 +52,23 @@ def device_type() -> str:
     if torch.accelerator.is_available():
         return torch.accelerator.current_accelerator().type
     return "cpu"
+
+
+def memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
+    """Bytes of memory one rank can have, and where they come from (for a message): its
+    accelerator's total, or on a CPU the host's physical memory (its cgroup's limit when lower)
+    shared by the node's ranks."""
+    if torch.accelerator.is_available():
+        total = torch.accelerator.get_memory_info(0)[1]
+        return total, f"a {device_type()} device has {total / 2**30:.1f} GiB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            total = min(total, int(f.read()))
+    except (OSError, ValueError):  # no cgroup v2 limit ("max", or no such file)
+        pass
+    ranks = f"{ranks_per_node} ranks" if ranks_per_node > 1 else "1 rank"
+    return total // ranks_per_node, f"{total / 2**30:.1f} GiB of host memory for {ranks}"
 
 
 def rank_device(local_rank: int) -> torch.device:

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
@@ -18,9 +19,14 @@ from trainer.tokenizer import build_tokenizer
 
 # torch and the modules that use it are imported inside the functions, once the options have
 # parsed: their imports take seconds, which a mistyped option need not wait for.
+if TYPE_CHECKING:
+    from models.llama3.model import TransformerModelArgs
+    from parallelisms.parallel_dims import ParallelDims
 
 
-def check(config: JobConfig, world_size: int) -> None:
+def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None) -> None:
+    """Raises a one-line ConfigError for the first class of mistake found; with
+    ``ranks_per_node`` (a launch, not a dry run) also when the model's state cannot fit a rank."""
     import torch
 
     from models.registry import get_model_spec
@@ -38,7 +44,40 @@ def check(config: JobConfig, world_size: int) -> None:
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_output_folders(config)
-    check_files(config)
+    args = check_files(config)
+    if ranks_per_node is not None:
+        check_memory(config, args, dims, ranks_per_node)
+
+
+def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
+    """Refuses a job whose fp32 weights, gradients and Adam moments alone (16 bytes a parameter,
+    4 for a seed checkpoint, over the degrees that shard them) exceed what a rank has: started,
+    its ranks would run out of memory, on a CPU be killed, and be restarted to be killed again.
+    Activations are not counted, so a job refused here cannot fit."""
+    import torch
+
+    from models.registry import get_model_spec
+    from parallelisms.device import memory_per_rank
+
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in get_model_spec(config.model.name).model_cls(args).parameters())
+    available, source = memory_per_rank(ranks_per_node)
+    size = f"model: {parameters / 1e9:.2f}B parameters"
+    if config.checkpoint.create_seed_checkpoint:
+        if 4 * parameters > available:
+            raise ConfigError(
+                f"{size}: a seed checkpoint holds all the weights in one process, {4 * parameters / 2**30:.1f} GiB, "
+                f"more than the {available / 2**30:.1f} GiB it has ({source})"
+            )
+        return
+    sharded_over = dims.dp_shard * dims.tp * dims.pp
+    if 16 * parameters / sharded_over > available:
+        raise ConfigError(
+            f"{size}: fp32 weights, gradients and Adam moments alone take "
+            f"{16 * parameters / sharded_over / 2**30:.1f} GiB per rank (sharded over dp_shard {dims.dp_shard} x "
+            f"tp {dims.tp} x pp {dims.pp}), more than the {available / 2**30:.1f} GiB a rank has ({source}); "
+            "shard over more ranks or pick a smaller model (python -m trainer.plan finds a layout that fits)"
+        )
 
 
 def check_output_folders(config: JobConfig) -> None:
@@ -75,10 +114,10 @@ def _unwritable(folder: str) -> str | None:
     return None
 
 
-def check_files(config: JobConfig) -> None:
+def check_files(config: JobConfig) -> TransformerModelArgs:
     """Reads the start of every corpus, the tokenizer and the Hugging Face folder the run will
     use; one line names every one that is missing or broken, and every way the folder differs
-    from the model."""
+    from the model. Returns the model args the run will build (the tokenizer's vocabulary)."""
     from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
@@ -106,6 +145,7 @@ def check_files(config: JobConfig) -> None:
             problems.append(f"checkpoint.initial_load_path: {e}")
     if problems:
         raise ConfigError("; ".join(problems))
+    return args
 
 
 def _dataset_problem(config: JobConfig, option: str) -> str | None:
@@ -146,7 +186,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        check(config, int(world_size))
+        check(config, int(world_size), int(nproc))
     except ConfigError as e:
         print_error(e)
         return 2

@@ -184,6 +184,8 @@ CASES: list[tuple[str, list[str], str]] = [
         "profiling.save_traces_folder: cannot create /proc/tessera_traces",
     ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
+    # A model whose state cannot fit a rank (405B on 2 ranks: 3 TiB each, on any host).
+    ("memory", ["--model.flavor", "405B"], "fp32 weights, gradients and Adam moments alone take 2993.0 GiB per rank"),
 ]
 
 
@@ -234,13 +236,13 @@ def test_a_hundred_mistakes_each_get_one_line(tmp_path, capsys):
     assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
 
 
-@pytest.mark.slow  # eleven launches of run_train.sh
+@pytest.mark.slow  # twelve launches of run_train.sh
 def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
     """The first case of each class, as users meet it: one line from the script, exit 2, no
     traceback, no rank started."""
     _prepare(tmp_path)
     firsts = {kind: (args, expected) for kind, args, expected in reversed(CASES)}
-    assert len(firsts) == 11, sorted(firsts)
+    assert len(firsts) == 12, sorted(firsts)
 
     def launch(case: tuple[list[str], str]):
         args = [arg.format(d=tmp_path) for arg in case[0]]
@@ -268,6 +270,12 @@ def test_the_ranks_check_the_output_folders_themselves(tmp_path):
         Trainer(config)
     assert not dist.is_initialized()
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check leaves nothing behind
+
+
+def test_a_seed_checkpoint_must_fit_one_process(capsys):
+    argv = ["--nnodes", "1", "--nproc-per-node", "1", "--model.flavor", "405B"]
+    assert preflight.main([*argv, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]) == 2
+    assert "a seed checkpoint holds all the weights in one process, 1496.5 GiB" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # launches run_train.sh
