@@ -100,6 +100,8 @@ def check_output_folders(config: JobConfig) -> None:
 
 def _unwritable(folder: str) -> str | None:
     """Why ``folder`` cannot be created or written, else None; leaves nothing behind."""
+    if not folder:
+        return "no folder given ('.' is the working folder)"
     existing = os.path.abspath(folder)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)

@@ -184,6 +184,7 @@ CASES: list[tuple[str, list[str], str]] = [
         "profiling.save_traces_folder: cannot create /proc/tessera_traces",
     ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
+    ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     # A model whose state cannot fit a rank (405B on 2 ranks: 3 TiB each, on any host).
     ("memory", ["--model.flavor", "405B"], "fp32 weights, gradients and Adam moments alone take 2993.0 GiB per rank"),
 ]
