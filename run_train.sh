@@ -17,7 +17,9 @@ CONFIG_FILE=${CONFIG_FILE:-configs/debug_model.toml}
 NNODES=${NNODES:-1}
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
-LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+# A dry run's ranks are not this host's: their memory is not checked against it.
+SIMULATED=$([ "${COMM_MODE:-}" = fake ] && echo --simulated || true)
+LAUNCH=$("$PY" -m trainer.preflight $SIMULATED --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   --job.config_file "$CONFIG_FILE" "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
 if [ "${COMM_MODE:-}" = fake ]; then

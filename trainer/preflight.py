@@ -2,6 +2,7 @@
 
 ``python -m trainer.preflight --world-size N [config options]``: exits 2 with one line on stderr
 when the config is wrong (``main`` also serves run_train.sh, which lets it count the ranks).
+``--simulated`` (first) checks for a dry run: everything but whether the model fits this host.
 """
 
 from __future__ import annotations
@@ -162,7 +163,10 @@ def _dataset_problem(config: JobConfig, option: str) -> str | None:
     return None
 
 
-USAGE = "usage: python -m trainer.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
+USAGE = (
+    "usage: python -m trainer.preflight [--simulated] (--world-size N | --nnodes N --nproc-per-node K|auto) "
+    "[config options]"
+)
 
 
 def main(argv: list[str]) -> int:
@@ -170,6 +174,8 @@ def main(argv: list[str]) -> int:
     (``auto``: one per accelerator, else 2 CPU processes) and 1 or 0 for on accelerators or not:
     the launcher asks torch once."""
     launch: dict[str, str] = {}
+    simulated = argv[:1] == ["--simulated"]  # a dry run: the ranks are not this host's
+    argv = argv[simulated:]
     while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
         launch[argv[0]], argv = argv[1], argv[2:]
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
@@ -188,7 +194,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        check(config, int(world_size), int(nproc))
+        check(config, int(world_size), None if simulated else int(nproc))
     except ConfigError as e:
         print_error(e)
         return 2

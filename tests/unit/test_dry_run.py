@@ -108,6 +108,18 @@ def test_bad_layout_at_the_simulated_world_size_is_one_line():
     assert len(lines) == 1 and lines[0].startswith("error: ") and "kv" in lines[0], proc.stderr
 
 
+@pytest.mark.slow
+def test_a_dry_run_is_not_held_to_this_hosts_memory():
+    """One block of the 405B model on 2 ranks: 24 GiB of fp32 state per rank, which a real launch
+    on a host of less than 48 GiB refuses before any rank starts; the dry run reports its peak."""
+    argv = ["--model.flavor", "405B", "--model.n_layers", "1", "--training.seq_len", "128"]
+    argv += ["--training.local_batch_size", "1"]
+    env = dict(os.environ, COMM_MODE="fake", NGPU="2", PYTHON=sys.executable)
+    proc = subprocess.run(["./run_train.sh", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak" in proc.stdout, proc.stdout[-3000:]
+
+
 def _real_peak(world: int, argv: list[str], out: str) -> dict:
     """Rank 0's peak in a real gloo run of the same config, measured the same way (MemTracker on
     real tensors, bench/memory_worker.py)."""
