@@ -341,14 +341,50 @@ def verify_files(path: str, require_marker: bool = True, rank: int = 0, world_si
             raise CheckpointError(f"{file} is corrupt: its CRC-32 is {crc}, the marker says {expected_crcs[name]}")
 
 
+def _read_metadata(path: str) -> Metadata:
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # an unpickling failure can be of any type
+        raise CheckpointError(f"{os.path.join(path, '.metadata')} is corrupt: {type(e).__name__}: {e}") from None
+
+
 def saved_parts(path: str) -> set[str]:
     """The top-level parts (model, optimizer, ...) in a checkpoint's metadata; CheckpointError
     when it does not read."""
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # an unpickling failure can be of any type
-        raise CheckpointError(f"{os.path.join(path, '.metadata')} is corrupt: {type(e).__name__}: {e}") from None
-    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return {key.split(".", 1)[0] for key in _read_metadata(path).state_dict_metadata}
+
+
+def saved_model_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every model tensor in a checkpoint's metadata, by name (``model.<fqn>``)."""
+    return {
+        key: tuple(entry.size)
+        for key, entry in _read_metadata(path).state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(entry, "size")
+    }
+
+
+def model_difference(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
+    """How the model tensors a checkpoint holds differ from those a model loads (names to shapes),
+    in a few words each; None when they match."""
+    missing = [key for key in wanted if key not in saved]
+    extra = [key for key in saved if key not in wanted]
+    reshaped = [key for key in wanted if key in saved and saved[key] != wanted[key]]
+    differences = []
+    if missing:
+        differences.append(f"{len(missing)} tensors it lacks ({_first(missing)})")
+    if extra:
+        differences.append(f"{len(extra)} tensors the model has no place for ({_first(extra)})")
+    if reshaped:
+        key = reshaped[0]
+        differences.append(
+            f"{len(reshaped)} of other shapes ({key.removeprefix('model.')}: {list(saved[key])} saved, "
+            f"{list(wanted[key])} in the model)"
+        )
+    return "; ".join(differences) or None
+
+
+def _first(keys: list[str]) -> str:
+    return ", ".join(key.removeprefix("model.") for key in keys[:2]) + (", ..." if len(keys) > 2 else "")
 
 
 def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
@@ -554,7 +590,7 @@ class CheckpointManager:
             with user_input("checkpoint.initial_load_path"):
                 load_hf_weights(self.model_parts, path)
         else:
-            self._load_checked(path, ["model"], require_marker=False)
+            self._load_checked(path, ["model"], require_marker=False, option="checkpoint.initial_load_path")
         logger.info("initial weights loaded from %s", path)
 
     def write_seed_checkpoint(self) -> None:
@@ -615,28 +651,38 @@ class CheckpointManager:
     def _wanted_parts(self) -> list[str]:
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
-    def _verify(self, path: str, require_marker: bool) -> set[str]:
+    def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:
         """Every rank verifies its share of the files, rank 0 reads the metadata; the verdicts are
-        gathered, and the lowest rank's error, if any, is raised on every rank. Returns the parts
-        the checkpoint holds."""
-        error, parts = None, set()
+        gathered, and the lowest rank's error, if any, is raised on every rank. When the model is to
+        be loaded, a checkpoint of another model (other blocks, widths or vocabulary than all ranks'
+        parts together) is a ConfigError naming ``option`` on every rank: loading it would fail, or
+        fill only part of the model. Returns the parts the checkpoint holds."""
+        error, parts, saved = None, set(), {}
         try:
             verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
             if self.rank == 0:
-                parts = saved_parts(path)
+                parts, saved = saved_parts(path), saved_model_shapes(path)
         except CheckpointError as e:
             error = str(e)
+        wanted = {}
+        if "model" in parts_to_load:
+            wanted = {f"model.{key}": tuple(value.shape) for key, value in self.states["model"].state_dict().items()}
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(verdicts, (error, sorted(parts)), group=self.group)
-        errors = [error for error, _ in verdicts if error is not None]
+        dist.all_gather_object(verdicts, (error, sorted(parts), saved, wanted), group=self.group)
+        errors = [error for error, *_ in verdicts if error is not None]
         if errors:
             raise CheckpointError(errors[0])
+        all_wanted = {key: shape for *_, rank_wanted in verdicts for key, shape in rank_wanted.items()}
+        if all_wanted and "model" in verdicts[0][1] and (difference := model_difference(verdicts[0][2], all_wanted)):
+            raise ConfigError(f"{option}: {path} holds another model than this job's: {difference}")
         return set(verdicts[0][1])
 
-    def _load_checked(self, path: str, parts: list[str], require_marker: bool = True) -> None:
+    def _load_checked(
+        self, path: str, parts: list[str], require_marker: bool = True, option: str = "checkpoint.folder"
+    ) -> None:
         """Verifies (``_verify``), then loads the parts of ``parts`` that the checkpoint holds (a
         seed checkpoint holds only the model)."""
-        present = self._verify(path, require_marker)
+        present = self._verify(path, require_marker, parts, option)
         if "model" not in present:
             raise CheckpointError(f"{path} holds no model state")
         state = {part: self.states[part] for part in parts if part in present}

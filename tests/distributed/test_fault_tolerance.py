@@ -293,6 +293,25 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
     assert unloadable_checkpoints(dump) == ["step-12.unloadable"]
 
 
+def test_a_job_of_another_model_is_refused_without_a_restart(tmp_path, reference):
+    """Started again on the dump folder with one block more: one line naming the checkpoint and
+    how the models differ, exit 2, no restart, the checkpoints left as they were (each failed to
+    load before, was moved aside as unloadable, and training began again at step 1)."""
+    dump = str(tmp_path / "run")
+    shutil.copytree(reference[0], dump)
+    before = sorted(os.listdir(os.path.join(dump, "checkpoint")))
+    result = run_script(dump, *TINY_RUN, *CHECKPOINTED, "--model.n_layers", "3", check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, output[-4000:]
+    assert errors == [
+        f"error: checkpoint.folder: {dump}/checkpoint/step-12 holds another model than this job's: 9 tensors "
+        "it lacks (layers.2.attention_norm.weight, layers.2.attention.wq.weight, ...)"
+    ], output[-4000:]
+    assert "Traceback" not in output and "Restarting" not in output
+    assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == before
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -58,9 +58,11 @@ class Counter:
 class Run:
     """A tiny model, its optimizer and a CheckpointManager over a dump folder."""
 
-    def __init__(self, dump_folder: str, seed: int = 0, data=None, storage_writer=None, **checkpoint_options) -> None:
+    def __init__(
+        self, dump_folder: str, seed: int = 0, data=None, storage_writer=None, widths=(4, 8, 2), **checkpoint_options
+    ) -> None:
         torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        self.model = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0 / (step + 1))
         self.data = Counter() if data is None else data
@@ -298,6 +300,32 @@ def test_exclude_from_loading_and_model_only(tmp_path):
     elsewhere = Run(str(tmp_path / "elsewhere"), seed=1, initial_load_path=step_2)
     elsewhere.manager.load_at_start()
     assert all(torch.equal(p, q) for p, q in zip(elsewhere.model.parameters(), saved["params"]))
+
+
+@pytest.mark.parametrize(
+    "widths, difference",
+    [
+        ((4, 16, 2), "3 of other shapes (0.weight: [8, 4] saved, [16, 4] in the model)"),
+        ((4, 8, 8, 2), "2 tensors it lacks (2.weight, 2.bias); 2 of other shapes (1.weight: [2, 8] saved, [8, 8]"),
+        ((4, 2), "2 tensors the model has no place for (1.weight, 1.bias); 2 of other shapes"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path, widths, difference):
+    """Resuming (or starting from) a checkpoint of another model is a mistake in the job, not a bad
+    checkpoint: one line naming the option, the folder and how the models differ, and the
+    checkpoints stay where they are (DCP would load a bigger checkpoint into part of a smaller
+    model without a word, and a bigger model's failed loads moved every checkpoint aside)."""
+    Run(str(tmp_path)).train(2)
+    step_2 = str(tmp_path / "checkpoint" / "step-2")
+    other = Run(str(tmp_path), seed=1, widths=widths)
+    with pytest.raises(ConfigError) as refused:
+        other.manager.resume()
+    assert str(refused.value).startswith(f"checkpoint.folder: {step_2} holds another model than this job's: ")
+    assert difference in str(refused.value)
+    assert steps_on_disk(str(tmp_path)) == [2, 1] and other.step == 0
+    fresh = Run(str(tmp_path / "fresh"), widths=widths, initial_load_path=step_2)
+    with pytest.raises(ConfigError, match=f"^checkpoint.initial_load_path: {step_2} holds another model"):
+        fresh.manager.load_at_start()
 
 
 def test_rollback_keeps_the_dataloader_position(tmp_path):
