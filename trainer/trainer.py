@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from config.job_config import JobConfig, user_input
+from config.job_config import ConfigError, JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model
 from parallelisms.compile import log_graph_breaks
@@ -109,6 +109,22 @@ class Trainer:
     def _set_step(self, step: int) -> None:
         self.step = step
 
+    def _start_data(self):
+        """The training batches, from the position a resumed checkpoint saved. A position that does
+        not fit this job's data (another corpus, tokenizer, sequence length, global batch or seed)
+        is a mistake in the job: one line saying how to go on, not a restart to fail again."""
+        try:
+            return iter(self.dataloader)  # the loader checks a restored position here
+        except ValueError as e:
+            if self.step == 0:
+                raise
+            path = os.path.join(self.checkpointer.folder, f"step-{self.step}")
+            raise ConfigError(
+                f"checkpoint.folder: the data position saved in {path} does not fit this job: {e}; "
+                "keep the checkpoint's training.dataset, seq_len, global batch and seed, or start the data "
+                "over with --checkpoint.exclude_from_loading dataloader"
+            ) from None
+
     # ------------------------------------------------------------------ training
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -159,7 +175,7 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.load_at_start()
         self.metrics.start(self.step)
-        data_iter = iter(self.dataloader)
+        data_iter = self._start_data()
         if config.debug.gc_freq > 0:
             gc.disable()
         logger.info(

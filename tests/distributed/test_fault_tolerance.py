@@ -312,6 +312,24 @@ def test_a_job_of_another_model_is_refused_without_a_restart(tmp_path, reference
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == before
 
 
+def test_a_job_whose_data_does_not_fit_the_saved_position_is_refused(tmp_path, reference):
+    """Started again with twice the local batch: the saved data position (16 windows per step of
+    the global stream) does not fit. One line saying how to go on, exit 2, no restart (it was a
+    traceback in every one of torchrun's attempts)."""
+    dump = str(tmp_path / "run")
+    shutil.copytree(reference[0], dump)
+    result = run_script(dump, *TINY_RUN, *CHECKPOINTED, "--training.local_batch_size", "4", check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, output[-4000:]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint.folder: the data position saved in {dump}/checkpoint/step-12 does not fit this job: "
+        "data state has global batch size 4, this loader has 8"
+    ), output[-4000:]
+    assert errors[0].endswith("or start the data over with --checkpoint.exclude_from_loading dataloader")
+    assert "Traceback" not in output and "Restarting" not in output
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
