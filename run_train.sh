@@ -11,10 +11,21 @@
 # Extra arguments are config overrides, e.g. NGPU=2 ./run_train.sh --training.steps 30
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=$(scripts/setup_env.sh)
 
+fail() {
+  echo "error: $1" >&2
+  exit 2
+}
 CONFIG_FILE=${CONFIG_FILE:-configs/debug_model.toml}
 NNODES=${NNODES:-1}
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
+[[ "${NGPU:-auto}" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node"
+[[ "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
+LOG_RANK=${LOG_RANK:-0}
+[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
+[[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake"
+PY=$(scripts/setup_env.sh)
+
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
 # A dry run's ranks are not this host's: their memory is not checked against it.
@@ -24,17 +35,17 @@ LAUNCH=$("$PY" -m trainer.preflight $SIMULATED --nnodes "$NNODES" --nproc-per-no
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
 if [ "${COMM_MODE:-}" = fake ]; then
   exec "$PY" -m trainer.dry_run --world-size "$((NNODES * NGPU))" --job.config_file "$CONFIG_FILE" "$@"
-elif [ -n "${COMM_MODE:-}" ]; then
-  echo "error: COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake" >&2
-  exit 2
 fi
+for rank in ${LOG_RANK//,/ }; do
+  [ "$rank" -lt "$NGPU" ] || fail "LOG_RANK: $rank is not a local rank of this node's $NGPU (0 to $((NGPU - 1)))"
+done
 if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
 if [ "$NNODES" -gt 1 ]; then
-  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node for a multi-node job}"
+  [ -n "${RDZV_ENDPOINT:-}" ] || fail "RDZV_ENDPOINT: set it to host:port of the first node for a job of $NNODES nodes"
   RENDEZVOUS=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-tessera}")
 else
   RENDEZVOUS=(--standalone)
@@ -48,7 +59,7 @@ trap 'rm -f "$TESSERA_ERROR_FILE"' EXIT
 status=0
 "$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
-  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   train.py --job.config_file "$CONFIG_FILE" "$@" || status=$?
 if [ -s "$TESSERA_ERROR_FILE" ]; then
   read -r status line <"$TESSERA_ERROR_FILE"

@@ -6,13 +6,15 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
 from config.job_config import ConfigError
 from config.manager import load_config
-from tests.launch import REPO, run_script
+from tests.launch import REPO, run_script, script_command
 from trainer import preflight
 from trainer.trainer import Trainer
 
@@ -259,6 +261,29 @@ def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
         or "[rank" in result.stderr + result.stdout  # caught before any rank started
     ]
     assert not failures, "\n".join(failures)
+
+
+ENVIRONMENT_CASES = [
+    ({"NGPU": "abc"}, "error: NGPU: 'abc' is not a number of ranks per node"),
+    ({"NGPU": "0"}, "error: NGPU: '0' is not a number of ranks per node"),
+    ({"NNODES": "x"}, "error: NNODES: 'x' is not a number of nodes"),
+    ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS: '-1' is not a number of restarts"),
+    ({"LOG_RANK": "0,x"}, "error: LOG_RANK: '0,x' is not a list of local ranks (e.g. 0,1)"),
+    ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
+    ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
+    ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake"),
+]
+
+
+@pytest.mark.slow  # launches run_train.sh
+@pytest.mark.parametrize("env, line", ENVIRONMENT_CASES, ids=[",".join(env) for env, _ in ENVIRONMENT_CASES])
+def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
+    """run_train.sh's own settings: one line, exit 2, before any rank (a traceback of int(), a bash
+    message with exit 1, or, for a rank this node does not have, a run that showed nothing)."""
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, **env}
+    result = subprocess.run(script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [line]), result.stderr[-2000:]
+    assert "[rank" not in result.stdout + result.stderr
 
 
 def test_the_ranks_check_the_output_folders_themselves(tmp_path):
