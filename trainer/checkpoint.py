@@ -29,8 +29,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import json
 import logging
+import operator
 import os
 import re
 import shutil
@@ -363,22 +365,22 @@ def saved_model_shapes(path: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def model_difference(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
-    """How the model tensors a checkpoint holds differ from those a model loads (names to shapes),
-    in a few words each; None when they match."""
-    missing = [key for key in wanted if key not in saved]
-    extra = [key for key in saved if key not in wanted]
-    reshaped = [key for key in wanted if key in saved and saved[key] != wanted[key]]
+def model_difference(
+    saved: dict[str, tuple[int, ...]], missing: list[str], extra: list[str], reshaped: dict[str, tuple[int, ...]]
+) -> str | None:
+    """How the model tensors a checkpoint holds (``saved``, names to shapes) differ from those a
+    model loads: the names it lacks, the names the model has no place for, and the model's shape
+    of those saved with another, in a few words each; None when they match."""
     differences = []
     if missing:
         differences.append(f"{len(missing)} tensors it lacks ({_first(missing)})")
     if extra:
         differences.append(f"{len(extra)} tensors the model has no place for ({_first(extra)})")
     if reshaped:
-        key = reshaped[0]
+        key, shape = next(iter(reshaped.items()))
         differences.append(
             f"{len(reshaped)} of other shapes ({key.removeprefix('model.')}: {list(saved[key])} saved, "
-            f"{list(wanted[key])} in the model)"
+            f"{list(shape)} in the model)"
         )
     return "; ".join(differences) or None
 
@@ -653,10 +655,8 @@ class CheckpointManager:
 
     def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:
         """Every rank verifies its share of the files, rank 0 reads the metadata; the verdicts are
-        gathered, and the lowest rank's error, if any, is raised on every rank. When the model is to
-        be loaded, a checkpoint of another model (other blocks, widths or vocabulary than all ranks'
-        parts together) is a ConfigError naming ``option`` on every rank: loading it would fail, or
-        fill only part of the model. Returns the parts the checkpoint holds."""
+        gathered, and the lowest rank's error, if any, is raised on every rank. Returns the parts
+        the checkpoint holds; when the model is to be loaded, ``_check_same_model`` first."""
         error, parts, saved = None, set(), {}
         try:
             verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
@@ -664,18 +664,37 @@ class CheckpointManager:
                 parts, saved = saved_parts(path), saved_model_shapes(path)
         except CheckpointError as e:
             error = str(e)
-        wanted = {}
-        if "model" in parts_to_load:
-            wanted = {f"model.{key}": tuple(value.shape) for key, value in self.states["model"].state_dict().items()}
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(verdicts, (error, sorted(parts), saved, wanted), group=self.group)
+        dist.all_gather_object(verdicts, (error, sorted(parts), saved), group=self.group)
         errors = [error for error, *_ in verdicts if error is not None]
         if errors:
             raise CheckpointError(errors[0])
-        all_wanted = {key: shape for *_, rank_wanted in verdicts for key, shape in rank_wanted.items()}
-        if all_wanted and "model" in verdicts[0][1] and (difference := model_difference(verdicts[0][2], all_wanted)):
+        _, parts, saved = verdicts[0]
+        if "model" in parts_to_load and "model" in parts:
+            self._check_same_model(path, saved, option)
+        return set(parts)
+
+    def _check_same_model(self, path: str, saved: dict[str, tuple[int, ...]], option: str) -> None:
+        """A checkpoint of another model (other blocks, widths or vocabulary than all ranks' parts
+        together) is a ConfigError naming ``option`` on every rank: loading it would fail, or
+        fill only part of the model. Each rank sends which saved tensors it loads as bits, and
+        its own differences, which are empty when the models match."""
+        wanted = {f"model.{key}": tuple(value.shape) for key, value in self.states["model"].state_dict().items()}
+        index = {key: i for i, key in enumerate(saved)}  # the same order on every rank: rank 0's
+        loaded = sum(1 << index[key] for key in wanted if key in index)
+        missing = [key for key in wanted if key not in index]
+        reshaped = {key: shape for key, shape in wanted.items() if key in index and saved[key] != shape}
+        reports: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(reports, (loaded, missing, reshaped), group=self.group)
+        loaded = functools.reduce(operator.or_, (bits for bits, _, _ in reports))
+        difference = model_difference(
+            saved,
+            missing=list(dict.fromkeys(key for _, keys, _ in reports for key in keys)),
+            extra=[key for key, i in index.items() if not loaded >> i & 1],
+            reshaped={key: shape for _, _, shapes in reports for key, shape in shapes.items()},
+        )
+        if difference:
             raise ConfigError(f"{option}: {path} holds another model than this job's: {difference}")
-        return set(verdicts[0][1])
 
     def _load_checked(
         self, path: str, parts: list[str], require_marker: bool = True, option: str = "checkpoint.folder"
