@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains with torchrun. Environment:
 #   NGPU          ranks per node (default: the accelerators, or 2 CPU processes)
-#   CONFIG_FILE   default configs/debug_model.toml
+#   CONFIG_FILE   default configs/debug_model.toml (of this folder; relative paths are read from the
+#                 folder the script is started in)
 #   LOG_RANK      ranks whose output is shown (default 0)
 #   MAX_RESTARTS  times torchrun restarts the whole group after a rank dies (default 3); with
 #                 checkpoint.enable each attempt resumes from the newest complete checkpoint
@@ -10,13 +11,15 @@
 #                 group and tensors: real model sizes, no memory), printing its peak memory
 # Extra arguments are config overrides, e.g. NGPU=2 ./run_train.sh --training.steps 30
 set -euo pipefail
-cd "$(dirname "$0")"
+# Paths the user gives (CONFIG_FILE, options) are read from where the script is started; its own
+# files from its folder.
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 fail() {
   echo "error: $1" >&2
   exit 2
 }
-CONFIG_FILE=${CONFIG_FILE:-configs/debug_model.toml}
+CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
 [[ "${NGPU:-auto}" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node"
@@ -24,7 +27,8 @@ NNODES=${NNODES:-1}
 LOG_RANK=${LOG_RANK:-0}
 [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake"
-PY=$(scripts/setup_env.sh)
+PY=$("$HERE/scripts/setup_env.sh")
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
@@ -60,7 +64,7 @@ status=0
 "$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  train.py --job.config_file "$CONFIG_FILE" "$@" || status=$?
+  "$HERE/train.py" --job.config_file "$CONFIG_FILE" "$@" || status=$?
 if [ -s "$TESSERA_ERROR_FILE" ]; then
   read -r status line <"$TESSERA_ERROR_FILE"
   echo "$line" >&2

@@ -19,9 +19,9 @@ PY
 if [ -n "${PYTHON:-}" ]; then
   py="$PYTHON"
 elif [ -x .venv/bin/python ]; then
-  py=.venv/bin/python
+  py=$PWD/.venv/bin/python
 else
-  py=.venv/bin/python
+  py=$PWD/.venv/bin/python
   echo "creating .venv" >&2
   python3 -m venv .venv >&2
 fi

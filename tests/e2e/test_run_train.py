@@ -1,12 +1,14 @@
 """run_train.sh end to end: 2 CPU ranks, the default corpus and tokenizer, real output files."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import TWO_BLOCKS, losses, read_metrics, run_script
+from tests.launch import REPO, TWO_BLOCKS, losses, read_metrics, run_script
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -68,3 +70,28 @@ def test_simple_fsdp_compiled_auto_tracks_fsdp2(tmp_path):
     assert len(got) == len(expected) == 10
     for step, (a, b) in enumerate(zip(got, expected), start=1):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs {b}"
+
+
+def test_paths_are_read_from_where_the_script_is_started(tmp_path):
+    """Started from another folder, the script reads the config file and the options' relative
+    paths from there, as torchrun would, and writes the run there (it read them from its own
+    folder: a corpus next to the user's config was not found, and outputs landed in the checkout)."""
+    (tmp_path / "job.toml").write_text('[job]\ndump_folder = "out"\n[training]\nsteps = 3\nseq_len = 64\n')
+    (tmp_path / "corpus.txt").write_text("A sentence of the user's own corpus. " * 2000)
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "CONFIG_FILE": "job.toml"}
+    result = subprocess.run(
+        [
+            os.path.join(REPO, "run_train.sh"),
+            "--training.dataset_path",
+            "corpus.txt",
+            "--lr_scheduler.warmup_steps",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 3]

@@ -92,9 +92,9 @@ def test_slurm_script_runs_one_torchrun_agent_per_node(tmp_path):
         "rank",
         "--tee",
         "3",
-        "train.py",
+        os.path.join(REPO, "train.py"),
         "--job.config_file",
-        "configs/debug_model.toml",
+        os.path.join(REPO, "configs", "debug_model.toml"),
         "--training.steps",
         "1000",
     ]
