@@ -51,10 +51,11 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
-    """Refuses a job whose fp32 weights, gradients and Adam moments alone (16 bytes a parameter,
-    4 for a seed checkpoint, over the degrees that shard them) exceed what a rank has: started,
-    its ranks would run out of memory, on a CPU be killed, and be restarted to be killed again.
-    Activations are not counted, so a job refused here cannot fit."""
+    """Refuses a job whose fp32 weights, gradients and Adam moments (16 bytes a parameter over the
+    degrees that shard them; a seed checkpoint's weights, 4 bytes a parameter) and the logits of
+    one microbatch (2 bytes a token and vocabulary entry) alone exceed what a rank has: started, its
+    ranks would run out of memory, on a CPU be killed, and be restarted to be killed again. The
+    rest of the activations is not counted, so a job refused here cannot fit."""
     import torch
 
     from models.registry import get_model_spec
@@ -72,13 +73,26 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
             )
         return
     sharded_over = dims.dp_shard * dims.tp * dims.pp
-    if 16 * parameters / sharded_over > available:
+    state = 16 * parameters / sharded_over
+    sequences = (
+        config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else config.training.local_batch_size
+    )
+    logits = 2 * sequences * config.training.seq_len * args.vocab_size / dims.tp
+    if state + logits <= available:
+        return
+    if state >= logits:
         raise ConfigError(
-            f"{size}: fp32 weights, gradients and Adam moments alone take "
-            f"{16 * parameters / sharded_over / 2**30:.1f} GiB per rank (sharded over dp_shard {dims.dp_shard} x "
-            f"tp {dims.tp} x pp {dims.pp}), more than the {available / 2**30:.1f} GiB a rank has ({source}); "
-            "shard over more ranks or pick a smaller model (python -m trainer.plan finds a layout that fits)"
+            f"{size}: fp32 weights, gradients and Adam moments alone take {state / 2**30:.1f} GiB per rank "
+            f"(sharded over dp_shard {dims.dp_shard} x tp {dims.tp} x pp {dims.pp}), more than the "
+            f"{available / 2**30:.1f} GiB a rank has ({source}); shard over more ranks or pick a smaller model "
+            "(python -m trainer.plan finds a layout that fits)"
         )
+    option = "parallelism.pipeline_parallel_microbatch_size" if dims.pp > 1 else "training.local_batch_size"
+    raise ConfigError(
+        f"{option} {sequences} x training.seq_len {config.training.seq_len}: the logits of one forward alone "
+        f"take {logits / 2**30:.1f} GiB per rank, which with {state / 2**30:.1f} GiB of weights, gradients and "
+        f"Adam moments is more than the {available / 2**30:.1f} GiB a rank has ({source})"
+    )
 
 
 def check_output_folders(config: JobConfig) -> None:

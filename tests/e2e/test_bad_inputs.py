@@ -187,8 +187,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
-    # A model whose state cannot fit a rank (405B on 2 ranks: 3 TiB each, on any host).
+    # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
     ("memory", ["--model.flavor", "405B"], "fp32 weights, gradients and Adam moments alone take 2993.0 GiB per rank"),
+    (
+        "memory",
+        ["--training.local_batch_size", "10000000"],
+        "training.local_batch_size 10000000 x training.seq_len 256: the logits of one forward alone take 9765.6 GiB",
+    ),
 ]
 
 
