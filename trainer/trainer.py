@@ -174,6 +174,13 @@ class Trainer:
             return
         if self.checkpointer is not None:
             self.checkpointer.load_at_start()
+        if self.step >= config.training.steps:
+            logger.warning(
+                "resumed at step %d, the run's end (training.steps %d): nothing left to train; raise "
+                "training.steps to train on",
+                self.step,
+                config.training.steps,
+            )
         self.metrics.start(self.step)
         data_iter = self._start_data()
         if config.debug.gc_freq > 0:

@@ -293,6 +293,16 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
     assert unloadable_checkpoints(dump) == ["step-12.unloadable"]
 
 
+def test_a_finished_run_started_again_says_there_is_nothing_left(tmp_path, reference):
+    dump = str(tmp_path / "run")
+    shutil.copytree(reference[0], dump)
+    result = run_script(dump, *TINY_RUN, *CHECKPOINTED, env={"LOG_RANK": "0,1"})
+    output = result.stdout + result.stderr
+    warning = f"resumed at step {STEPS}, the run's end (training.steps {STEPS}): nothing left to train"
+    assert output.count(warning) == 2, output[-3000:]  # one line per rank
+    assert steps(read_metrics(dump)) == steps(read_metrics(reference[0]))  # no step logged again
+
+
 def test_a_job_of_another_model_is_refused_without_a_restart(tmp_path, reference):
     """Started again on the dump folder with one block more: one line naming the checkpoint and
     how the models differ, exit 2, no restart, the checkpoints left as they were (each failed to
