@@ -290,6 +290,15 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)
+    # Manual bucket specs against the model's modules (a pipeline stage, which holds some blocks
+    # only, checks its own when it is built).
+    c = config.compile
+    simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp" and parallel_dims.dp_enabled
+    if c.enable and c.bucketing == "manual" and c.manual_buckets and simple_fsdp and not parallel_dims.pp_enabled:
+        with torch.device("meta"):
+            units = plan_units(Transformer(model_args), tokens=1, param_dtype=torch.float32)
+        with user_input("compile.manual_buckets"):
+            plan_manual(units, c.manual_buckets)
 
 
 def _check_tied(model_args: TransformerModelArgs, parallel_dims: ParallelDims) -> None:

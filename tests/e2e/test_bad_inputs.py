@@ -134,6 +134,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("layout", ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "65"], "does not divide"),
     ("layout", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], "run it on 1 rank"),
+    (
+        "layout",
+        ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],
+        "compile.manual_buckets: Bucket pattern 'layers.9' (in spec 'layers.9') matches no module of",
+    ),
     # LR schedules that do not fit.
     ("schedule", ["--training.steps", "5"], "lr_scheduler.warmup_steps 6 exceeds training.steps 5"),
     ("schedule", ["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),
@@ -144,6 +149,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("checkpoint", ["--checkpoint.interval", "0"], "checkpoint.interval must be positive"),
     ("checkpoint", ["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k must be >= 0"),
     ("checkpoint", ["--checkpoint.load_step", "5"], "checkpoint.load_step needs checkpoint.enable"),
+    (
+        "checkpoint",
+        ["--checkpoint.enable", "--checkpoint.load_step", "5"],
+        "checkpoint.load_step: no complete checkpoint step-5 in {d}/dump/checkpoint",
+    ),
     ("checkpoint", ["--checkpoint.export_hf"], "checkpoint.export_hf needs checkpoint.enable"),
     ("checkpoint", ["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
     ("checkpoint", ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean"),
