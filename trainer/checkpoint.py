@@ -350,17 +350,16 @@ def _read_metadata(path: str) -> Metadata:
         raise CheckpointError(f"{os.path.join(path, '.metadata')} is corrupt: {type(e).__name__}: {e}") from None
 
 
-def saved_parts(path: str) -> set[str]:
-    """The top-level parts (model, optimizer, ...) in a checkpoint's metadata; CheckpointError
-    when it does not read."""
-    return {key.split(".", 1)[0] for key in _read_metadata(path).state_dict_metadata}
+def _parts_of(metadata: Metadata) -> set[str]:
+    """The top-level parts (model, optimizer, ...) a checkpoint's metadata lists."""
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
-def saved_model_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """The shape of every model tensor in a checkpoint's metadata, by name (``model.<fqn>``)."""
+def _model_shapes_of(metadata: Metadata) -> dict[str, tuple[int, ...]]:
+    """The shape of every model tensor a checkpoint's metadata lists, by name (``model.<fqn>``)."""
     return {
         key: tuple(entry.size)
-        for key, entry in _read_metadata(path).state_dict_metadata.items()
+        for key, entry in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(entry, "size")
     }
 
@@ -395,7 +394,7 @@ def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
     CheckpointError naming the bad file. Without ``require_marker``, a DCP folder written elsewhere
     (no marker) is checked by its metadata alone."""
     verify_files(path, require_marker)
-    return saved_parts(path)
+    return _parts_of(_read_metadata(path))
 
 
 def _save_failed(path: str, error: BaseException) -> CheckpointError:
@@ -661,7 +660,8 @@ class CheckpointManager:
         try:
             verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
             if self.rank == 0:
-                parts, saved = saved_parts(path), saved_model_shapes(path)
+                metadata = _read_metadata(path)
+                parts, saved = _parts_of(metadata), _model_shapes_of(metadata)
         except CheckpointError as e:
             error = str(e)
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
