@@ -175,6 +175,15 @@ def complete_checkpoints(folder: str) -> list[tuple[int, str]]:
     return [(step, path) for step, path in checkpoint_folders(folder) if is_complete(path)]
 
 
+def complete_checkpoint_at(folder: str, step: int) -> str:
+    """The path of the complete checkpoint of ``step`` in ``folder`` (``checkpoint.load_step``);
+    ConfigError naming that option when there is none."""
+    paths = dict(complete_checkpoints(folder))
+    if step not in paths:
+        raise ConfigError(f"checkpoint.load_step: no complete checkpoint step-{step} in {folder}")
+    return paths[step]
+
+
 # ---------------------------------------------------------------------------------------------
 # Checksums
 
@@ -615,17 +624,11 @@ class CheckpointManager:
         """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one
         that verifies and loads (older ones are tried after a bad one). Returns its step, or None
         when there is none."""
-        candidates = complete_checkpoints(self.folder)
         if self.config.load_step >= 0:
-            chosen = [(step, path) for step, path in candidates if step == self.config.load_step]
-            if not chosen:
-                raise ConfigError(
-                    f"checkpoint.load_step: no complete checkpoint step-{self.config.load_step} in {self.folder}"
-                )
-            self._load_checked(chosen[0][1], self._wanted_parts())
-            self._tidy_after_resume(chosen[0][0])
-            return chosen[0][0]
-        for step, path in candidates:
+            self._load_checked(complete_checkpoint_at(self.folder, self.config.load_step), self._wanted_parts())
+            self._tidy_after_resume(self.config.load_step)
+            return self.config.load_step
+        for step, path in complete_checkpoints(self.folder):
             try:
                 self._load_checked(path, self._wanted_parts())
             except CheckpointError as e:
