@@ -585,15 +585,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def load_at_start(self) -> None:
-        """Restores the newest complete checkpoint, or else loads ``checkpoint.initial_load_path``'s
-        model weights (a DCP checkpoint folder or a Hugging Face folder)."""
+    def load_at_start(self) -> str | None:
+        """Restores the newest complete checkpoint and returns its folder, or else loads
+        ``checkpoint.initial_load_path``'s model weights (a DCP checkpoint folder or a Hugging Face
+        folder) and returns None."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
-            return
+            return os.path.join(self.folder, f"step-{step}")
         path = self.config.initial_load_path
         if not path:
-            return
+            return None
         if not os.path.isdir(path):
             raise ConfigError(f"checkpoint.initial_load_path: {path} is not a folder")
         if is_hf_folder(path):
@@ -602,6 +603,7 @@ class CheckpointManager:
         else:
             self._load_checked(path, ["model"], require_marker=False, option="checkpoint.initial_load_path")
         logger.info("initial weights loaded from %s", path)
+        return None
 
     def write_seed_checkpoint(self) -> None:
         """Writes the initialized model as step-0, loadable at any layout."""

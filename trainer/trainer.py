@@ -109,18 +109,17 @@ class Trainer:
     def _set_step(self, step: int) -> None:
         self.step = step
 
-    def _start_data(self):
-        """The training batches, from the position a resumed checkpoint saved. A position that does
-        not fit this job's data (another corpus, tokenizer, sequence length, global batch or seed)
-        is a mistake in the job: one line saying how to go on, not a restart to fail again."""
+    def _start_data(self, resumed: str | None):
+        """The training batches, from the position the checkpoint ``resumed`` from saved. A position
+        that does not fit this job's data (another corpus, tokenizer, sequence length, global batch
+        or seed) is a mistake in the job: one line saying how to go on, not a restart to fail again."""
         try:
             return iter(self.dataloader)  # the loader checks a restored position here
         except ValueError as e:
-            if self.step == 0:
+            if resumed is None:
                 raise
-            path = os.path.join(self.checkpointer.folder, f"step-{self.step}")
             raise ConfigError(
-                f"checkpoint.folder: the data position saved in {path} does not fit this job: {e}; "
+                f"checkpoint.folder: the data position saved in {resumed} does not fit this job: {e}; "
                 "keep the checkpoint's training.dataset, seq_len, global batch and seed, or start the data "
                 "over with --checkpoint.exclude_from_loading dataloader"
             ) from None
@@ -172,8 +171,7 @@ class Trainer:
         if config.checkpoint.create_seed_checkpoint:
             self.checkpointer.write_seed_checkpoint()
             return
-        if self.checkpointer is not None:
-            self.checkpointer.load_at_start()
+        resumed = self.checkpointer.load_at_start() if self.checkpointer is not None else None
         if self.step >= config.training.steps:
             logger.warning(
                 "resumed at step %d, the run's end (training.steps %d): nothing left to train; raise "
@@ -182,7 +180,7 @@ class Trainer:
                 config.training.steps,
             )
         self.metrics.start(self.step)
-        data_iter = self._start_data()
+        data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0:
             gc.disable()
         logger.info(
