@@ -77,8 +77,10 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
         return
     sharded_over = dims.dp_shard * dims.tp * dims.pp
     state = 16 * parameters / sharded_over
-    sequences = (
-        config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else config.training.local_batch_size
+    option, sequences = (
+        ("parallelism.pipeline_parallel_microbatch_size", config.parallelism.pipeline_parallel_microbatch_size)
+        if dims.pp > 1
+        else ("training.local_batch_size", config.training.local_batch_size)
     )
     logits = 2 * sequences * config.training.seq_len * args.vocab_size / dims.tp
     if state + logits <= available:
@@ -90,7 +92,6 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
             f"{available / 2**30:.1f} GiB a rank has ({source}); shard over more ranks or pick a smaller model "
             "(python -m trainer.plan finds a layout that fits)"
         )
-    option = "parallelism.pipeline_parallel_microbatch_size" if dims.pp > 1 else "training.local_batch_size"
     raise ConfigError(
         f"{option} {sequences} x training.seq_len {config.training.seq_len}: the logits of one forward alone "
         f"take {logits / 2**30:.1f} GiB per rank, which with {state / 2**30:.1f} GiB of weights, gradients and "
