@@ -61,7 +61,7 @@ export TESSERA_ERROR_FILE
 TESSERA_ERROR_FILE=$(mktemp)
 trap 'rm -f "$TESSERA_ERROR_FILE"' EXIT
 status=0
-"$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
+"$PY" -m trainer.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   "$HERE/train.py" --job.config_file "$CONFIG_FILE" "$@" || status=$?

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from config.job_config import ConfigError, print_error
@@ -94,4 +95,7 @@ def exit_without_teardown(code: int) -> None:
 
 # Helper processes (async checkpointing, dataloader workers) re-import this file: keep work here.
 if __name__ == "__main__":
+    # Ctrl-C reaches every rank and torchrun together: a rank just ends, without a traceback each;
+    # torchrun stops the others (and under run_train.sh says so in one line).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     exit_without_teardown(main(sys.argv[1:]))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -348,4 +349,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the dry run ends, without a traceback
     sys.exit(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from typing import TYPE_CHECKING
@@ -222,4 +223,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the check ends, without a traceback
     sys.exit(main(sys.argv[1:]))

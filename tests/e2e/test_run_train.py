@@ -1,14 +1,16 @@
 """run_train.sh end to end: 2 CPU ranks, the default corpus and tokenizer, real output files."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import REPO, TWO_BLOCKS, losses, read_metrics, run_script
+from tests.launch import REPO, TINY_RUN, TWO_BLOCKS, losses, read_metrics, run_script, script_command, script_env
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -95,3 +97,42 @@ def test_paths_are_read_from_where_the_script_is_started(tmp_path):
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 3]
+
+
+def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the script's whole process group) ends the ranks and
+    torchrun with one line and the shell's code for it, 130, leaving no process behind (it printed
+    a rank's KeyboardInterrupt traceback and torchrun's SignalException traceback)."""
+    dump = str(tmp_path / "run")
+    log = open(tmp_path / "output.txt", "w+")
+    command = script_command(dump, "--training.steps", "1000", "--training.seq_len", "64", "--metrics.log_freq", "1")
+    # Its own process group, as a terminal gives a foreground job.
+    script = subprocess.Popen(
+        command, cwd=REPO, env=script_env(2), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not (os.path.isfile(os.path.join(dump, "metrics.jsonl")) and read_metrics(dump)):
+        assert script.poll() is None and time.monotonic() < deadline, "the run ended or never logged a step"
+        time.sleep(0.5)
+    os.killpg(script.pid, signal.SIGINT)
+    code = script.wait(timeout=120)
+    log.seek(0)
+    output = log.read()
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.rstrip().endswith(
+        "stopped by SIGINT: every rank ended (with checkpoint.enable the same command resumes from the newest complete checkpoint)"
+    )
+    with pytest.raises(ProcessLookupError):
+        os.killpg(script.pid, 0)  # nothing of the group is left
+
+
+def test_ranks_that_fail_every_attempt_end_in_torchruns_table(tmp_path):
+    """A rank killed with no restarts left: exit code 1 and torchrun's table of failures naming the
+    rank and its signal, without the agent's Python traceback around it."""
+    kill = ["--debug.fail_at_step", "3", "--debug.failure", "kill", "--lr_scheduler.warmup_steps", "1"]
+    result = run_script(str(tmp_path / "run"), *TINY_RUN, *kill, env={"MAX_RESTARTS": "0"}, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "train.py FAILED" in output and "Root Cause (first observed failure)" in output, output[-3000:]
+    assert "(SIGKILL)" in output and "Traceback" not in output, output[-3000:]

@@ -34,7 +34,7 @@ exec "$@"
 """
 
 FAKE_PYTHON = f"""#!/usr/bin/env bash
-if [ "$1 $2" = "-m torch.distributed.run" ]; then
+if [ "$1 $2" = "-m trainer.launch" ]; then
   shift 2
   printf '%s\\n' "$@" > "$FAKE_DIR/torchrun_args"
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS" > "$FAKE_DIR/torchrun_env"
