@@ -43,10 +43,20 @@ def main(argv: list[str]) -> int:
         print_error(e)
         return 1
     except RuntimeError as e:
+        step = trainer.step + 1 if trainer is not None else 0
+        if _is_out_of_memory(e):
+            # The same batches at the same layout would run out again: not worth a restart.
+            return _refuse(
+                ConfigError(
+                    f"training.local_batch_size: out of memory in step {step} on rank {rank} "
+                    f"({_first_line(e)}); a smaller local_batch_size or seq_len, activation_checkpoint.mode "
+                    "selective or full, or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh "
+                    "estimates a rank's peak)"
+                )
+            )
         if not _is_collective_failure(e):
             raise
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
-        step = trainer.step + 1 if trainer is not None else 0
         print_error(
             f"a collective failed at step {step} (a rank died or hung longer than "
             f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}"
@@ -65,6 +75,13 @@ def _refuse(error: ConfigError) -> int:
         return 0
     print_error(error)
     return 2
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    # An accelerator's allocator raises OutOfMemoryError; the CPU's a RuntimeError saying so.
+    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
 
 
 def _is_collective_failure(error: BaseException) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from config.job_config import ConfigError
 from config.manager import load_config
-from tests.launch import REPO, run_script, script_command
+from tests.launch import REPO, run_script, script_command, script_env
 from trainer import preflight
 from trainer.trainer import Trainer
 
@@ -333,3 +334,27 @@ def test_a_mistake_found_inside_the_ranks_is_not_retried(tmp_path):
     assert result.stderr.rstrip().endswith(errors[0])  # the script's last word
     assert "Traceback" not in output and "ChildFailedError" not in output
     assert "will restart" not in output and "Restarting" not in output
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_running_out_of_memory_is_one_line_and_not_retried(tmp_path):
+    """A batch too big for the memory the ranks may use (here an address-space limit of 6 GB, under
+    which the pre-launch floor still passes): one line naming the option, exit 2, and no restart
+    (each of torchrun's attempts ran out again, a traceback each, and ended in a failed job)."""
+    command = script_command(str(tmp_path / "dump"), "--training.local_batch_size", "600", "--training.steps", "3")
+    limit = 6 * 10**9
+    result = subprocess.run(
+        [*command, "--lr_scheduler.warmup_steps", "1"],
+        cwd=REPO,
+        env=script_env(2),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("error: training.local_batch_size: out of memory in step 1 on rank "), output[-3000:]
+    assert "can't allocate memory" in last and "activation_checkpoint.mode" in last
+    assert "Traceback" not in output and "Restarting" not in output and "a collective failed" not in output
