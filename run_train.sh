@@ -29,6 +29,14 @@ LOG_RANK=${LOG_RANK:-0}
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake"
 PY=$("$HERE/scripts/setup_env.sh")
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+for arg in "$@"; do
+  if [ "$arg" = --help ] || [ "$arg" = -h ]; then
+    # The environment this script reads (the comment above), then every config option.
+    sed -n '2,/^# Extra arguments/s/^# \{0,1\}//p' "$0"
+    echo
+    exec "$PY" "$HERE/train.py" --help
+  fi
+done
 
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.

@@ -358,3 +358,14 @@ def test_running_out_of_memory_is_one_line_and_not_retried(tmp_path):
     assert last.startswith("error: training.local_batch_size: out of memory in step 1 on rank "), output[-3000:]
     assert "can't allocate memory" in last and "activation_checkpoint.mode" in last
     assert "Traceback" not in output and "Restarting" not in output and "a collective failed" not in output
+
+
+@pytest.mark.parametrize("command", [["./run_train.sh", "--help"], ["./run_train.sh", "--training.steps", "3", "-h"]])
+def test_help_lists_the_environment_and_every_option(command):
+    """``./run_train.sh --help`` prints the environment the script reads and every config option,
+    exit 0 (it was "error: 'help' must be a [section] table")."""
+    result = subprocess.run(command, cwd=REPO, env=script_env(2), capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.startswith("Trains with torchrun. Environment:\n  NGPU ")
+    assert "  MAX_RESTARTS " in result.stdout and "  COMM_MODE " in result.stdout
+    assert "  --training.steps int (default: 100)\n      Optimizer steps to train." in result.stdout
