@@ -365,10 +365,10 @@ def _validate_checkpoint(config: JobConfig) -> None:
         raise ConfigError("checkpoint.create_seed_checkpoint: run it on 1 rank without pipeline parallelism")
 
 
-def help_text() -> str:
+def help_text(program: str = "train.py") -> str:
     """Every option with its type, default and documentation."""
     lines = [
-        "usage: train.py [--job.config_file FILE.toml] [--section.field VALUE ...]",
+        f"usage: {program} [--job.config_file FILE.toml] [--section.field VALUE ...]",
         "",
         "Options (TOML keys are the same names inside [section] tables):",
     ]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from config.job_config import ConfigError, JobConfig, print_error, user_input
-from config.manager import load_config, to_toml
+from config.manager import help_text, load_config, to_toml
 from models.builder import model_args
 from models.registry import get_model_spec
 from parallelisms.pipeline import plan_pipeline
@@ -412,6 +412,9 @@ def check_plan(config: JobConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(help_text("python -m trainer.plan"))
+        return 0
     start = time.perf_counter()
     try:
         config = load_config(argv)

@@ -71,6 +71,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert message in result.stderr
 
 
+def test_help_lists_every_option():
+    """``python -m trainer.plan --help`` (it was "error: 'help' must be a [section] table")."""
+    result = _run("--help")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("usage: python -m trainer.plan ")
+    assert "  --plan.devices int (default: 8)" in result.stdout and "  --training.steps int" in result.stdout
+
+
 def test_time_model_by_hand():
     """One layout's step time against a hand computation of the README's model."""
     config = load_config(["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "8", *REAL])
