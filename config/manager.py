@@ -331,8 +331,6 @@ def validate(config: JobConfig) -> None:
     lr = config.lr_scheduler
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
-    if lr.warmup_steps > config.training.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps {lr.warmup_steps} exceeds training.steps {config.training.steps}")
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
 

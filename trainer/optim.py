@@ -146,11 +146,20 @@ def build_lr_scheduler(
     or sqrt (``1 - sqrt(progress)``) decay to ``min_lr_factor * peak`` at the last step; the
     optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
     (WSD); None decays over all steps after warmup. Step it once after each ``optimizer.step()``.
-    ValueError names a bad ``lr_scheduler.*`` value."""
+    A run shorter than its warmup and decay (a short trial of a long job's config) gets them cut to
+    fit, with a warning, as torchtitan does. ValueError names a bad ``lr_scheduler.*`` value."""
     if total_steps < 1:
         raise ValueError(f"lr_scheduler.total_steps must be >= 1, got {total_steps}")
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"lr_scheduler.warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}")
+    if warmup_steps < 0:
+        raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {warmup_steps}")
+    if warmup_steps > total_steps:
+        logger.warning(
+            "lr_scheduler.warmup_steps %d exceeds training.steps %d: warming up over all %d steps",
+            warmup_steps,
+            total_steps,
+            total_steps,
+        )
+        warmup_steps = total_steps
     if not 0.0 <= min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {min_lr_factor}")
 
@@ -161,10 +170,15 @@ def build_lr_scheduler(
             raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {decay_ratio}")
         decay_steps = round(decay_ratio * total_steps)
         if warmup_steps + decay_steps > total_steps:
-            raise ValueError(
-                f"lr_scheduler.decay_ratio={decay_ratio} gives {decay_steps} decay steps, which with "
-                f"lr_scheduler.warmup_steps={warmup_steps} exceeds lr_scheduler.total_steps={total_steps}"
+            logger.warning(
+                "lr_scheduler.decay_ratio %g gives %d decay steps, more than the %d after %d of warmup: "
+                "decaying over those",
+                decay_ratio,
+                decay_steps,
+                total_steps - warmup_steps,
+                warmup_steps,
             )
+            decay_steps = total_steps - warmup_steps
 
     stable_steps = total_steps - warmup_steps - decay_steps
     phases = f"{warmup_steps} warmup, {stable_steps} stable, {decay_steps} {decay_type} decay steps"
