@@ -63,18 +63,9 @@ else
   RENDEZVOUS=(--standalone)
 fi
 
-# A rank that meets a mistake no restart can mend writes "CODE line" here and exits 0, so that
-# torchrun does not start the group again; the line and the code are this script's.
-export TESSERA_ERROR_FILE
-TESSERA_ERROR_FILE=$(mktemp)
-trap 'rm -f "$TESSERA_ERROR_FILE"' EXIT
-status=0
-"$PY" -m trainer.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
+# exec: a signal sent to the script (a scheduler's SIGTERM) reaches torchrun's agent, which stops the
+# ranks; the launcher also reports a mistake a rank found that no restart can mend, once.
+exec "$PY" -m trainer.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  "$HERE/train.py" --job.config_file "$CONFIG_FILE" "$@" || status=$?
-if [ -s "$TESSERA_ERROR_FILE" ]; then
-  read -r status line <"$TESSERA_ERROR_FILE"
-  echo "$line" >&2
-fi
-exit "$status"
+  "$HERE/train.py" --job.config_file "$CONFIG_FILE" "$@"

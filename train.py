@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
 
 def _refuse(error: ConfigError) -> int:
     """A mistake no restart can mend: one line and exit code 2. Under run_train.sh the line goes to
-    its error file and the rank exits 0, so that torchrun does not start the group again."""
+    its launcher's error file (trainer/launch.py) and the rank exits 0, so that torchrun does not
+    start the group again."""
     error_file = os.environ.get("TESSERA_ERROR_FILE")
     if error_file and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         with open(error_file, "w") as f:

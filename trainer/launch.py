@@ -1,14 +1,21 @@
 """run_train.sh's torchrun: ``python -m trainer.launch [torchrun options] train.py [options]``.
 
-torchrun's agent ends in a traceback of its own when it is stopped by a signal (Ctrl-C, a
-scheduler's SIGTERM) and when the ranks failed on every attempt. Here a signal ends in one line and
-the shell's exit code for it (130 for SIGINT), and failed ranks in torchrun's table of failures
-alone, with exit code 1.
+What it adds to torchrun:
+- A rank that meets a mistake no restart can mend writes "CODE line" to the file named by
+  ``TESSERA_ERROR_FILE`` (made here) and exits 0, so that torchrun does not start the group again;
+  the line is printed last and the code returned.
+- Stopped by a signal (Ctrl-C, a scheduler's SIGTERM; run_train.sh execs this process, so a signal
+  sent to the script's process lands here), the agent stops the ranks and raises an exception:
+  here that ends in one line and the shell's exit code for the signal (130 for SIGINT).
+- Ranks that failed on every attempt end in torchrun's table of failures, exit code 1, without the
+  agent's traceback around it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -16,6 +23,23 @@ from torch.distributed.run import main as torchrun
 
 
 def main(argv: list[str]) -> int:
+    descriptor, error_file = tempfile.mkstemp(prefix="tessera-error-")
+    os.close(descriptor)
+    os.environ["TESSERA_ERROR_FILE"] = error_file  # the ranks inherit it
+    try:
+        code = _run(argv)
+        with open(error_file) as f:
+            refusal = f.read().strip()
+    finally:
+        os.unlink(error_file)
+    if refusal:
+        code, line = refusal.split(" ", 1)
+        print(line, file=sys.stderr)
+        return int(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     try:
         torchrun(argv)
     except SignalException as e:

@@ -99,10 +99,13 @@ def test_paths_are_read_from_where_the_script_is_started(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 3]
 
 
-def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
-    """Ctrl-C in the terminal (SIGINT to the script's whole process group) ends the ranks and
-    torchrun with one line and the shell's code for it, 130, leaving no process behind (it printed
-    a rank's KeyboardInterrupt traceback and torchrun's SignalException traceback)."""
+@pytest.mark.parametrize("to_whole_group", [True, False], ids=["ctrl_c", "sigterm_to_the_script"])
+def test_a_signal_stops_every_rank_in_one_line(tmp_path, to_whole_group):
+    """Ctrl-C in the terminal (SIGINT to the script's whole process group), or a scheduler's SIGTERM
+    to the script's process alone, ends the ranks and torchrun with one line and the shell's code
+    for the signal, leaving no process behind. Before, Ctrl-C printed a rank's KeyboardInterrupt
+    traceback and torchrun's SignalException traceback, and SIGTERM ended the script alone, with
+    torchrun and the ranks training on."""
     dump = str(tmp_path / "run")
     log = open(tmp_path / "output.txt", "w+")
     command = script_command(dump, "--training.steps", "1000", "--training.seq_len", "64", "--metrics.log_freq", "1")
@@ -114,15 +117,19 @@ def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
     while not (os.path.isfile(os.path.join(dump, "metrics.jsonl")) and read_metrics(dump)):
         assert script.poll() is None and time.monotonic() < deadline, "the run ended or never logged a step"
         time.sleep(0.5)
-    os.killpg(script.pid, signal.SIGINT)
+    sent = signal.SIGINT if to_whole_group else signal.SIGTERM
+    if to_whole_group:
+        os.killpg(script.pid, sent)
+    else:
+        os.kill(script.pid, sent)
     code = script.wait(timeout=120)
     log.seek(0)
     output = log.read()
-    assert code == 130, output[-3000:]
+    assert code == 128 + sent, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    assert output.rstrip().endswith(
-        "stopped by SIGINT: every rank ended (with checkpoint.enable the same command resumes from the newest complete checkpoint)"
-    )
+    stopped = f"stopped by {sent.name}: every rank ended (with checkpoint.enable the same command resumes from"
+    assert output.rstrip().splitlines()[-1].startswith(stopped), output[-3000:]
+    time.sleep(1)
     with pytest.raises(ProcessLookupError):
         os.killpg(script.pid, 0)  # nothing of the group is left
 
