@@ -7,12 +7,14 @@ when the config is wrong (``main`` also serves run_train.sh, which lets it count
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
@@ -52,6 +54,10 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     args = check_files(config)
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)
+        # A dry run writes nothing there: it may look at a running job's config.
+        lock = os.path.join(config.job.dump_folder, DUMP_FOLDER_LOCK)
+        if os.path.isfile(lock):
+            _claim(lock, config.job.dump_folder).close()
 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
@@ -116,6 +122,36 @@ def check_output_folders(config: JobConfig) -> None:
     for option, folder in folders:
         if problem := _unwritable(folder):
             raise ConfigError(f"{option}: {problem}")
+
+
+DUMP_FOLDER_LOCK = ".tessera.lock"
+
+
+def claim_dump_folder(folder: str) -> IO[str]:
+    """Marks ``folder`` as this process's run for as long as the returned file stays open or the
+    process lives; a one-line ConfigError when another process holds it. Two runs in one folder
+    would interleave their metrics, and each resume from and delete the other's checkpoints. The
+    kernel drops a dead process's lock, so a crashed or killed run leaves no stale claim."""
+    os.makedirs(folder, exist_ok=True)
+    return _claim(os.path.join(folder, DUMP_FOLDER_LOCK), folder)
+
+
+def _claim(path: str, folder: str) -> IO[str]:
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(
+            f"job.dump_folder: {folder} is in use by another run ({holder}); stop it, or give this run another folder"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def _unwritable(folder: str) -> str | None:

@@ -312,6 +312,34 @@ def test_the_ranks_check_the_output_folders_themselves(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check leaves nothing behind
 
 
+def test_a_dump_folder_in_use_by_another_run_is_refused(tmp_path):
+    """A second run started on the folder of a run still going (which would interleave metrics and
+    resume from and delete the other's checkpoints) is one line, before launch and in the ranks;
+    once the first run's process is gone, the folder is free: no stale claim."""
+    dump = str(tmp_path / "run")
+    hold = "import sys, time; from trainer.preflight import claim_dump_folder; held = claim_dump_folder(sys.argv[1]); print(1)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold + "; sys.stdout.flush(); time.sleep(600)", dump],
+        env=dict(os.environ, PYTHONPATH=REPO),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    config = load_config(["--job.dump_folder", dump])
+    try:
+        assert holder.stdout.readline() == "1\n"
+        message = rf"^job.dump_folder: {dump} is in use by another run \(process {holder.pid} on .*\); stop it, or"
+        with pytest.raises(ConfigError, match=message):
+            preflight.check(config, 1, ranks_per_node=1)
+        with pytest.raises(ConfigError, match=message):
+            Trainer(config)
+        assert not dist.is_initialized()
+        preflight.check(config, 1)  # a dry run may look on
+    finally:
+        holder.kill()
+        holder.wait()
+    preflight.check(config, 1, ranks_per_node=1)
+
+
 def test_a_seed_checkpoint_must_fit_one_process(capsys):
     argv = ["--nnodes", "1", "--nproc-per-node", "1", "--model.flavor", "405B"]
     assert preflight.main([*argv, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]) == 2
