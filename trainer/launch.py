@@ -33,9 +33,9 @@ def main(argv: list[str]) -> int:
     finally:
         os.unlink(error_file)
     if refusal:
-        code, line = refusal.split(" ", 1)
+        refusal_code, line = refusal.split(" ", 1)
         print(line, file=sys.stderr)
-        return int(code)
+        return int(refusal_code)
     return code
 
 
