@@ -36,11 +36,12 @@ from torch.distributed.tensor import DTensor
 
 from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config
-from models.builder import BuiltModel, build_model, model_args
+from models.builder import BuiltModel, build_model
 from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims
 from trainer.checkpoint import ModelState, OptimizerState, whole_model
 from trainer.distributed import parallel_dims_from_config
+from trainer.hf_checkpoint import job_model_args
 from trainer.loss import Loss
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
 from trainer.preflight import check
@@ -83,6 +84,9 @@ class DryRunReport:
     mesh: dict[str, int]
     parameters: int
     """Parameters of rank 0's model parts (all of them without pipelining), before sharding."""
+    vocab_size: int
+    """The model's vocabulary: model.tokenizer_path's, else the flavor's or Hugging Face folder's
+    (not the default tokenizer's, which is for trial runs)."""
     peak_bytes: int
     """Rank 0's peak of live tensor storage in the last step (the first one is a warm-up)."""
     peak: dict[str, int]
@@ -102,8 +106,8 @@ class DryRunReport:
     def summary(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
         lines = [
-            f"dry run: rank 0 of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages, "
-            f"{STEPS} steps in {self.seconds:.0f}s",
+            f"dry run: rank 0 of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages "
+            f"(vocabulary {self.vocab_size:,}), {STEPS} steps in {self.seconds:.0f}s",
             f"  peak memory per rank {_size(self.peak_bytes)} in step {STEPS} (live tensors as MemTracker "
             "counts them; per-tensor optimizer step)",
         ]
@@ -298,7 +302,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
     vocab_size = None
     if config.model.tokenizer_path:
         vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
-    args = model_args(config, vocab_size)
+    args = job_model_args(config, vocab_size)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu")
     built = build_model(config, dims, device, args, loss, fake_mode=fake_mode)
@@ -318,6 +322,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
         world_size=world_size,
         mesh=dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape, strict=True)),
         parameters=sum(p.numel() for part in built.parts for p in part.parameters()),
+        vocab_size=args.vocab_size,
         peak_bytes=peak.get(_TOTAL_KEY, 0),
         peak={k: v for k, v in peak.items() if k != _TOTAL_KEY},
         after_forward=after_forward,

@@ -51,7 +51,7 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_output_folders(config)
-    args = check_files(config)
+    args = check_files(config, simulated=ranks_per_node is None)
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
@@ -172,16 +172,18 @@ def _unwritable(folder: str) -> str | None:
     return None
 
 
-def check_files(config: JobConfig) -> TransformerModelArgs:
+def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelArgs:
     """Reads the start of every corpus, the tokenizer and the Hugging Face folder the run will
     use; one line names every one that is missing or broken, and every way the folder differs
-    from the model. Returns the model args the run will build (the tokenizer's vocabulary)."""
+    from the model. Returns the model args the run will build (the tokenizer's vocabulary; for a
+    dry run, ``simulated``, the flavor's unless model.tokenizer_path is given, as the dry run
+    sizes it)."""
     from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems = [problem for option in options if (problem := _dataset_problem(config, option))]
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
-    vocab_size = config.model.default_tokenizer_vocab_size
+    vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
     if config.model.tokenizer_path:
         try:
             vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size

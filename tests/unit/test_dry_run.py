@@ -64,6 +64,20 @@ def test_dry_run_optimizer_state_is_the_hand_counted_shard():
     assert report["peak_bytes"] == sum(report["peak"].values())
 
 
+def test_a_hugging_face_folder_to_fine_tune_is_sized_as_its_config_says(tmp_path):
+    """A fine-tuning job's dry run builds the folder's architecture, as the run does (it built the
+    flavor's debug model): 3 blocks of width 512, by hand 9,178,624 parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=8)
+    hf |= dict(num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024)
+    LlamaForCausalLM(LlamaConfig(**hf)).save_pretrained(tmp_path / "hf")
+    report = _dry_run(2, "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"))
+    blocks = 3 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)  # wq, wo; wk, wv (4 kv heads); FFN; norms
+    assert report["parameters"] == 2 * 2048 * 512 + blocks + 512 == 9_178_624
+    assert report["vocab_size"] == 2048
+
+
 SIMPLE_FSDP_COMPILED = ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable"]
 
 
@@ -111,13 +125,16 @@ def test_bad_layout_at_the_simulated_world_size_is_one_line():
 @pytest.mark.slow
 def test_a_dry_run_is_not_held_to_this_hosts_memory():
     """One block of the 405B model on 2 ranks: 24 GiB of fp32 state per rank, which a real launch
-    on a host of less than 48 GiB refuses before any rank starts; the dry run reports its peak."""
+    on a host of less than 48 GiB refuses before any rank starts; the dry run reports its peak,
+    with the flavor's vocabulary, and does not claim the default tokenizer's (as it once warned,
+    twice, while sizing the flavor's)."""
     argv = ["--model.flavor", "405B", "--model.n_layers", "1", "--training.seq_len", "128"]
     argv += ["--training.local_batch_size", "1"]
     env = dict(os.environ, COMM_MODE="fake", NGPU="2", PYTHON=sys.executable)
     proc = subprocess.run(["./run_train.sh", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "peak" in proc.stdout, proc.stdout[-3000:]
+    assert "(vocabulary 128,256)" in proc.stdout and "from the tokenizer" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _real_peak(world: int, argv: list[str], out: str) -> dict:
