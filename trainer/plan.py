@@ -31,10 +31,10 @@ import torch
 
 from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import help_text, load_config, to_toml
-from models.builder import model_args
 from models.registry import get_model_spec
 from parallelisms.pipeline import plan_pipeline
 from trainer.dry_run import dry_run
+from trainer.hf_checkpoint import architecture_folder, job_model_args
 
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
@@ -81,15 +81,16 @@ class ModelShape:
 
 
 def model_shape(config: JobConfig) -> ModelShape:
-    """Parameter counts of the flavor's model, from modules built on the meta device."""
-    args = model_args(config)
+    """Parameter counts of the job's model (the flavor's, or a Hugging Face folder's architecture),
+    from modules built on the meta device."""
+    args = job_model_args(config)
+    found = architecture_folder(config)
+    name = config.model.flavor if found is None else found[1]
     cls = get_model_spec(config.model.name).model_cls
     with torch.device("meta"):
         one, two = (sum(p.numel() for p in cls(dataclasses.replace(args, n_layers=n)).parameters()) for n in (1, 2))
     kv_heads = args.n_kv_heads or args.n_heads
-    return ModelShape(
-        config.model.flavor, args.n_layers, args.dim, args.vocab_size, args.n_heads, kv_heads, two - one, 2 * one - two
-    )
+    return ModelShape(name, args.n_layers, args.dim, args.vocab_size, args.n_heads, kv_heads, two - one, 2 * one - two)
 
 
 def _divisors(n: int) -> list[int]:

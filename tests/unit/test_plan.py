@@ -79,6 +79,18 @@ def test_help_lists_every_option():
     assert "  --plan.devices int (default: 8)" in result.stdout and "  --training.steps int" in result.stdout
 
 
+def test_it_plans_the_architecture_a_hugging_face_config_gives(tmp_path):
+    """``--model.architecture <config.json>`` is planned at that size (it planned the flavor's)."""
+    from transformers import LlamaConfig
+
+    hf = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=8)
+    LlamaConfig(**hf, num_key_value_heads=4, vocab_size=2048).save_pretrained(tmp_path)
+    shape = plan.model_shape(load_config(["--model.architecture", str(tmp_path / "config.json")]))
+    assert (shape.name, shape.n_layers, shape.dim, shape.vocab) == (str(tmp_path), 3, 512, 2048)
+    assert shape.block_params == 2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512  # attention, FFN, norms
+    assert shape.other_params == 2 * 2048 * 512 + 512  # embedding, output, final norm
+
+
 def test_time_model_by_hand():
     """One layout's step time against a hand computation of the README's model."""
     config = load_config(["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "8", *REAL])
