@@ -26,7 +26,8 @@ NNODES=${NNODES:-1}
 [[ "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
 LOG_RANK=${LOG_RANK:-0}
 [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
-[[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake"
+[ "${COMM_MODE:-}" = fake_backend ] && COMM_MODE=fake # torchtitan's name for it
+[[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake (or fake_backend)"
 PY=$("$HERE/scripts/setup_env.sh")
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
 for arg in "$@"; do

@@ -265,9 +265,10 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
     """One line for torchtitan options of features Tessera lacks: an error when the run cannot go
     without the feature, else a warning; one warning line for the others (left at no effect)."""
     wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
-    if wanted.keys() & torchtitan.CHANGES_THE_RUN:
+    if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
         missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
-        raise ConfigError(f"not available in Tessera: {missing}")
+        instead = "".join(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking))
+        raise ConfigError(f"not available in Tessera: {missing}{instead}")
     if wanted:
         missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
         logger.warning("not available in Tessera, training without them: %s", missing)

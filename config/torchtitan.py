@@ -107,8 +107,13 @@ FOREIGN: dict[str, object] = {
 }
 """torchtitan options of features Tessera lacks -> the value that leaves the feature off."""
 
-CHANGES_THE_RUN = frozenset({"parallelism.context_parallel_degree", "parallelism.expert_parallel_degree"})
-"""Missing features a run cannot go without: they change how ranks split the work."""
+CHANGES_THE_RUN = {
+    "parallelism.context_parallel_degree": "",
+    "parallelism.expert_parallel_degree": "",
+    "comm.mode": "; a dry run is COMM_MODE=fake ./run_train.sh",
+}
+"""Missing features a run cannot go without (they change how ranks split the work, or whether
+they train at all) -> what to use instead, if anything."""
 
 
 def asks_for_feature(key: str, value: object) -> bool:

@@ -94,6 +94,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("choice", ["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode: 'partial'"),
     ("choice", ["--parallelism.pipeline_parallel_schedule", "PipeDream"], "'PipeDream' is not one of"),
     ("choice", ["--training.nonfinite_policy", "ignore"], "training.nonfinite_policy: 'ignore'"),
+    # torchtitan's dry run asked of train.py (it trained for real, with a warning).
+    ("choice", ["--comm.mode", "fake_backend"], "comm.mode='fake_backend'; a dry run is COMM_MODE=fake ./run_train.sh"),
     (
         "choice",
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
@@ -285,7 +287,7 @@ ENVIRONMENT_CASES = [
     ({"LOG_RANK": "0,x"}, "error: LOG_RANK: '0,x' is not a list of local ranks (e.g. 0,1)"),
     ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
     ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
-    ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake"),
+    ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake (or fake_backend)"),
 ]
 
 
