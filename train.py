@@ -21,8 +21,7 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    error_file = os.environ.get("TESSERA_ERROR_FILE")
-    if error_file and os.path.isfile(error_file) and os.path.getsize(error_file) > 0:
+    if _error_file_written():
         return 0  # an earlier attempt of this job met a mistake that a restart cannot mend
     try:
         config = load_config(argv)
@@ -56,6 +55,8 @@ def main(argv: list[str]) -> int:
             )
         if not _is_collective_failure(e):
             raise
+        if _error_file_written():
+            return 0  # the peer met a mistake no restart can mend and left its line for run_train.sh
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
         print_error(
             f"a collective failed at step {step} (a rank died or hung longer than "
@@ -76,6 +77,11 @@ def _refuse(error: ConfigError) -> int:
         return 0
     print_error(error)
     return 2
+
+
+def _error_file_written() -> bool:
+    error_file = os.environ.get("TESSERA_ERROR_FILE")
+    return bool(error_file) and os.path.isfile(error_file) and os.path.getsize(error_file) > 0
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

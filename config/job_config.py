@@ -340,10 +340,13 @@ class Debug:
     fail_at_step: int = -1
     """Failure injection for tests, on the first attempt only (before any torchrun restart): at this
     step the last rank does what debug.failure says; -1 = never."""
-    failure: Literal["kill", "hang", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan"] = "kill"
+    failure: Literal["kill", "hang", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan", "oom"] = (
+        "kill"
+    )
     """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save (die
     while writing that step's checkpoint), hang_during_save (hang there), disk_full_during_save (the
-    disk fills up during that save: OSError ENOSPC) or nan (non-finite gradients)."""
+    disk fills up during that save: OSError ENOSPC), nan (non-finite gradients) or oom (out of
+    memory on that rank alone)."""
 
 
 @dataclass

@@ -4,8 +4,9 @@ It acts once, at that step, on the first attempt only (before any torchrun resta
 rank: ``kill`` (SIGKILL), ``hang`` (sleep forever), ``kill_during_save`` (die once its shard of
 that step's checkpoint is on disk), ``hang_during_save`` (sleep forever once its shard is on disk,
 before the save's last collective), ``disk_full_during_save`` (the disk fills up after the first
-64 KiB of its shard: the write raises OSError ENOSPC, leaving a partial file) or ``nan`` (non-finite
-gradients, which every rank then sees in the global norm, so that they skip or roll back together).
+64 KiB of its shard: the write raises OSError ENOSPC, leaving a partial file), ``nan`` (non-finite
+gradients, which every rank then sees in the global norm, so that they skip or roll back together)
+or ``oom`` (out of memory on that rank alone, as a pipeline's last stage with the logits can be).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class FailureInjector:
         logger.warning("debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, self.rank)
         if failure == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if failure == "oom":
+            raise torch.OutOfMemoryError(f"debug.failure=oom injected on rank {self.rank}")
         while failure == "hang":
             time.sleep(3600)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from config.job_config import ConfigError
 from config.manager import load_config
-from tests.launch import REPO, run_script, script_command, script_env
+from tests.launch import REPO, TINY_RUN, run_script, script_command, script_env
 from trainer import preflight
 from trainer.trainer import Trainer
 
@@ -362,6 +362,20 @@ def test_a_mistake_found_inside_the_ranks_is_not_retried(tmp_path):
     assert result.stderr.rstrip().endswith(errors[0])  # the script's last word
     assert "Traceback" not in output and "ChildFailedError" not in output
     assert "will restart" not in output and "Restarting" not in output
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_one_rank_out_of_memory_is_not_retried_either(tmp_path):
+    """The last rank alone runs out (injected, as a pipeline's last stage can): its peer's broken
+    collective does not make torchrun start the group again (it did, once, before the next attempt
+    found the error file), and the script's last word is the rank's line."""
+    oom = ["--debug.fail_at_step", "2", "--debug.failure", "oom", "--lr_scheduler.warmup_steps", "1"]
+    result = run_script(str(tmp_path / "dump"), *TINY_RUN, *oom, env={"LOG_RANK": "0,1"}, check=False, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("error: training.local_batch_size: out of memory in step 2 on rank 1 (debug.failure=oom")
+    assert "Restarting" not in output and "a collective failed" not in output, output[-3000:]
 
 
 @pytest.mark.slow  # launches run_train.sh
