@@ -55,8 +55,8 @@ def main(argv: list[str]) -> int:
             )
         if not _is_collective_failure(e):
             raise
-        if _error_file_written():
-            return 0  # the peer met a mistake no restart can mend and left its line for run_train.sh
+        if _peer_refused():
+            return 0  # a peer met a mistake no restart can mend: run_train.sh prints its line
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
         print_error(
             f"a collective failed at step {step} (a rank died or hung longer than "
@@ -72,8 +72,12 @@ def _refuse(error: ConfigError) -> int:
     start the group again."""
     error_file = os.environ.get("TESSERA_ERROR_FILE")
     if error_file and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        from trainer.distributed import post_refusal
+
+        line = f"2 error: {error}\n"
         with open(error_file, "w") as f:
-            f.write(f"2 error: {error}\n")
+            f.write(line)
+        post_refusal(line)  # for the ranks of other nodes, whose error files are theirs
         return 0
     print_error(error)
     return 2
@@ -82,6 +86,23 @@ def _refuse(error: ConfigError) -> int:
 def _error_file_written() -> bool:
     error_file = os.environ.get("TESSERA_ERROR_FILE")
     return bool(error_file) and os.path.isfile(error_file) and os.path.getsize(error_file) > 0
+
+
+def _peer_refused() -> bool:
+    """Whether a rank of this job met a mistake no restart can mend: one of this node's (its line is
+    in the error file), or of another node's (its line, in torchrun's store, is copied to this
+    node's error file for run_train.sh to print)."""
+    from trainer.distributed import posted_refusal
+
+    if _error_file_written():
+        return True
+    error_file = os.environ.get("TESSERA_ERROR_FILE")
+    line = posted_refusal() if error_file else None
+    if line is None:
+        return False
+    with open(error_file, "w") as f:
+        f.write(line)
+    return True
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

@@ -51,6 +51,38 @@ def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+REFUSAL_KEY = "tessera/refusal"
+
+
+def _agent_store() -> dist.Store | None:
+    """torchrun's store (a client of it), which outlives the ranks of every node; None without torchrun
+    or when it cannot be reached."""
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    try:
+        timeout = datetime.timedelta(seconds=10)
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=True
+        )
+    except (RuntimeError, ValueError):
+        return None
+
+
+def post_refusal(line: str) -> None:
+    """Leaves this rank's one-line refusal (a mistake no restart can mend) in torchrun's store, where
+    the ranks of other nodes find it when their collectives break."""
+    if (store := _agent_store()) is not None:
+        store.set(REFUSAL_KEY, line)
+
+
+def posted_refusal() -> str | None:
+    """A refusal some rank of the job left in torchrun's store, else None."""
+    store = _agent_store()
+    if store is None or not store.check([REFUSAL_KEY]):
+        return None
+    return store.get(REFUSAL_KEY).decode()
+
+
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
     """Switches every group of this process to the steady-state timeout: the default one, the
     mesh's and any other (the checkpoint manager's, whose saves would otherwise wait for a hung

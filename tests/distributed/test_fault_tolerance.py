@@ -367,6 +367,31 @@ def test_two_nodes_on_localhost(tmp_path, reference):
     assert losses_by_step(read_metrics(dump)) == reference[1]
 
 
+def test_a_mistake_on_one_node_ends_every_node_in_its_line(tmp_path):
+    """Two nodes; the rank of one runs out of memory (injected). Both scripts end with its line and
+    exit code 2, without a restart. Before, the other node's rank saw only a broken collective and
+    exited 1, so its agent waited for a new rendezvous that the finished node never joined, and the
+    finished node's agent waited for it at torchrun's exit barrier: minutes, then failures."""
+    env = script_env(1, {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": "refusal"})
+    oom = ["--debug.fail_at_step", "2", "--debug.failure", "oom", "--lr_scheduler.warmup_steps", "1"]
+    command = script_command(str(tmp_path), *TINY_RUN, *oom)
+    nodes = [
+        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_tree(node)
+    line = "error: training.local_batch_size: out of memory in step 2 on rank 1 (debug.failure=oom injected on rank 1)"
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 2, output[-3000:]
+        assert output.rstrip().splitlines()[-1].startswith(line), output[-3000:]
+        assert "Restarting" not in output, output[-3000:]
+
+
 def test_rank_hung_inside_a_save_times_out_and_restarts(tmp_path, reference):
     """The last rank hangs once its shard of step 8 is written: rank 0 waits in the save's
     collective for comm.train_timeout_seconds, fails naming step-8, torchrun restarts, step 4
