@@ -38,32 +38,28 @@ def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timeout,
-        use_libuv=True,
-    )
+    store = _torchrun_store(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _torchrun_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of torchrun's store, which outlives the ranks of every node."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=True
+    )
 
 
 REFUSAL_KEY = "tessera/refusal"
 
 
 def _agent_store() -> dist.Store | None:
-    """torchrun's store (a client of it), which outlives the ranks of every node; None without torchrun
-    or when it cannot be reached."""
+    """torchrun's store; None without torchrun or when it cannot be reached."""
     if "MASTER_ADDR" not in os.environ:
         return None
     try:
-        timeout = datetime.timedelta(seconds=10)
-        return dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=True
-        )
+        return _torchrun_store(datetime.timedelta(seconds=10))
     except (RuntimeError, ValueError):
         return None
 
