@@ -4,6 +4,7 @@
                                [--manual-plan NAME=BUCKETS ...]
                                [--precisions fp32,bf16] [--ranks 1,2] [--rounds N]
                                [--steps N] [--warmup N] [--seq-len N] [--batch-size N] [--quick]
+    python bench/dp_compare.py --interleave [--models ...] [--variants ...] [--precisions ...] [--ranks ...]
     python bench/dp_compare.py --compile-depths 6,16,32
 
 Every run is one ``torchrun`` launch of ``bench/dp_compare_worker.py`` (gloo, ``OMP_NUM_THREADS=1``
@@ -17,6 +18,12 @@ efficiency: tokens/s per rank on 2 ranks over tokens/s on 1 rank, same variant. 
 what the machine allows: as many 1-rank runs as the largest rank count, launched at once and
 independent (no communication), over one alone; the ranks of a data-parallel run share the cores,
 memory and caches the same way, and communicate on top.
+
+``--interleave`` runs every variant of a (model, precision, ranks) in one launch instead, its
+steps alternating with the others' (``bench/dp_compare_worker.py``), so that a change of the
+machine's load between launches, which on a shared machine moves a ratio by more than 10%, falls
+on every variant alike. It measures step times and losses only; the table gives each step's time
+over the ``fsdp2_eager`` step next to it, over all rounds: median and quartiles.
 
 ``--manual-plan`` adds hand-written bucket plans as variants of their own, to set the auto
 planner against the best plan one can write for the same model in the same rounds.
@@ -93,6 +100,7 @@ class RunSpec:
     n_layers: int | None = None
     cache_dir: str | None = None
     side_by_side: int = 1  # launches of this run at once (the scaling ceiling)
+    interleaved: tuple[str, ...] = ()  # the variants whose steps alternate in this launch (--interleave)
 
     @property
     def label(self) -> str:
@@ -156,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ranks 1,N: also N 1-rank runs launched at once, independent: the scaling the machine allows",
     )
     parser.add_argument("--rounds", type=int, default=3, help="times every run is repeated (default 3)")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help=f"one launch per model, precision and ranks, the variants' steps alternating: ratios to {BASELINE} "
+        "step by step, under the same load (no memory or collectives)",
+    )
     parser.add_argument("--compile-depths", help="comma-separated layer counts: the compile-time table instead")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one variant may take (default 1800)")
     parser.add_argument(
@@ -191,10 +205,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.ranks = [int(n) for n in args.ranks.split(",")]
     if args.ceiling and (1 not in args.ranks or max(args.ranks) < 2):
         parser.error("--ceiling compares 1-rank runs alone and side by side: give --ranks 1,N")
+    if args.interleave and (args.compile_depths or args.ceiling):
+        parser.error(
+            "--interleave measures steps of several variants in one launch: not with --compile-depths or --ceiling"
+        )
+    if args.interleave and (BASELINE not in variants or len(variants) < 2):
+        parser.error(f"--interleave: --variants must hold {BASELINE} and at least one other")
     if args.quick:
         args.rounds, args.ranks, args.precisions = 1, [2], ["fp32"]
     name = (
-        "dp_compare_depth.json" if args.compile_depths else "dp_compare_quick.json" if args.quick else "dp_compare.json"
+        "dp_compare_depth.json"
+        if args.compile_depths
+        else "dp_compare_quick.json"
+        if args.quick
+        else "dp_compare_interleaved.json"
+        if args.interleave
+        else "dp_compare.json"
     )
     args.out = args.out or os.path.join(RESULTS_DIR, name)
     return args
@@ -262,8 +288,9 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
         f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}"
         f" --training.mixed_precision_param {PRECISIONS[spec.precision]}".split(),
         *(["--model.n_layers", str(spec.n_layers)] if spec.n_layers else []),
-        *args.variant_flags[spec.variant],
+        *([] if spec.interleaved else args.variant_flags[spec.variant]),
     ]
+    alternated = [f"--interleave={v}={' '.join(args.variant_flags[v])}" for v in spec.interleaved]
     with tempfile.TemporaryDirectory(prefix="dp_compare_") as tmp:
         if spec.cache_dir:
             # The compile-time table: torch's own caches on, in a folder the cold and warm launches
@@ -287,8 +314,9 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
             os.makedirs(os.path.dirname(out))
         logs = [log_path] + [f"{log_path}.{i}" for i in range(1, spec.side_by_side)]
         commands = [
-            [sys.executable, *torchrun.split(), *f"--out {out} --warmup {args.warmup} --steps {args.steps} --".split()]
-            + overrides
+            [sys.executable, *torchrun.split(), *f"--out {out} --warmup {args.warmup} --steps {args.steps}".split()]
+            + alternated
+            + ["--", *overrides]
             for out in outs
         ]
         returncodes = launch_together(commands, logs, env, args.timeout)
@@ -393,6 +421,79 @@ def summarize_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def summarize_interleaved(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, precision, ranks, variant) of the --interleave launches: tokens/s per
+    rank over the rounds (median, spread), each step's time over the baseline's step next to it in
+    the same launch, over all rounds (median, quartiles), and the scaling against 1 rank."""
+    variants: dict[tuple, list[dict[str, Any]]] = {}
+    for launch in results:
+        key = (launch["model"], launch["precision"], launch["nproc"])
+        for variant in launch["interleaved"]:
+            variants.setdefault((*key, variant), []).append(launch)
+    rows = []
+    for (model, precision, nproc, variant), launches in variants.items():
+        row: dict[str, Any] = {"model": model, "precision": precision, "nproc": nproc, "variant": variant}
+        ok = [launch for launch in launches if launch["ok"]]
+        if not ok:
+            rows.append(row | {"ok": False, "error": launches[0]["error"]})
+            continue
+        mine = [launch["per_variant"][variant] for launch in ok]
+        base = [launch["per_variant"][BASELINE] for launch in ok]
+        step_ratios = [
+            b / m
+            for r, br in zip(mine, base, strict=True)
+            for m, b in zip(r["step_times_s"], br["step_times_s"], strict=True)
+        ]
+        one_rank = [
+            launch["per_variant"][variant]["tps_per_rank"]
+            for launch in results
+            if launch["ok"]
+            and launch["nproc"] == 1
+            and (launch["model"], launch["precision"]) == (model, precision)
+            and variant in launch["interleaved"]
+        ]
+        tps = [r["tps_per_rank"] for r in mine]
+        quartiles = statistics.quantiles(step_ratios, n=4) if len(step_ratios) > 1 else step_ratios * 3
+        rows.append(
+            row
+            | {
+                "ok": True,
+                "rounds": len(ok),
+                "tps_per_rank": _spread(tps),
+                "tps_ratio": _spread([r["tps_per_rank"] / b["tps_per_rank"] for r, b in zip(mine, base, strict=True)]),
+                "step_ratio": {
+                    "median": quartiles[1],
+                    "q1": quartiles[0],
+                    "q3": quartiles[2],
+                    "steps": len(step_ratios),
+                },
+                "scaling": statistics.median(tps) / statistics.median(one_rank) if nproc > 1 and one_rank else None,
+                "final_loss": mine[0]["final_loss"],
+            }
+        )
+    return rows
+
+
+def format_interleaved_table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
+        f"{'x tps [min-max]':>19} {'x step [q1-q3]':>19} {'steps':>5} {'scale':>5} {'loss':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        name = f"{r['model']:<16} {r['precision']:<4} {r['nproc']:>5} {r['variant']:<18}"
+        if not r["ok"]:
+            lines.append(f"{name} FAILED: {r['error']}")
+            continue
+        step = r["step_ratio"]
+        step_text = f"{step['median']:.2f} [{step['q1']:.2f}-{step['q3']:.2f}]"
+        lines.append(
+            f"{name} {_with_spread(r['tps_per_rank'], '.0f'):>22} {_with_spread(r['tps_ratio'], '.2f'):>19} "
+            f"{step_text:>19} {step['steps']:>5} {_ratio(r['scaling'])} {r['final_loss']:>7.4f}"
+        )
+    return "\n".join(lines)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -518,8 +619,28 @@ loss: global loss at the last timed step, first round (same data and seed everyw
   should agree)."""
 
 
+INTERLEAVED_LEGEND = f"""\
+--interleave: the variants of a row's model, precision and ranks ran in one launch per round, one
+  step of each in turn (the order reversed every step, the ranks meeting at a barrier before each).
+tok/s/rank: tokens per rank per second of the timed steps (the slowest rank's step time each step),
+  median over the rounds [min-max]. x tps: over {BASELINE}'s in the same launch, median [min-max].
+x step: {BASELINE}'s step time over this variant's step next to it, every timed step of every
+  round: median [first-third quartile]. steps: how many. scale: tok/s/rank over the same variant's
+  on 1 rank (--ranks 1,N). loss: at the last timed step, first round."""
+
+
 def throughput_runs(args: argparse.Namespace) -> list[RunSpec]:
-    """Every round's launches; within a round, each model's variants back to back."""
+    """Every round's launches; within a round, each model's variants back to back (or, with
+    --interleave, in one launch)."""
+    if args.interleave:
+        return [
+            RunSpec(model, "interleaved", precision, nproc, round_index, interleaved=tuple(variants))
+            for round_index in range(args.rounds)
+            for model in args.models
+            for precision in args.precisions
+            for nproc in args.ranks
+            if len(variants := [v for v in args.variants if nproc > 1 or v in ONE_RANK_VARIANTS]) > 1
+        ]
     return [
         RunSpec(model, variant, precision, nproc, round_index, side_by_side=side_by_side)
         for round_index in range(args.rounds)
@@ -568,6 +689,9 @@ def main(argv: list[str]) -> int:
     info["total_wall_s"] = time.perf_counter() - start
     if args.compile_depths:
         rows, table = [], format_depth_table(results)
+    elif args.interleave:
+        rows = summarize_interleaved(results)
+        table = format_interleaved_table(rows)
     else:
         rows = summarize_runs(results)
         table = format_table(rows)
@@ -577,7 +701,9 @@ def main(argv: list[str]) -> int:
     notes = [n for r in rows if (n := graph_note(r))]
     if notes:
         print("\nCompiled SimpleFSDP graphs (BucketingPass reports):\n  " + "\n  ".join(notes))
-    if not args.compile_depths:
+    if args.interleave:
+        print(f"\n{INTERLEAVED_LEGEND}")
+    elif not args.compile_depths:
         print(f"\n{LEGEND}\nMemory: {MEMORY_METHOD}")
     print(f"\nTotal {info['total_wall_s'] / 60:.1f} min; results in {os.path.relpath(args.out, REPO)}")
 
@@ -604,7 +730,9 @@ def run_all(runs: list[RunSpec], args: argparse.Namespace, log_dir: str) -> list
         try:
             entry |= run_variant(spec, shape, args, log_path)
             entry |= {"ok": True, "error": None}
-            print(f"{time.perf_counter() - run_start:.0f} s, {entry['tps_per_rank']:.0f} tok/s/rank", flush=True)
+            rates = {v: r["tps_per_rank"] for v, r in entry["per_variant"].items()} if spec.interleaved else {}
+            rate = ", ".join(f"{v} {tps:.0f}" for v, tps in rates.items()) or f"{entry['tps_per_rank']:.0f}"
+            print(f"{time.perf_counter() - run_start:.0f} s, {rate} tok/s/rank", flush=True)
         except subprocess.TimeoutExpired:
             entry |= {"ok": False, "error": f"timed out after {args.timeout:.0f} s (--timeout)"}
             print(f"FAILED ({entry['error']}), see {entry['log']}", flush=True)
@@ -635,6 +763,7 @@ def write_results(
                     "ceiling": args.ceiling,
                     "rounds": args.rounds,
                     "compile_depths": args.compile_depths,
+                    "interleave": args.interleave,
                 },
                 "memory_method": MEMORY_METHOD,
                 "variants": {v: args.variant_flags[v] for v in args.variants},

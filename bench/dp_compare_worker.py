@@ -10,6 +10,12 @@ code path of ``train.py``; only the loop is ours, to time steps and to profile o
 
 Steps: ``warmup`` untimed steps (the first one compiles), ``steps`` timed steps, then one profiled
 step (torch.profiler with shapes and memory) that is not timed. Rank 0 writes the result JSON.
+
+With ``--interleave NAME=FLAGS`` (two or more), one process per rank builds a trainer for each
+variant (``FLAGS`` on top of the common overrides), warms each up, then alternates their timed
+steps, one step of each in turn (the order reversed every step), so that every variant's steps
+meet the same load of a shared machine. Only times and losses are measured then: memory and
+collectives belong to one trainer per process.
 """
 
 from __future__ import annotations
@@ -270,8 +276,7 @@ def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, set
     }
 
 
-def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
-    setup_start = time.perf_counter()
+def build_trainer(dump_folder: str, warmup: int, steps: int, overrides: list[str]) -> Trainer:
     config = load_config(
         [
             "--job.config_file",
@@ -283,11 +288,16 @@ def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
             "--metrics.peak_flops",
             "1e12",  # no MFU here: skips the matmul benchmark
             "--job.dump_folder",
-            os.path.dirname(os.path.abspath(out)),
+            dump_folder,
             *overrides,
         ]
     )
-    trainer = Trainer(config)
+    return Trainer(config)
+
+
+def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
+    setup_start = time.perf_counter()
+    trainer = build_trainer(os.path.dirname(os.path.abspath(out)), warmup, steps, overrides)
     setup_s = time.perf_counter() - setup_start
     gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
     dist.all_gather_object(gathered, timed_steps(trainer, warmup, steps))
@@ -297,20 +307,88 @@ def run(out: str, warmup: int, steps: int, overrides: list[str]) -> None:
             json.dump(summarize(trainer, gathered, warmup, setup_s), f, indent=1)
 
 
+def interleaved_steps(trainers: dict[str, Trainer], warmup: int, steps: int) -> dict[str, dict[str, Any]]:
+    """Warms every trainer up by ``warmup`` steps, then runs ``steps`` timed steps of each in turn;
+    this rank's step times and losses per variant."""
+    batches = {}
+    for name, trainer in trainers.items():
+        data_iter = iter(trainer.dataloader)
+        batches[name] = [[next(data_iter) for _ in range(trainer.grad_accum_steps)] for _ in range(warmup + steps)]
+        for batch in batches[name][:warmup]:
+            trainer.train_step(batch)
+        set_collective_timeout(trainer.config.comm.train_timeout_seconds, trainer.parallel_dims.mesh)
+    gc.collect()
+    gc.disable()
+    measured: dict[str, dict[str, Any]] = {name: {"step_times_s": [], "losses": []} for name in trainers}
+    names = list(trainers)
+    for i in range(warmup, warmup + steps):
+        # Reversed every step: no variant always runs right after the same other one.
+        for name in names if i % 2 == 0 else names[::-1]:
+            dist.barrier()  # each step starts with the ranks together, whatever the last one left
+            start = time.perf_counter()
+            measured[name]["losses"].append(trainers[name].train_step(batches[name][i])["loss"])
+            measured[name]["step_times_s"].append(time.perf_counter() - start)
+    gc.enable()
+    for name, m in measured.items():
+        m["tokens"] = sum(x.numel() for x, _ in batches[name][0])
+    return measured
+
+
+def run_interleaved(out: str, warmup: int, steps: int, overrides: list[str], variants: dict[str, list[str]]) -> None:
+    folder = os.path.dirname(os.path.abspath(out))
+    trainers = {
+        name: build_trainer(os.path.join(folder, name), warmup, steps, [*overrides, *flags])
+        for name, flags in variants.items()
+    }
+    gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(gathered, interleaved_steps(trainers, warmup, steps))
+    for trainer in trainers.values():
+        trainer.close()
+    if dist.get_rank() == 0:
+        result = {}
+        for name in variants:
+            # A step lasts until its slowest rank finishes it.
+            times = [max(r[name]["step_times_s"][i] for r in gathered) for i in range(steps)]
+            tokens = gathered[0][name]["tokens"]
+            result[name] = {
+                "world_size": len(gathered),
+                "tokens_per_rank_per_step": tokens,
+                "step_times_s": times,
+                "tps_per_rank": tokens * steps / sum(times),
+                "losses": gathered[0][name]["losses"],
+                "final_loss": gathered[0][name]["losses"][-1],
+            }
+        with open(out, "w") as f:
+            json.dump({"per_variant": result}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="result JSON written by rank 0")
     parser.add_argument("--warmup", type=int, required=True, help="untimed steps first (compile included)")
     parser.add_argument("--steps", type=int, required=True, help="timed steps")
+    parser.add_argument(
+        "--interleave",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a variant to alternate steps with the others (two or more): its train.py overrides, space-separated",
+    )
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then train.py config overrides")
     args = parser.parse_args()
+    variants = {name: flags.split() for name, _, flags in (v.partition("=") for v in args.interleave)}
+    if len(variants) == 1:
+        parser.error("--interleave: give two variants or more")
     logging.basicConfig(
         level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
-    run(args.out, args.warmup, args.steps, overrides)
+    if variants:
+        run_interleaved(args.out, args.warmup, args.steps, overrides, variants)
+    else:
+        run(args.out, args.warmup, args.steps, overrides)
     exit_without_teardown(0)
 
 
