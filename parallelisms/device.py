@@ -62,13 +62,39 @@ def memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
         total = torch.accelerator.get_memory_info(0)[1]
         return total, f"a {device_type()} device has {total / 2**30:.1f} GiB"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            total = min(total, int(f.read()))
-    except (OSError, ValueError):  # no cgroup v2 limit ("max", or no such file)
-        pass
+    total = min(total, _cgroup_memory_limit() or total)
     ranks = f"{ranks_per_node} ranks" if ranks_per_node > 1 else "1 rank"
     return total // ranks_per_node, f"{total / 2**30:.1f} GiB of host memory for {ranks}"
+
+
+def memory_cgroup() -> tuple[str, str]:
+    """This process's memory cgroup: its folder and the name of its limit's file (cgroup v1's
+    memory controller, else v2's unified hierarchy)."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    v1 = next((path for _, controllers, path in entries if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        return "/sys/fs/cgroup/memory" + v1, "memory.limit_in_bytes"
+    return "/sys/fs/cgroup" + next((path for _, c, path in entries if c == ""), "/"), "memory.max"
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The lowest memory limit of this process's cgroup and the cgroups above it (a batch
+    scheduler's job, a container), or None where there is none."""
+    try:
+        folder, limit_file = memory_cgroup()
+    except OSError:  # not Linux
+        return None
+    limits = []
+    while True:
+        try:
+            with open(os.path.join(folder, limit_file)) as f:
+                limits.append(int(f.read()))
+        except (OSError, ValueError):  # "max", or above the folders this process can see
+            pass
+        if folder in ("/sys/fs/cgroup", "/sys/fs/cgroup/memory"):
+            return min(limits, default=None)
+        folder = os.path.dirname(folder)
 
 
 def rank_device(local_rank: int) -> torch.device:

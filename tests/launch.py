@@ -7,6 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import time
+
+from parallelisms.device import memory_cgroup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = "train.py"
@@ -245,3 +248,28 @@ def run_worker(script: str, nproc: int, *args: str, env: dict | None = None, tim
             f"{script} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-6000:]}"
         )
     return result.stdout
+
+
+def limited_memory_cgroup(limit: int) -> str | None:
+    """A new memory cgroup (v1 or v2) under this process's, limited to ``limit`` bytes: the path of
+    its folder, or None where this process may not make one (not root, no writable controller)."""
+    base, limit_file = memory_cgroup()
+    folder = os.path.join(base, f"tessera-test-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.mkdir(folder)
+        with open(os.path.join(folder, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError:
+        if os.path.isdir(folder):
+            os.rmdir(folder)
+        return None
+    return folder
+
+
+NO_MEMORY_CGROUP = "needs a memory cgroup of its own (root, a writable cgroup controller)"
+
+
+def enter_cgroup(folder: str) -> None:
+    """Moves this process into the cgroup at ``folder`` (a ``preexec_fn``: the launched command)."""
+    with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))

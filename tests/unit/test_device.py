@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 
 from parallelisms import device as dev
-from tests.launch import REPO
+from tests.launch import NO_MEMORY_CGROUP, REPO, enter_cgroup, limited_memory_cgroup
 
 no_accelerator = pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the CPU-only branches")
 
@@ -108,3 +108,31 @@ def test_freed_host_memory_is_reused_without_page_faults():
     applied, faults = _refill("cpu", MALLOC_TRIM_THRESHOLD_="131072")  # a user's own tuning wins
     assert applied == "False" and faults > PAGES_OF_64_MIB // 2
     assert _refill("meta")[0] == "False"  # an accelerator's memory is its allocator's business
+
+
+def test_a_cpu_rank_has_its_share_of_its_cgroups_memory_limit():
+    """In a memory cgroup of 3 GiB (a batch scheduler's job, on a host with more), two CPU ranks have
+    1.5 GiB each: the limit is read from the process's own cgroup (v1 or v2), not only from the
+    root of cgroup v2's hierarchy, which a job's limit is not."""
+    cgroup = limited_memory_cgroup(3 * 2**30)
+    if cgroup is None:
+        pytest.skip(NO_MEMORY_CGROUP)
+    try:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from parallelisms.device import memory_per_rank; print(*memory_per_rank(2), sep='|')",
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO},
+            capture_output=True,
+            text=True,
+            check=True,
+            preexec_fn=lambda: enter_cgroup(cgroup),
+        ).stdout
+    finally:
+        os.rmdir(cgroup)
+    available, source = out.strip().split("|")
+    assert int(available) == 3 * 2**30 // 2, out
+    assert source == "3.0 GiB of host memory for 2 ranks"
