@@ -44,37 +44,46 @@ def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _torchrun_store(timeout: datetime.timedelta) -> dist.TCPStore:
-    """A client of torchrun's store, which outlives the ranks of every node."""
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=True
-    )
+def _torchrun_store(timeout: datetime.timedelta, address: tuple[str, int] | None = None) -> dist.TCPStore:
+    """A client of torchrun's store, which outlives the ranks of every node: at ``address``, else
+    where the rank's environment says."""
+    host, port = address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
 
 
 REFUSAL_KEY = "tessera/refusal"
 
 
-def _agent_store() -> dist.Store | None:
+def _agent_store(address: tuple[str, int] | None) -> dist.Store | None:
     """torchrun's store; None without torchrun or when it cannot be reached."""
-    if "MASTER_ADDR" not in os.environ:
+    if address is None and "MASTER_ADDR" not in os.environ:
         return None
     try:
-        return _torchrun_store(datetime.timedelta(seconds=10))
+        return _torchrun_store(datetime.timedelta(seconds=10), address)
     except (RuntimeError, ValueError):
         return None
 
 
-def post_refusal(line: str) -> None:
-    """Leaves this rank's one-line refusal (a mistake no restart can mend) in torchrun's store, where
-    the ranks of other nodes find it when their collectives break."""
-    if (store := _agent_store()) is not None:
+def post_refusal(line: str, address: tuple[str, int] | None = None) -> None:
+    """Leaves a one-line refusal (a mistake no restart can mend) in torchrun's store, where the
+    ranks and agents of other nodes find it when their collectives break. ``address``: the store's,
+    for torchrun's agent (a rank has it in its environment)."""
+    if (store := _agent_store(address)) is not None:
         store.set(REFUSAL_KEY, line)
 
 
-def posted_refusal() -> str | None:
-    """A refusal some rank of the job left in torchrun's store, else None."""
-    store = _agent_store()
-    if store is None or not store.check([REFUSAL_KEY]):
+def posted_refusal(address: tuple[str, int] | None = None, wait_seconds: float = 0) -> str | None:
+    """A refusal some rank or agent of the job left in torchrun's store, waiting for one up to
+    ``wait_seconds``; else None."""
+    store = _agent_store(address)
+    if store is None:
+        return None
+    if wait_seconds > 0:
+        try:
+            store.wait([REFUSAL_KEY], datetime.timedelta(seconds=wait_seconds))
+        except dist.DistStoreError:  # not posted in time
+            return None
+    elif not store.check([REFUSAL_KEY]):  # a wait of 0 would wait for ever
         return None
     return store.get(REFUSAL_KEY).decode()
 

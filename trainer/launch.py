@@ -4,6 +4,10 @@ What it adds to torchrun:
 - A rank that meets a mistake no restart can mend writes "CODE line" to the file named by
   ``TESSERA_ERROR_FILE`` (made here) and exits 0, so that torchrun does not start the group again;
   the line is printed last and the code returned.
+- A rank that the kernel killed for want of memory (SIGKILL while the host's count of out-of-memory
+  kills rose) is such a mistake too: the same batches would be killed again. The agent writes its
+  line, leaves it in torchrun's store for the other nodes, stops the group and ends as a finished
+  job would, without a restart; so does an agent whose ranks failed when a line is in the store.
 - Stopped by a signal (Ctrl-C, a scheduler's SIGTERM; run_train.sh execs this process, so a signal
   sent to the script's process lands here), the agent stops the ranks and raises an exception:
   here that ends in one line and the shell's exit code for the signal (130 for SIGINT).
@@ -14,20 +18,27 @@ What it adds to torchrun:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
+
+from trainer.distributed import post_refusal, posted_refusal
 
 
 def main(argv: list[str]) -> int:
     descriptor, error_file = tempfile.mkstemp(prefix="tessera-error-")
     os.close(descriptor)
     os.environ["TESSERA_ERROR_FILE"] = error_file  # the ranks inherit it
+    launcher_api.LocalElasticAgent = _Agent  # the class torchrun builds its agent from
     try:
-        code = _run(argv)
+        code, failures = _run(argv)
         with open(error_file) as f:
             refusal = f.read().strip()
     finally:
@@ -36,10 +47,13 @@ def main(argv: list[str]) -> int:
         refusal_code, line = refusal.split(" ", 1)
         print(line, file=sys.stderr)
         return int(refusal_code)
+    if failures:
+        print(failures, file=sys.stderr)
     return code
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str]) -> tuple[int, str]:
+    """torchrun's exit code and its table of failures, if any."""
     try:
         torchrun(argv)
     except SignalException as e:
@@ -48,11 +62,61 @@ def _run(argv: list[str]) -> int:
             "resumes from the newest complete checkpoint)",
             file=sys.stderr,
         )
-        return 128 + int(e.sigval)
+        return 128 + int(e.sigval), ""
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
-        return 1
-    return 0
+        return 1, e.format_msg()
+    return 0, ""
+
+
+class _Agent(LocalElasticAgent):
+    """torchrun's agent, which also ends the job, without a restart, when a rank was killed for want
+    of memory, or when a rank of another node met a mistake no restart can mend."""
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        self._oom_kills_at_start = _host_oom_kills()
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if not result.is_failed():
+            return result
+        store = (worker_group.master_addr, worker_group.master_port)
+        if line := self._out_of_memory_kill(result):
+            line = f"2 error: {line}\n"
+            post_refusal(line, store)  # for the other nodes, whose ranks only see a broken collective
+        else:
+            # A peer's rank that refused may have taken this node's ranks down with it; its agent or
+            # rank posts the line within moments of the collective breaking.
+            line = posted_refusal(store, wait_seconds=1)
+        if not line:
+            return result
+        with open(os.environ["TESSERA_ERROR_FILE"], "w") as f:
+            f.write(line)
+        # Ended as a finished job: torchrun neither restarts the group nor leaves before the other
+        # nodes do (its store, which this node may host, holds the line for them).
+        self._stop_workers(worker_group)
+        return RunResult(WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
+
+    def _out_of_memory_kill(self, result: RunResult) -> str | None:
+        killed = sorted(rank for rank, f in result.failures.items() if f.exitcode == -signal.SIGKILL)
+        kills = _host_oom_kills()
+        if not killed or kills is None or self._oom_kills_at_start is None or kills <= self._oom_kills_at_start:
+            return None
+        return (
+            f"training.local_batch_size: the kernel's out-of-memory killer ended rank {killed[0]} (its host ran "
+            "out of memory); a smaller local_batch_size or seq_len, activation_checkpoint.mode selective or full, "
+            "or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh estimates a rank's peak)"
+        )
+
+
+def _host_oom_kills() -> int | None:
+    """How many processes the kernel has killed for want of memory since it started (every cgroup's
+    kills count), or None where it does not say."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

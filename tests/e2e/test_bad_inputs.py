@@ -15,7 +15,16 @@ import torch.distributed as dist
 
 from config.job_config import ConfigError
 from config.manager import load_config
-from tests.launch import REPO, TINY_RUN, run_script, script_command, script_env
+from tests.launch import (
+    NO_MEMORY_CGROUP,
+    REPO,
+    TINY_RUN,
+    enter_cgroup,
+    limited_memory_cgroup,
+    run_script,
+    script_command,
+    script_env,
+)
 from trainer import preflight
 from trainer.trainer import Trainer
 
@@ -400,6 +409,36 @@ def test_running_out_of_memory_is_one_line_and_not_retried(tmp_path):
     assert last.startswith("error: training.local_batch_size: out of memory in step 1 on rank "), output[-3000:]
     assert "can't allocate memory" in last and "activation_checkpoint.mode" in last
     assert "Traceback" not in output and "Restarting" not in output and "a collective failed" not in output
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_rank_killed_for_want_of_memory_is_one_line_and_not_retried(tmp_path):
+    """In a memory cgroup of 1.5 GB (the pre-launch floor does not look there) a batch of 96 is
+    killed by the kernel's out-of-memory killer: one line naming the option, exit 2, no restart
+    (each of torchrun's attempts was killed again, and the job ended in its table of failures)."""
+    cgroup = limited_memory_cgroup(1500 * 2**20)
+    if cgroup is None:
+        pytest.skip(NO_MEMORY_CGROUP)
+    command = script_command(str(tmp_path / "dump"), "--training.local_batch_size", "96", "--training.steps", "3")
+    try:
+        result = subprocess.run(
+            [*command, "--lr_scheduler.warmup_steps", "1"],
+            cwd=REPO,
+            env=script_env(1),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            preexec_fn=lambda: enter_cgroup(cgroup),
+        )
+    finally:
+        os.rmdir(cgroup)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("error: training.local_batch_size: the kernel's out-of-memory killer ended rank 0"), output[
+        -3000:
+    ]
+    assert "Traceback" not in output and "Restarting" not in output and "attempts left" not in output
 
 
 @pytest.mark.parametrize("command", [["./run_train.sh", "--help"], ["./run_train.sh", "--training.steps", "3", "-h"]])
