@@ -57,7 +57,7 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
         # A dry run writes nothing there: it may look at a running job's config.
         lock = os.path.join(config.job.dump_folder, DUMP_FOLDER_LOCK)
         if os.path.isfile(lock):
-            _claim(lock, config.job.dump_folder).close()
+            _lock(lock, config.job.dump_folder).close()
 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
@@ -133,10 +133,17 @@ def claim_dump_folder(folder: str) -> IO[str]:
     would interleave their metrics, and each resume from and delete the other's checkpoints. The
     kernel drops a dead process's lock, so a crashed or killed run leaves no stale claim."""
     os.makedirs(folder, exist_ok=True)
-    return _claim(os.path.join(folder, DUMP_FOLDER_LOCK), folder)
+    f = _lock(os.path.join(folder, DUMP_FOLDER_LOCK), folder)
+    f.seek(0)
+    f.truncate()
+    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")  # named to the run refused
+    f.flush()
+    return f
 
 
-def _claim(path: str, folder: str) -> IO[str]:
+def _lock(path: str, folder: str) -> IO[str]:
+    """The lock file at ``path``, locked; a one-line ConfigError naming its holder when another
+    process holds it."""
     f = open(path, "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,10 +154,6 @@ def _claim(path: str, folder: str) -> IO[str]:
         raise ConfigError(
             f"job.dump_folder: {folder} is in use by another run ({holder}); stop it, or give this run another folder"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
     return f
 
 
