@@ -86,15 +86,14 @@ def _cgroup_memory_limit() -> int | None:
     except OSError:  # not Linux
         return None
     limits = []
-    while True:
+    while folder.startswith("/sys/fs/cgroup"):
         try:
             with open(os.path.join(folder, limit_file)) as f:
                 limits.append(int(f.read()))
-        except (OSError, ValueError):  # "max", or above the folders this process can see
+        except (OSError, ValueError):  # "max", or a folder this process cannot see
             pass
-        if folder in ("/sys/fs/cgroup", "/sys/fs/cgroup/memory"):
-            return min(limits, default=None)
         folder = os.path.dirname(folder)
+    return min(limits, default=None)
 
 
 def rank_device(local_rank: int) -> torch.device:
