@@ -97,7 +97,8 @@ def _peer_refused() -> bool:
     if _error_file_written():
         return True
     error_file = os.environ.get("TESSERA_ERROR_FILE")
-    line = posted_refusal() if error_file else None
+    # A rank killed for want of memory is posted by its agent, a moment after its collectives broke.
+    line = posted_refusal(wait_seconds=1) if error_file else None
     if line is None:
         return False
     with open(error_file, "w") as f:

@@ -1,9 +1,13 @@
 """train.py's sorting of a failed run's errors: a peer's death or hang is one line and a restart,
-anything else a traceback."""
+anything else a traceback; a refusal posted by another node ends this one too."""
+
+import threading
 
 import pytest
+import torch.distributed as dist
 
-from train import _is_collective_failure
+from train import _is_collective_failure, _peer_refused
+from trainer.distributed import post_refusal
 
 
 @pytest.mark.parametrize(
@@ -21,3 +25,24 @@ def test_gloo_failures_are_collective_failures(message):
 
 def test_other_runtime_errors_are_not():
     assert not _is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"))
+
+
+def test_a_refusal_posted_a_moment_after_the_collective_broke_is_found(tmp_path, monkeypatch):
+    """An agent posts the line of a rank the kernel killed a moment after the peers' collectives
+    broke (its monitor polls): a peer waits a second for it, copies it to its node's error file and
+    ends, where it would have exited 1 and been restarted."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    error_file = tmp_path / "error"
+    error_file.write_text("")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TESSERA_ERROR_FILE", str(error_file))
+    assert not _peer_refused()  # nothing posted: a rank died, the job restarts
+    line = "2 error: training.local_batch_size: the kernel's out-of-memory killer ended rank 1\n"
+    agent = threading.Timer(0.3, post_refusal, args=(line,))
+    agent.start()
+    try:
+        assert _peer_refused()
+    finally:
+        agent.join()
+    assert error_file.read_text() == line
