@@ -45,8 +45,6 @@ FOREIGN: dict[str, object] = {
     "training.dataloader.pin_memory": ANY,
     "training.dataloader.prefetch_factor": ANY,
     "parallelism.module_fqns_per_model_part": None,
-    "parallelism.pipeline_parallel_first_stage_less_layers": 1,
-    "parallelism.pipeline_parallel_last_stage_less_layers": 1,
     "parallelism.pipeline_parallel_schedule_csv": "",
     "parallelism.pipeline_parallel_expert_parallel_overlap": ANY,
     "parallelism.context_parallel_degree": 1,

@@ -38,6 +38,8 @@ DEGREE_OPTION = "parallelism.pipeline_parallel_degree"
 SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
 LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
 SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
+FIRST_LESS_OPTION = "parallelism.pipeline_parallel_first_stage_less_layers"
+LAST_LESS_OPTION = "parallelism.pipeline_parallel_last_stage_less_layers"
 MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
 
 ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
@@ -90,12 +92,17 @@ def plan_pipeline(
     split_points: Sequence[str],
     local_batch_size: int,
     microbatch_size: int,
+    first_stage_less_layers: int = 1,
+    last_stage_less_layers: int = 1,
 ) -> PipelineLayout:
     """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
 
     Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage), else from
-    ``layers_per_stage``, else an even split into one stage per rank (for multi-stage
-    schedules the fewest per rank, at least two, that divide the layers; two for V schedules). Depends on no process group, so a launcher can check a config up front.
+    ``layers_per_stage``, else one stage per rank (two for multi-stage schedules) with the blocks
+    shared as torchtitan shares them: the first and last stages count their embeddings and output
+    as ``first_stage_less_layers`` and ``last_stage_less_layers`` blocks, and the blocks plus these
+    are split as evenly as they go, earlier stages taking one more. Depends on no process group,
+    so a launcher can check a config up front.
 
     Raises:
         ValueError: a one-line message naming the option to change when the blocks cannot be
@@ -119,26 +126,35 @@ def plan_pipeline(
         starts = list(range(0, n_layers, layers_per_stage))
         source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
     else:
-        # The fewest stages per rank the schedule accepts that split the layers evenly.
-        if single_stage:
-            candidates = [1]
-        elif schedule in V_SCHEDULES:
-            candidates = [2]
-        else:
-            candidates = list(range(2, n_layers // pp_degree + 1))
-        num_stages = next((pp_degree * v for v in candidates if n_layers % (pp_degree * v) == 0), None)
-        if num_stages is None:
+        num_stages = pp_degree * (1 if single_stage else 2)
+        blocks = _weighted_shares(n_layers, num_stages, first_stage_less_layers, last_stage_less_layers)
+        # The first and last stages may hold only the embeddings or the output, as in torchtitan.
+        if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
             raise ValueError(
-                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers do not split evenly into "
-                f"{' or '.join(str(pp_degree * v) for v in candidates) or 'enough'} stages "
-                f"for {schedule}; set {LAYERS_PER_STAGE_OPTION} or {SPLIT_POINTS_OPTION}"
+                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers are too few for {num_stages} stages of {schedule} "
+                f"(the first and last count as {first_stage_less_layers} and {last_stage_less_layers} more, "
+                f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); set {LAYERS_PER_STAGE_OPTION} or "
+                f"{SPLIT_POINTS_OPTION}"
             )
-        starts = list(range(0, n_layers, n_layers // num_stages))
+        starts = [sum(blocks[:s]) for s in range(num_stages)]
         source = f"{DEGREE_OPTION} {pp_degree}"
     stage_layers = tuple(tuple(range(a, b)) for a, b in zip(starts, [*starts[1:], n_layers]))
     _check_stages_per_rank(len(stage_layers), pp_degree, schedule, single_stage, source)
     n_microbatches = _microbatch_count(local_batch_size, microbatch_size, len(stage_layers), pp_degree, schedule)
     return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
+
+
+def _weighted_shares(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:
+    """Blocks per stage: ``n_layers`` plus the first and last stages' weights shared evenly, the
+    remainder one each to the earliest stages, then the weights taken off the first and last."""
+    for option, weight in ((FIRST_LESS_OPTION, first_less), (LAST_LESS_OPTION, last_less)):
+        if weight < 0:
+            raise ValueError(f"{option} must be >= 0, got {weight}")
+    share, remainder = divmod(n_layers + first_less + last_less, num_stages)
+    blocks = [share + (s < remainder) for s in range(num_stages)]
+    blocks[0] -= first_less
+    blocks[-1] -= last_less
+    return blocks
 
 
 def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]:

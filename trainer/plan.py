@@ -124,6 +124,8 @@ def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
                     split_points=(),
                     local_batch_size=n_mb * mb,
                     microbatch_size=mb,
+                    first_stage_less_layers=config.parallelism.pipeline_parallel_first_stage_less_layers,
+                    last_stage_less_layers=config.parallelism.pipeline_parallel_last_stage_less_layers,
                 )
             except ValueError:
                 continue  # the blocks or microbatches do not split for this schedule

@@ -51,6 +51,8 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
             split_points=p.pipeline_parallel_split_points,
             local_batch_size=config.training.local_batch_size,
             microbatch_size=p.pipeline_parallel_microbatch_size,
+            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
         )
 
 

@@ -12,6 +12,7 @@ import pytest
 from config.job_config import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
+from parallelisms.pipeline import plan_pipeline
 from tests.launch import FOUR_BLOCKS, GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
@@ -37,6 +38,8 @@ ONE_BLOCK_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
 FOUR_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
 # The trained runs cut the model to 4 blocks (a third of the steps' compute): one-block stages are
 # then 4 stages, two per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
+# The default split of 4 blocks into 4 stages weights the ends, leaving the last stage only the norm
+# and output: [0], [1, 2], [3], [].
 UNEVEN_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"]
 LOCAL_8 = ["--training.local_batch_size", "8"]
 # 4 ranks as pp 2 x dp 2 with 2 sequences per rank: 2 accumulation microbatches per step.
@@ -48,6 +51,7 @@ LAYOUTS = {
     "GPipe": (2, [*LOCAL_8, *pp("GPipe", 1), *VALIDATION]),
     "1F1B": (2, [*LOCAL_8, *pp("1F1B", 2), *VALIDATION]),
     "Interleaved1F1B": (2, [*LOCAL_8, *pp("Interleaved1F1B", 2, *ONE_BLOCK_STAGES), *VALIDATION]),
+    "Interleaved1F1B_default_split": (2, [*LOCAL_8, *pp("Interleaved1F1B", 2), *VALIDATION]),
     "LoopedBFS": (2, [*LOCAL_8, *pp("LoopedBFS", 1, *UNEVEN_STAGES), *VALIDATION]),
     "InterleavedZeroBubble": (2, [*LOCAL_8, *pp("InterleavedZeroBubble", 4, *ONE_BLOCK_STAGES), *VALIDATION]),
     # V shape: rank 0 holds the first and the last stage. No validation (refused, see below).
@@ -56,7 +60,7 @@ LAYOUTS = {
     # breaks it (None or wrong gradients), so it is off by default under pipelining.
     "pp2_fsdp2_zbv": (4, [*DP2_ACCUMULATE, *pp("ZBVZeroBubble", 1, *UNEVEN_STAGES)]),
     "pp2_simple_fsdp": (4, [*DP2_ACCUMULATE, *pp("1F1B", 1), "--parallelism.data_parallel_impl", "simple_fsdp"]),
-    # The 8-rank layout of the README, with its schedule: one-block stages, two per rank here.
+    # The 8-rank layout of the README, with its schedule and default split (see above).
     "pp2_dp2_tp2": (
         8,
         ["--training.local_batch_size", "4", *pp("Interleaved1F1B", 2), "--parallelism.tensor_parallel_degree", "2"],
@@ -110,10 +114,15 @@ def _layout_error(*overrides: str) -> str:
     "overrides, message",
     [
         (
-            ["--parallelism.pipeline_parallel_degree", "4"],
-            "parallelism.pipeline_parallel_degree 4: 6 layers do not split evenly into 4 stages for "
-            "1F1B; set parallelism.pipeline_parallel_layers_per_stage or "
-            "parallelism.pipeline_parallel_split_points",
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "4",
+                "--parallelism.pipeline_parallel_first_stage_less_layers=4",
+            ],
+            "parallelism.pipeline_parallel_degree 4: 6 layers are too few for 4 stages of 1F1B (the first and last "
+            "count as 4 and 1 more, parallelism.pipeline_parallel_first_stage_less_layers and "
+            "parallelism.pipeline_parallel_last_stage_less_layers); set "
+            "parallelism.pipeline_parallel_layers_per_stage or parallelism.pipeline_parallel_split_points",
         ),
         (
             ["--parallelism.pipeline_parallel_split_points", "layers.3,layers.6"],
@@ -184,9 +193,36 @@ def test_impossible_layout_is_one_line_error(overrides, message):
     assert _layout_error(*overrides) == message
 
 
-def test_interleaved_default_takes_the_fewest_even_stages_per_rank():
-    layout = _layout("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
-    assert layout.stage_layers == ((0,), (1,), (2,), (3,), (4,), (5,))  # 4 stages would not divide 6 layers
+def test_the_default_split_weights_the_first_and_last_stages_as_torchtitan():
+    """One stage per rank (two for interleaving); the first and last stages count their embeddings
+    and output as one block each: 6 blocks + 2 over 4 stages is 2 each, so the ends get one block.
+    Before, the blocks had to split evenly, and 6 blocks on 4 ranks were refused."""
+    interleaved = _layout("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+    assert interleaved.stage_layers == ((0,), (1, 2), (3, 4), (5,))
+    assert _layout("--parallelism.pipeline_parallel_degree", "4").stage_layers == ((0,), (1, 2), (3, 4), (5,))
+    unweighted = [f"--parallelism.pipeline_parallel_{end}_stage_less_layers=0" for end in ("first", "last")]
+    assert _layout("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *unweighted).stage_layers == (
+        (0, 1),
+        (2, 3),
+        (4,),
+        (5,),
+    )
+    # 6 blocks + 2 over 8 stages: the ends hold only the embeddings and the output.
+    eight = _layout(
+        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"
+    )
+    assert eight.stage_layers == ((), (0,), (1,), (2,), (3,), (4,), (5,), ())
+    # Llama 3 405B on 8 pipeline ranks: 126 blocks + 2 = 16 a stage, 15 at each end.
+    layout = plan_pipeline(
+        n_layers=126,
+        pp_degree=8,
+        schedule="1F1B",
+        layers_per_stage=None,
+        split_points=(),
+        local_batch_size=8,
+        microbatch_size=1,
+    )
+    assert [len(stage) for stage in layout.stage_layers] == [15, 16, 16, 16, 16, 16, 16, 15]
 
 
 def test_layouts_place_stages_and_blocks():
