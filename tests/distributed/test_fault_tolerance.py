@@ -370,27 +370,42 @@ def test_two_nodes_on_localhost(tmp_path, reference):
     assert losses_by_step(read_metrics(dump)) == reference[1]
 
 
+def _two_nodes(commands: list[list[str]], rdzv_id: str, timeout: float, first_node_setup=None) -> list[tuple[int, str]]:
+    """Runs two run_train.sh nodes of one rank each on this host, the first started after
+    ``first_node_setup`` (a ``preexec_fn``); each node's exit code and output."""
+    env = script_env(1, {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": rdzv_id})
+    nodes = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=first_node_setup if i == 0 else None,
+        )
+        for i, command in enumerate(commands)
+    ]
+    try:
+        outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_tree(node)
+    return [(node.returncode, output) for node, output in zip(nodes, outputs)]
+
+
 def test_a_mistake_on_one_node_ends_every_node_in_its_line(tmp_path):
     """Two nodes; the rank of one runs out of memory (injected). Both scripts end with its line and
     exit code 2, without a restart. Before, the other node's rank saw only a broken collective and
     exited 1, so its agent waited for a new rendezvous that the finished node never joined, and the
     finished node's agent waited for it at torchrun's exit barrier: minutes, then failures."""
-    env = script_env(1, {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": "refusal"})
     oom = ["--debug.fail_at_step", "2", "--debug.failure", "oom", "--lr_scheduler.warmup_steps", "1"]
     command = script_command(str(tmp_path), *TINY_RUN, *oom)
-    nodes = [
-        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                _kill_tree(node)
+    results = _two_nodes([command, command], "refusal", timeout=240)
     line = "error: training.local_batch_size: out of memory in step 2 on rank 1 (debug.failure=oom injected on rank 1)"
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 2, output[-3000:]
+    for code, output in results:
+        assert code == 2, output[-3000:]
         assert output.rstrip().splitlines()[-1].startswith(line), output[-3000:]
         assert "Restarting" not in output, output[-3000:]
 
@@ -403,30 +418,15 @@ def test_a_rank_killed_for_want_of_memory_ends_every_node(tmp_path):
     cgroup = limited_memory_cgroup(1500 * 2**20)
     if cgroup is None:
         pytest.skip(NO_MEMORY_CGROUP)
-    env = script_env(1, {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": "oom_kill"})
     big_batch = ["--training.local_batch_size", "96", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1"]
-    nodes = [
-        subprocess.Popen(
-            script_command(str(tmp_path / f"node{i}"), *big_batch),
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=(lambda: enter_cgroup(cgroup)) if i == 0 else None,
-        )
-        for i in range(2)
-    ]
+    commands = [script_command(str(tmp_path / f"node{i}"), *big_batch) for i in range(2)]
     try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        results = _two_nodes(commands, "oom_kill", timeout=300, first_node_setup=lambda: enter_cgroup(cgroup))
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                _kill_tree(node)
         os.rmdir(cgroup)
     line = "error: training.local_batch_size: the kernel's out-of-memory killer ended rank "
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 2, output[-3000:]
+    for code, output in results:
+        assert code == 2, output[-3000:]
         assert output.rstrip().splitlines()[-1].startswith(line), output[-3000:]
         assert "attempts left" not in output, output[-3000:]
 

@@ -387,22 +387,30 @@ def test_one_rank_out_of_memory_is_not_retried_either(tmp_path):
     assert "Restarting" not in output and "a collective failed" not in output, output[-3000:]
 
 
+def _big_batch(tmp_path, local_batch_size: int, nproc: int, limit_memory) -> subprocess.CompletedProcess:
+    """3 steps of ./run_train.sh on ``nproc`` ranks with ``local_batch_size`` sequences each,
+    started after ``limit_memory`` (a ``preexec_fn``)."""
+    command = script_command(
+        str(tmp_path / "dump"), "--training.local_batch_size", str(local_batch_size), "--training.steps", "3"
+    )
+    return subprocess.run(
+        [*command, "--lr_scheduler.warmup_steps", "1"],
+        cwd=REPO,
+        env=script_env(nproc),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_memory,
+    )
+
+
 @pytest.mark.slow  # launches run_train.sh
 def test_running_out_of_memory_is_one_line_and_not_retried(tmp_path):
     """A batch too big for the memory the ranks may use (here an address-space limit of 6 GB, under
     which the pre-launch floor still passes): one line naming the option, exit 2, and no restart
     (each of torchrun's attempts ran out again, a traceback each, and ended in a failed job)."""
-    command = script_command(str(tmp_path / "dump"), "--training.local_batch_size", "600", "--training.steps", "3")
     limit = 6 * 10**9
-    result = subprocess.run(
-        [*command, "--lr_scheduler.warmup_steps", "1"],
-        cwd=REPO,
-        env=script_env(2),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
-    )
+    result = _big_batch(tmp_path, 600, 2, lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     last = result.stderr.rstrip().splitlines()[-1]
@@ -419,17 +427,8 @@ def test_a_rank_killed_for_want_of_memory_is_one_line_and_not_retried(tmp_path):
     cgroup = limited_memory_cgroup(1500 * 2**20)
     if cgroup is None:
         pytest.skip(NO_MEMORY_CGROUP)
-    command = script_command(str(tmp_path / "dump"), "--training.local_batch_size", "96", "--training.steps", "3")
     try:
-        result = subprocess.run(
-            [*command, "--lr_scheduler.warmup_steps", "1"],
-            cwd=REPO,
-            env=script_env(1),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            preexec_fn=lambda: enter_cgroup(cgroup),
-        )
+        result = _big_batch(tmp_path, 96, 1, lambda: enter_cgroup(cgroup))
     finally:
         os.rmdir(cgroup)
     output = result.stdout + result.stderr
