@@ -276,6 +276,10 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
 
 
+# The blocks the first and last pipeline stages count their embeddings and output as.
+PIPELINE_END_WEIGHTS = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+
+
 def validate(config: JobConfig) -> None:
     """Checks value ranges that do not depend on the world size (choices are checked on loading;
     the optimizer's and the LR schedule's values when they are built)."""
@@ -294,6 +298,7 @@ def validate(config: JobConfig) -> None:
         "metrics.log_freq": (c.metrics.log_freq, 1),
         "profiling.profile_freq": (c.profiling.profile_freq, 1),
         "debug.gc_freq": (c.debug.gc_freq, 0),
+        **{f"parallelism.{name}": (getattr(c.parallelism, name), 0) for name in PIPELINE_END_WEIGHTS},
         "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
         "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),

@@ -32,7 +32,7 @@ import torch
 from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import help_text, load_config, to_toml
 from models.registry import get_model_spec
-from parallelisms.pipeline import plan_pipeline
+from parallelisms.pipeline import plan_pipeline, weighted_stage_blocks
 from trainer.dry_run import dry_run
 from trainer.hf_checkpoint import architecture_folder, job_model_args
 
@@ -303,7 +303,16 @@ class PeakEstimator:
         return self.cache[key]
 
     def peak_bytes(self, layout: Layout) -> int:
-        blocks = self.shape.n_layers // layout.stages
+        p = self.config.parallelism
+        # The largest stage's blocks (the default split weights the first and last stages).
+        blocks = max(
+            weighted_stage_blocks(
+                self.shape.n_layers,
+                layout.stages,
+                p.pipeline_parallel_first_stage_less_layers,
+                p.pipeline_parallel_last_stage_less_layers,
+            )
+        )
         (one, one_buckets), (two, two_buckets) = self._measure(layout, 1), self._measure(layout, 2)
         # Compiled SimpleFSDP's two largest neighbouring buckets are the same from 2 blocks on.
         return one + (blocks - 1) * (two - one) + (one_buckets if blocks == 1 else two_buckets)

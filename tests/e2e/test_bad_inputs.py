@@ -82,6 +82,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("range", ["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be positive"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
+    (
+        "range",
+        ["--parallelism.pipeline_parallel_first_stage_less_layers", "-1"],
+        "parallelism.pipeline_parallel_first_stage_less_layers must be >= 0",
+    ),
     # Numbers that are not finite.
     ("nonfinite", ["--optimizer.lr", "inf"], "optimizer.lr: inf is not a finite number"),
     ("nonfinite", ["--optimizer.lr", "nan"], "optimizer.lr: nan is not a finite number"),

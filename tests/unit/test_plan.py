@@ -113,3 +113,14 @@ def test_time_model_by_hand():
 def test_its_405b_layout_on_512_devices_fits_by_the_estimator(tmp_path):
     peak, _, _ = _plan(tmp_path, "405B", 512, 1024)
     assert 0 < peak <= 80
+
+
+def test_the_peak_extrapolates_to_the_largest_stage():
+    """Llama 3 405B's 126 blocks on 8 pipeline stages split 15, 16 x 6, 15 (the ends weighted for
+    the embeddings and output): the peak is extrapolated to 16 blocks, not 126 // 8 = 15."""
+    config = load_config(["--model.flavor", "405B", "--plan.devices", "64", *REAL])
+    estimator = plan.PeakEstimator(config, plan.model_shape(config))
+    layout = plan.Layout("fsdp2", 1, 8, 1, 8, "1F1B", 8, 1, 8, "full")
+    measured = {1: (100, 0), 2: (130, 0)}  # bytes at 1 and 2 blocks per stage
+    estimator._measure = lambda _, blocks: measured[blocks]
+    assert estimator.peak_bytes(layout) == 100 + 15 * 30
