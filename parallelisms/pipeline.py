@@ -145,8 +145,9 @@ def plan_pipeline(
 
 
 def weighted_stage_blocks(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:
-    """Blocks per stage of the default split: ``n_layers`` plus the first and last stages' weights shared evenly, the
-    remainder one each to the earliest stages, then the weights taken off the first and last."""
+    """Blocks per stage of the default split: ``n_layers`` plus the first and last stages' weights
+    shared evenly, the remainder one each to the earliest stages, then the weights taken off the
+    first and last."""
     share, remainder = divmod(n_layers + first_less + last_less, num_stages)
     blocks = [share + (s < remainder) for s in range(num_stages)]
     blocks[0] -= first_less
