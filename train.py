@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
         return _refuse(e)
 
     from trainer.checkpoint import CheckpointError
+    from trainer.preflight import out_of_memory_error
     from trainer.trainer import NonFiniteError, Trainer
 
     trainer = None
@@ -45,14 +46,7 @@ def main(argv: list[str]) -> int:
         step = trainer.step + 1 if trainer is not None else 0
         if _is_out_of_memory(e):
             # The same batches at the same layout would run out again: not worth a restart.
-            return _refuse(
-                ConfigError(
-                    f"training.local_batch_size: out of memory in step {step} on rank {rank} "
-                    f"({_first_line(e)}); a smaller local_batch_size or seq_len, activation_checkpoint.mode "
-                    "selective or full, or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh "
-                    "estimates a rank's peak)"
-                )
-            )
+            return _refuse(out_of_memory_error(f"out of memory in step {step} on rank {rank} ({_first_line(e)})"))
         if not _is_collective_failure(e):
             raise
         if _peer_refused():
@@ -70,14 +64,10 @@ def _refuse(error: ConfigError) -> int:
     """A mistake no restart can mend: one line and exit code 2. Under run_train.sh the line goes to
     its launcher's error file (trainer/launch.py) and the rank exits 0, so that torchrun does not
     start the group again."""
-    error_file = os.environ.get("TESSERA_ERROR_FILE")
-    if error_file and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        from trainer.distributed import post_refusal
+    if os.environ.get("TESSERA_ERROR_FILE") and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        from trainer.distributed import record_refusal
 
-        line = f"2 error: {error}\n"
-        with open(error_file, "w") as f:
-            f.write(line)
-        post_refusal(line)  # for the ranks of other nodes, whose error files are theirs
+        record_refusal(str(error))
         return 0
     print_error(error)
     return 2
@@ -92,18 +82,9 @@ def _peer_refused() -> bool:
     """Whether a rank of this job met a mistake no restart can mend: one of this node's (its line is
     in the error file), or of another node's (its line, in torchrun's store, is copied to this
     node's error file for run_train.sh to print)."""
-    from trainer.distributed import posted_refusal
+    from trainer.distributed import adopt_posted_refusal
 
-    if _error_file_written():
-        return True
-    error_file = os.environ.get("TESSERA_ERROR_FILE")
-    # A rank killed for want of memory is posted by its agent, a moment after its collectives broke.
-    line = posted_refusal(wait_seconds=1) if error_file else None
-    if line is None:
-        return False
-    with open(error_file, "w") as f:
-        f.write(line)
-    return True
+    return _error_file_written() or adopt_posted_refusal()
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

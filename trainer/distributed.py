@@ -52,6 +52,8 @@ def _torchrun_store(timeout: datetime.timedelta, address: tuple[str, int] | None
 
 
 REFUSAL_KEY = "tessera/refusal"
+ERROR_FILE_ENV = "TESSERA_ERROR_FILE"
+"""The file run_train.sh's launcher makes for the line of a refusal (trainer/launch.py)."""
 
 
 def _agent_store(address: tuple[str, int] | None) -> dist.Store | None:
@@ -64,28 +66,34 @@ def _agent_store(address: tuple[str, int] | None) -> dist.Store | None:
         return None
 
 
-def post_refusal(line: str, address: tuple[str, int] | None = None) -> None:
-    """Leaves a one-line refusal (a mistake no restart can mend) in torchrun's store, where the
-    ranks and agents of other nodes find it when their collectives break. ``address``: the store's,
-    for torchrun's agent (a rank has it in its environment)."""
+def record_refusal(message: str, address: tuple[str, int] | None = None) -> None:
+    """Ends the job with ``message``, a mistake no restart can mend: written as "2 error: message"
+    (exit code, line) to this node's error file, which run_train.sh's launcher prints, and left in
+    torchrun's store, where the ranks and agents of other nodes find it when their collectives
+    break. ``address``: the store's, for torchrun's agent (a rank has it in its environment)."""
+    line = f"2 error: {message}\n"
+    _write_error_file(line)
     if (store := _agent_store(address)) is not None:
         store.set(REFUSAL_KEY, line)
 
 
-def posted_refusal(address: tuple[str, int] | None = None, wait_seconds: float = 0) -> str | None:
-    """A refusal some rank or agent of the job left in torchrun's store, waiting for one up to
-    ``wait_seconds``; else None."""
-    store = _agent_store(address)
-    if store is None:
-        return None
-    if wait_seconds > 0:
-        try:
-            store.wait([REFUSAL_KEY], datetime.timedelta(seconds=wait_seconds))
-        except dist.DistStoreError:  # not posted in time
-            return None
-    elif not store.check([REFUSAL_KEY]):  # a wait of 0 would wait for ever
-        return None
-    return store.get(REFUSAL_KEY).decode()
+def adopt_posted_refusal(address: tuple[str, int] | None = None) -> bool:
+    """Whether a rank or agent of another node recorded a refusal, which is then copied to this
+    node's error file. Waits a second for it: an agent posts a killed rank's line a moment after the
+    other ranks' collectives broke."""
+    if not os.environ.get(ERROR_FILE_ENV) or (store := _agent_store(address)) is None:
+        return False
+    try:
+        store.wait([REFUSAL_KEY], datetime.timedelta(seconds=1))
+    except dist.DistStoreError:  # none posted
+        return False
+    _write_error_file(store.get(REFUSAL_KEY).decode())
+    return True
+
+
+def _write_error_file(line: str) -> None:
+    with open(os.environ[ERROR_FILE_ENV], "w") as f:
+        f.write(line)
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:

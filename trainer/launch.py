@@ -29,13 +29,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
-from trainer.distributed import post_refusal, posted_refusal
+from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
+from trainer.preflight import out_of_memory_error
 
 
 def main(argv: list[str]) -> int:
     descriptor, error_file = tempfile.mkstemp(prefix="tessera-error-")
     os.close(descriptor)
-    os.environ["TESSERA_ERROR_FILE"] = error_file  # the ranks inherit it
+    os.environ[ERROR_FILE_ENV] = error_file  # the ranks inherit it
     launcher_api.LocalElasticAgent = _Agent  # the class torchrun builds its agent from
     try:
         code, failures = _run(argv)
@@ -81,17 +82,10 @@ class _Agent(LocalElasticAgent):
         if not result.is_failed():
             return result
         store = (worker_group.master_addr, worker_group.master_port)
-        if line := self._out_of_memory_kill(result):
-            line = f"2 error: {line}\n"
-            post_refusal(line, store)  # for the other nodes, whose ranks only see a broken collective
-        else:
-            # A peer's rank that refused may have taken this node's ranks down with it; its agent or
-            # rank posts the line within moments of the collective breaking.
-            line = posted_refusal(store, wait_seconds=1)
-        if not line:
+        if message := self._out_of_memory_kill(result):
+            record_refusal(message, store)
+        elif not adopt_posted_refusal(store):  # a refusing rank of another node took these down
             return result
-        with open(os.environ["TESSERA_ERROR_FILE"], "w") as f:
-            f.write(line)
         # Ended as a finished job: torchrun neither restarts the group nor leaves before the other
         # nodes do (its store, which this node may host, holds the line for them).
         self._stop_workers(worker_group)
@@ -102,10 +96,10 @@ class _Agent(LocalElasticAgent):
         kills = _host_oom_kills()
         if not killed or kills is None or self._oom_kills_at_start is None or kills <= self._oom_kills_at_start:
             return None
-        return (
-            f"training.local_batch_size: the kernel's out-of-memory killer ended rank {killed[0]} (its host ran "
-            "out of memory); a smaller local_batch_size or seq_len, activation_checkpoint.mode selective or full, "
-            "or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh estimates a rank's peak)"
+        return str(
+            out_of_memory_error(
+                f"the kernel's out-of-memory killer ended rank {killed[0]} (its host ran out of memory)"
+            )
         )
 
 

@@ -106,6 +106,16 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
     )
 
 
+def out_of_memory_error(what: str) -> ConfigError:
+    """A run that ran out of memory (``what`` says how): the same batches at the same layout would
+    run out again, so it is a mistake in the job, with what would fit."""
+    return ConfigError(
+        f"training.local_batch_size: {what}; a smaller local_batch_size or seq_len, activation_checkpoint.mode "
+        "selective or full, or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh estimates a "
+        "rank's peak)"
+    )
+
+
 def check_output_folders(config: JobConfig) -> None:
     """Raises a one-line ConfigError naming the option when a folder the run will write to cannot
     be made or written. Found by the run itself, a checkpoint folder fails at the first save (after

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from train import _is_collective_failure, _peer_refused
-from trainer.distributed import post_refusal
+from trainer.distributed import REFUSAL_KEY
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_a_refusal_posted_a_moment_after_the_collective_broke_is_found(tmp_path,
     monkeypatch.setenv("TESSERA_ERROR_FILE", str(error_file))
     assert not _peer_refused()  # nothing posted: a rank died, the job restarts
     line = "2 error: training.local_batch_size: the kernel's out-of-memory killer ended rank 1\n"
-    agent = threading.Timer(0.3, post_refusal, args=(line,))
+    agent = threading.Timer(0.3, store.set, args=(REFUSAL_KEY, line))  # another node's agent
     agent.start()
     try:
         assert _peer_refused()
