@@ -127,7 +127,7 @@ def plan_pipeline(
         source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
     else:
         num_stages = pp_degree * (1 if single_stage else 2)
-        blocks = weighted_stage_blocks(n_layers, num_stages, first_stage_less_layers, last_stage_less_layers)
+        blocks = _weighted_stage_blocks(n_layers, num_stages, first_stage_less_layers, last_stage_less_layers)
         # The first and last stages may hold only the embeddings or the output, as in torchtitan.
         if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
             raise ValueError(
@@ -144,7 +144,7 @@ def plan_pipeline(
     return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
 
 
-def weighted_stage_blocks(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:
+def _weighted_stage_blocks(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:
     """Blocks per stage of the default split: ``n_layers`` plus the first and last stages' weights
     shared evenly, the remainder one each to the earliest stages, then the weights taken off the
     first and last."""

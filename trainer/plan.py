@@ -32,7 +32,7 @@ import torch
 from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import help_text, load_config, to_toml
 from models.registry import get_model_spec
-from parallelisms.pipeline import plan_pipeline, weighted_stage_blocks
+from parallelisms.pipeline import plan_pipeline
 from trainer.dry_run import dry_run
 from trainer.hf_checkpoint import architecture_folder, job_model_args
 
@@ -55,6 +55,8 @@ class Layout:
     """Pipeline schedule; empty without pipelining."""
     stages: int
     """Pipeline stages in all (1 without pipelining)."""
+    stage_blocks: int
+    """Blocks of the largest stage (all of them without pipelining)."""
     microbatch: int
     """Sequences per forward (a pipeline microbatch or a gradient-accumulation step)."""
     local_batch: int
@@ -104,10 +106,10 @@ def global_batch(config: JobConfig) -> int:
 
 
 def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
-    """(schedule, stages, microbatch, local batch) of each pipeline the planner tries on ``pp`` ranks
-    with ``per_rank`` sequences per data-parallel rank and step."""
+    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline the planner
+    tries on ``pp`` ranks with ``per_rank`` sequences per data-parallel rank and step."""
     if pp == 1:
-        yield from (("", 1, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
+        yield from (("", 1, shape.n_layers, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
         return
     for schedule in SCHEDULES:
         for mb in (1, 2):
@@ -129,7 +131,7 @@ def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
                 )
             except ValueError:
                 continue  # the blocks or microbatches do not split for this schedule
-            yield schedule, layout.num_stages, mb, n_mb * mb
+            yield schedule, layout.num_stages, max(map(len, layout.stage_layers)), mb, n_mb * mb
 
 
 def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
@@ -303,16 +305,7 @@ class PeakEstimator:
         return self.cache[key]
 
     def peak_bytes(self, layout: Layout) -> int:
-        p = self.config.parallelism
-        # The largest stage's blocks (the default split weights the first and last stages).
-        blocks = max(
-            weighted_stage_blocks(
-                self.shape.n_layers,
-                layout.stages,
-                p.pipeline_parallel_first_stage_less_layers,
-                p.pipeline_parallel_last_stage_less_layers,
-            )
-        )
+        blocks = layout.stage_blocks
         (one, one_buckets), (two, two_buckets) = self._measure(layout, 1), self._measure(layout, 2)
         # Compiled SimpleFSDP's two largest neighbouring buckets are the same from 2 blocks on.
         return one + (blocks - 1) * (two - one) + (one_buckets if blocks == 1 else two_buckets)

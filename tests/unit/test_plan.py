@@ -96,7 +96,7 @@ def test_time_model_by_hand():
     config = load_config(["--model.flavor", "8B", "--plan.devices", "8", "--training.global_batch_size", "8", *REAL])
     shape = plan.model_shape(config)
     assert shape.block_params == 218_112_000 and shape.other_params == 2 * 128256 * 4096 + 4096
-    layout = plan.Layout("fsdp2", 1, 8, 1, 1, "", 1, 1, 1, "full")
+    layout = plan.Layout("fsdp2", 1, 8, 1, 1, "", 1, 32, 1, 1, "full")
     tokens = 8 * 8192
     flops = (6 * shape.block_params * (1 + 1 / 3) + 12 * 4096 * 8192) * 32 * tokens + 6 * shape.other_params * tokens
     compute = flops / 8 / (989e12 * 0.4)
@@ -119,8 +119,13 @@ def test_the_peak_extrapolates_to_the_largest_stage():
     """Llama 3 405B's 126 blocks on 8 pipeline stages split 15, 16 x 6, 15 (the ends weighted for
     the embeddings and output): the peak is extrapolated to 16 blocks, not 126 // 8 = 15."""
     config = load_config(["--model.flavor", "405B", "--plan.devices", "64", *REAL])
-    estimator = plan.PeakEstimator(config, plan.model_shape(config))
-    layout = plan.Layout("fsdp2", 1, 8, 1, 8, "1F1B", 8, 1, 8, "full")
+    shape = plan.model_shape(config)
+    estimator = plan.PeakEstimator(config, shape)
+    layout = next(
+        lay
+        for lay in plan.enumerate_layouts(config, shape)
+        if (lay.impl, lay.shard, lay.tp, lay.pp, lay.schedule, lay.microbatch) == ("fsdp2", 8, 1, 8, "1F1B", 1)
+    )
     measured = {1: (100, 0), 2: (130, 0)}  # bytes at 1 and 2 blocks per stage
     estimator._measure = lambda _, blocks: measured[blocks]
     assert estimator.peak_bytes(layout) == 100 + 15 * 30
