@@ -181,12 +181,22 @@ def profiled_step(trainer: Trainer, batch: list, trace_dir: str) -> tuple[Collec
     return parse_collectives(events), baseline, transient_peak_bytes(events), loss
 
 
+def step_batches(trainer: Trainer, steps: int) -> list[list]:
+    """The microbatches of ``steps`` steps, all up front: the timed steps measure training, not
+    data loading."""
+    data_iter = iter(trainer.dataloader)
+    return [[next(data_iter) for _ in range(trainer.grad_accum_steps)] for _ in range(steps)]
+
+
+def slowest_rank(step_times: list[list[float]]) -> list[float]:
+    """Each step's time over the ranks' times of it: a step lasts until its slowest rank finishes it."""
+    return [max(times) for times in zip(*step_times, strict=True)]
+
+
 def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
     """Trains ``warmup`` untimed then ``steps`` timed steps and profiles one more; this rank's
     step times, losses, collectives and memory."""
-    # All batches up front: the timed steps measure training, not data loading.
-    data_iter = iter(trainer.dataloader)
-    batches = [[next(data_iter) for _ in range(trainer.grad_accum_steps)] for _ in range(warmup + steps + 1)]
+    batches = step_batches(trainer, warmup + steps + 1)
     step_times: list[float] = []
     losses: list[float] = []
     for i, batch in enumerate(batches[:-1]):
@@ -223,8 +233,7 @@ def timed_steps(trainer: Trainer, warmup: int, steps: int) -> dict[str, Any]:
 def summarize(trainer: Trainer, gathered: list[dict[str, Any]], warmup: int, setup_s: float) -> dict[str, Any]:
     """The result JSON from every rank's measurements."""
     config, world, mine = trainer.config, len(gathered), gathered[0]
-    # A step lasts until its slowest rank finishes it.
-    times = [max(r["step_times_s"][i] for r in gathered) for i in range(len(mine["step_times_s"]))]
+    times = slowest_rank([r["step_times_s"] for r in gathered])
     timed = times[warmup:]
     n_params = sum(p.numel() for part in trainer.model.parts for p in part.parameters())
     param_bytes = n_params * trainer.model.compute_dtype.itemsize
@@ -312,8 +321,7 @@ def interleaved_steps(trainers: dict[str, Trainer], warmup: int, steps: int) -> 
     this rank's step times and losses per variant."""
     batches = {}
     for name, trainer in trainers.items():
-        data_iter = iter(trainer.dataloader)
-        batches[name] = [[next(data_iter) for _ in range(trainer.grad_accum_steps)] for _ in range(warmup + steps)]
+        batches[name] = step_batches(trainer, warmup + steps)
         for batch in batches[name][:warmup]:
             trainer.train_step(batch)
         set_collective_timeout(trainer.config.comm.train_timeout_seconds, trainer.parallel_dims.mesh)
@@ -347,8 +355,7 @@ def run_interleaved(out: str, warmup: int, steps: int, overrides: list[str], var
     if dist.get_rank() == 0:
         result = {}
         for name in variants:
-            # A step lasts until its slowest rank finishes it.
-            times = [max(r[name]["step_times_s"][i] for r in gathered) for i in range(steps)]
+            times = slowest_rank([r[name]["step_times_s"] for r in gathered])
             tokens = gathered[0][name]["tokens"]
             result[name] = {
                 "world_size": len(gathered),
