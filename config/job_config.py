@@ -207,11 +207,12 @@ class Parallelism:
     ] = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer blocks per (virtual) stage; unset = one stage per rank (two for the interleaved
-    and V schedules), the blocks shared as evenly as the first and last stages' weights allow."""
+    """Blocks per (virtual) stage, as torchtitan counts them: ceil((layers + first and last stage
+    weights) / this) stages; unset = one stage per rank (two for the multi-stage schedules). Either
+    way the blocks are shared as evenly as the first and last stages' weights allow."""
     pipeline_parallel_first_stage_less_layers: int = 1
-    """With neither layers_per_stage nor split_points: the first stage counts its embeddings as
-    this many blocks and gets that many fewer (as torchtitan splits)."""
+    """Without split_points: the first stage counts its embeddings as this many blocks and gets
+    that many fewer (as torchtitan splits)."""
     pipeline_parallel_last_stage_less_layers: int = 1
     """Likewise for the last stage's final norm and output layer."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)

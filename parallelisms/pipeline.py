@@ -11,8 +11,10 @@ index and ``tok_embeddings``, ``norm`` and ``output`` may be ``None``.
 Layout. ``pp`` ranks run one stage each (GPipe, 1F1B) or several virtual stages each
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble: stage ``s`` on rank ``s % pp``;
 ZBVZeroBubble: exactly two per rank in a V, rank ``r`` holding stages ``r`` and
-``2 pp - 1 - r``). The blocks are split by explicit split points, by a fixed number of blocks
-per stage, or evenly; a split that does not fit is refused, never silently rebalanced.
+``2 pp - 1 - r``). The blocks are split by explicit split points, or as torchtitan splits them
+(the first and last stages weighted for their embeddings and output) over a number of stages given
+by the blocks per stage or by the schedule; a split that does not fit is refused, never silently
+rebalanced.
 
 Loss and gradients. The schedule calls ``loss_fn(output, target)`` on each microbatch of the
 last stage, backpropagates from it, and would divide the gradients by the number of
@@ -24,6 +26,7 @@ gradients are left unscaled (``scale_grads=False``) and equal those of a run wit
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,12 +100,13 @@ def plan_pipeline(
 ) -> PipelineLayout:
     """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
 
-    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage), else from
-    ``layers_per_stage``, else one stage per rank (two for multi-stage schedules) with the blocks
-    shared as torchtitan shares them: the first and last stages count their embeddings and output
-    as ``first_stage_less_layers`` and ``last_stage_less_layers`` blocks, and the blocks plus these
-    are split as evenly as they go, earlier stages taking one more. Depends on no process group,
-    so a launcher can check a config up front.
+    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage); else the blocks
+    are shared as torchtitan shares them: the first and last stages count their embeddings and
+    output as ``first_stage_less_layers`` and ``last_stage_less_layers`` blocks, and the blocks
+    plus these are split as evenly as they go, earlier stages taking one more, over as many stages
+    as ``layers_per_stage`` of them fill (rounded up, as torchtitan counts), or one stage per rank
+    (two for multi-stage schedules). Depends on no process group, so a launcher can check a config
+    up front.
 
     Raises:
         ValueError: a one-line message naming the option to change when the blocks cannot be
@@ -118,41 +122,43 @@ def plan_pipeline(
     if split_points:
         starts = _parse_split_points(split_points, n_layers)
         source = f"{SPLIT_POINTS_OPTION} {','.join(split_points)}"
-    elif layers_per_stage is not None:
-        if layers_per_stage < 1 or n_layers % layers_per_stage:
-            raise ValueError(
-                f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage} does not divide the model's {n_layers} layers"
-            )
-        starts = list(range(0, n_layers, layers_per_stage))
-        source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
     else:
-        num_stages = pp_degree * (1 if single_stage else 2)
-        blocks = _weighted_stage_blocks(n_layers, num_stages, first_stage_less_layers, last_stage_less_layers)
-        # The first and last stages may hold only the embeddings or the output, as in torchtitan.
-        if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
-            raise ValueError(
-                f"{DEGREE_OPTION} {pp_degree}: {n_layers} layers are too few for {num_stages} stages of {schedule} "
-                f"(the first and last count as {first_stage_less_layers} and {last_stage_less_layers} more, "
-                f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); set {LAYERS_PER_STAGE_OPTION} or "
-                f"{SPLIT_POINTS_OPTION}"
-            )
-        starts = [sum(blocks[:s]) for s in range(num_stages)]
-        source = f"{DEGREE_OPTION} {pp_degree}"
+        if layers_per_stage is None:
+            num_stages = pp_degree * (1 if single_stage else 2)
+            source = f"{DEGREE_OPTION} {pp_degree}"
+        elif layers_per_stage < 1:
+            raise ValueError(f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}: give 1 or more blocks per stage")
+        else:
+            # torchtitan's count: the end stages' weights take block places too.
+            num_stages = math.ceil((n_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage)
+            source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
+        starts = _weighted_stage_starts(
+            n_layers, num_stages, first_stage_less_layers, last_stage_less_layers, schedule, source
+        )
     stage_layers = tuple(tuple(range(a, b)) for a, b in zip(starts, [*starts[1:], n_layers]))
     _check_stages_per_rank(len(stage_layers), pp_degree, schedule, single_stage, source)
     n_microbatches = _microbatch_count(local_batch_size, microbatch_size, len(stage_layers), pp_degree, schedule)
     return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
 
 
-def _weighted_stage_blocks(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:
-    """Blocks per stage of the default split: ``n_layers`` plus the first and last stages' weights
+def _weighted_stage_starts(
+    n_layers: int, num_stages: int, first_less: int, last_less: int, schedule: str, source: str
+) -> list[int]:
+    """First block of each stage when ``n_layers`` plus the first and last stages' weights are
     shared evenly, the remainder one each to the earliest stages, then the weights taken off the
-    first and last."""
+    first and last. The first and last stages may hold only the embeddings or the output, as in
+    torchtitan; the others need a block."""
     share, remainder = divmod(n_layers + first_less + last_less, num_stages)
     blocks = [share + (s < remainder) for s in range(num_stages)]
     blocks[0] -= first_less
     blocks[-1] -= last_less
-    return blocks
+    if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
+        raise ValueError(
+            f"{source}: {n_layers} layers are too few for {num_stages} stages of {schedule} "
+            f"(the first and last count as {first_less} and {last_less} more, "
+            f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); set {LAYERS_PER_STAGE_OPTION} or {SPLIT_POINTS_OPTION}"
+        )
+    return [sum(blocks[:s]) for s in range(num_stages)]
 
 
 def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]:

@@ -49,7 +49,8 @@ def pp(schedule: str, *more: str) -> list[str]:
 
 PIPELINED = {
     # name: overrides (2 ranks, one pipeline of 2 ranks; no data parallelism)
-    # 4 stages of one block, two per rank: every stage a separately compiled block.
+    # One block per stage as torchtitan counts it: 6 stages, three per rank, the first and last
+    # holding only the embeddings or the output; every block compiled on its own.
     "pp2_interleaved_per_block": [
         *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"),
         *COMPILE,
@@ -94,7 +95,7 @@ def test_pipelined_compile_matches_single_process(layout, pipelined):
         graphs = 1 + report["rank"]
         assert (report["graphs"], report["aot_graphs"], report["graph_breaks"]) == (graphs, graphs, 0), report
         if layout == "pp2_interleaved_per_block":
-            # Two one-block stages per rank, each block compiled on its own (dynamo reuses one
+            # Two one-block stages per rank (and one block-less), each block compiled on its own (dynamo reuses one
             # block's graph for the other: the graph count alone would not show it).
             assert (report["blocks"], report["compiled_blocks"], report["compiled_parts"]) == (2, 2, 0), report
         else:

@@ -32,12 +32,13 @@ def pp(schedule: str, microbatch_size: int, *more: str) -> list[str]:
 
 
 # The layout checks below plan debugmodel's 6 blocks: the virtual-stage schedules run at least two
-# stages per rank, 6 stages of one block (three per rank), or 4 stages cut before blocks 1, 3 and 5
-# (the stages holding the embeddings and the output head get one block).
+# stages per rank, one block per stage as torchtitan counts it (the embeddings and the output weigh
+# one block each: 8 stages, four per rank, the ends holding no block), or 4 stages cut before
+# blocks 1, 3 and 5 (the stages holding the embeddings and the output head get one block).
 ONE_BLOCK_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
 FOUR_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
 # The trained runs cut the model to 4 blocks (a third of the steps' compute): one-block stages are
-# then 4 stages, two per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
+# then 6 stages, three per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
 # The default split of 4 blocks into 4 stages weights the ends, leaving the last stage only the norm
 # and output: [0], [1, 2], [3], [].
 UNEVEN_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"]
@@ -134,12 +135,12 @@ def _layout_error(*overrides: str) -> str:
             "list split points in increasing order",
         ),
         (
-            ["--parallelism.pipeline_parallel_layers_per_stage", "4"],
-            "parallelism.pipeline_parallel_layers_per_stage 4 does not divide the model's 6 layers",
+            ["--parallelism.pipeline_parallel_layers_per_stage", "0"],
+            "parallelism.pipeline_parallel_layers_per_stage 0: give 1 or more blocks per stage",
         ),
         (
             ["--parallelism.pipeline_parallel_layers_per_stage", "2"],
-            "parallelism.pipeline_parallel_layers_per_stage 2 gives 3 stages, but 1F1B runs one stage per rank "
+            "parallelism.pipeline_parallel_layers_per_stage 2 gives 4 stages, but 1F1B runs one stage per rank "
             "(parallelism.pipeline_parallel_degree 2)",
         ),
         (
@@ -149,12 +150,12 @@ def _layout_error(*overrides: str) -> str:
                 "--parallelism.pipeline_parallel_layers_per_stage",
                 "3",
             ],
-            "parallelism.pipeline_parallel_layers_per_stage 3 gives 2 stages, but LoopedBFS needs a multiple of "
+            "parallelism.pipeline_parallel_layers_per_stage 3 gives 3 stages, but LoopedBFS needs a multiple of "
             "parallelism.pipeline_parallel_degree 2 with at least two stages per rank",
         ),
         (
             ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *ONE_BLOCK_STAGES],
-            "parallelism.pipeline_parallel_layers_per_stage 1 gives 6 stages, but ZBVZeroBubble runs exactly two "
+            "parallelism.pipeline_parallel_layers_per_stage 1 gives 8 stages, but ZBVZeroBubble runs exactly two "
             "stages per rank (4 for parallelism.pipeline_parallel_degree 2)",
         ),
         (
@@ -225,12 +226,51 @@ def test_the_default_split_weights_the_first_and_last_stages_as_torchtitan():
     assert [len(stage) for stage in layout.stage_layers] == [15, 16, 16, 16, 16, 16, 16, 15]
 
 
+def test_layers_per_stage_counts_stages_as_torchtitan():
+    """ceil((blocks + the first and last stages' weights) / layers_per_stage) stages, the blocks
+    shared as in the default split. Before, it was blocks per stage and had to divide the blocks:
+    torchtitan's one block per stage on 6 blocks and 4 ranks (8 stages) was refused."""
+    interleaved = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    four_ranks = _layout("--parallelism.pipeline_parallel_degree", "4", *interleaved, *ONE_BLOCK_STAGES)
+    assert four_ranks.stage_layers == ((), (0,), (1,), (2,), (3,), (4,), (5,), ())
+    assert _layout("--parallelism.pipeline_parallel_layers_per_stage", "4").stage_layers == ((0, 1, 2), (3, 4, 5))
+    # The embeddings weigh 2 blocks, the output none: (6 + 2) / 2 = 4 stages of 2, the first empty.
+    weighted = [
+        "--parallelism.pipeline_parallel_first_stage_less_layers=2",
+        "--parallelism.pipeline_parallel_last_stage_less_layers=0",
+    ]
+    by_two = _layout(*interleaved, "--parallelism.pipeline_parallel_layers_per_stage", "2", *weighted)
+    assert by_two.stage_layers == ((), (0, 1), (2, 3), (4, 5))
+    # Llama 3 405B, 8 blocks a stage on 8 ranks: (126 + 2) / 8 = 16 stages, the ends 7 blocks.
+    layout = plan_pipeline(
+        n_layers=126,
+        pp_degree=8,
+        schedule="Interleaved1F1B",
+        layers_per_stage=8,
+        split_points=(),
+        local_batch_size=16,
+        microbatch_size=1,
+    )
+    assert [len(stage) for stage in layout.stage_layers] == [7, *[8] * 14, 7]
+    # 32 blocks, 4 a stage: 9 stages, which 4 ranks cannot share (torchtitan refuses it too).
+    with pytest.raises(ValueError, match="layers_per_stage 4 gives 9 stages"):
+        plan_pipeline(
+            n_layers=32,
+            pp_degree=4,
+            schedule="Interleaved1F1B",
+            layers_per_stage=4,
+            split_points=(),
+            local_batch_size=16,
+            microbatch_size=1,
+        )
+
+
 def test_layouts_place_stages_and_blocks():
     v_shape = _layout(*FOUR_STAGES, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")
     assert v_shape.stage_layers == ((0,), (1, 2), (3, 4), (5,))
     assert [v_shape.stage_indices(rank) for rank in (0, 1)] == [[0, 3], [1, 2]]
     looped = _layout(*ONE_BLOCK_STAGES, "--parallelism.pipeline_parallel_schedule", "LoopedBFS")
-    assert [looped.stage_indices(rank) for rank in (0, 1)] == [[0, 2, 4], [1, 3, 5]]
+    assert [looped.stage_indices(rank) for rank in (0, 1)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert looped.n_microbatches == 8
     assert _layout().stage_layers == ((0, 1, 2), (3, 4, 5))
 
@@ -247,9 +287,9 @@ def test_zero_bubble_refuses_compile_and_reshard(schedule, option):
 
 @pytest.mark.slow  # torchrun on 2 ranks
 def test_preflight_and_train_py_report_impossible_layout(tmp_path):
-    uneven = ["--parallelism.pipeline_parallel_layers_per_stage", "4"]  # 6 layers
-    args = ["--parallelism.pipeline_parallel_degree", "2", *uneven]
-    expected = _layout_error(*uneven)
+    three_stages = ["--parallelism.pipeline_parallel_layers_per_stage", "3"]  # 6 layers + 2 end weights
+    args = ["--parallelism.pipeline_parallel_degree", "2", *three_stages]
+    expected = _layout_error(*three_stages)
     preflight = subprocess.run(
         [sys.executable, "-m", "trainer.preflight", "--world-size", "2", *args],
         cwd=REPO,

@@ -125,8 +125,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("layout", ["--parallelism.expert_parallel_degree", "2"], "not available in Tessera"),
     (
         "layout",
-        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "4"],
-        "pipeline_parallel_layers_per_stage 4 does not divide",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "3"],
+        "pipeline_parallel_layers_per_stage 3 gives 3 stages",
     ),
     (
         "layout",
