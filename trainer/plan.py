@@ -225,6 +225,9 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_schedule=layout.schedule or config.parallelism.pipeline_parallel_schedule,
         pipeline_parallel_microbatch_size=layout.microbatch,
+        # The planner plans the default split (one stage per rank, two for multi-stage schedules).
+        pipeline_parallel_layers_per_stage=None,
+        pipeline_parallel_split_points=[],
     )
     training = dataclasses.replace(
         config.training,
@@ -293,7 +296,8 @@ class PeakEstimator:
                 config,
                 model=dataclasses.replace(config.model, n_layers=layout.stages * blocks),
                 parallelism=dataclasses.replace(
-                    config.parallelism, pipeline_parallel_layers_per_stage=blocks if layout.pp > 1 else None
+                    config.parallelism,
+                    pipeline_parallel_split_points=[f"layers.{blocks * s}" for s in range(1, layout.stages)],
                 ),
                 # One microbatch per step: accumulating more changes no peak (gradients sum in place).
                 training=dataclasses.replace(config.training, global_batch_size=-1),

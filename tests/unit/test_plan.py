@@ -9,6 +9,7 @@ import pytest
 
 from config.job_config import JobConfig
 from config.manager import load_config
+from models.llama3.pipeline import pipeline_layout
 from trainer import plan
 
 GiB = 2**30
@@ -129,3 +130,22 @@ def test_the_peak_extrapolates_to_the_largest_stage():
     measured = {1: (100, 0), 2: (130, 0)}  # bytes at 1 and 2 blocks per stage
     estimator._measure = lambda _, blocks: measured[blocks]
     assert estimator.peak_bytes(layout) == 100 + 15 * 30
+
+
+def test_the_layouts_split_as_planned_whatever_the_config_set(monkeypatch):
+    """The planner plans the default split and measures even ones: a config's own
+    pipeline_parallel_layers_per_stage is dropped from the written layout and from the dry runs'
+    configs (which name their stage boundaries)."""
+    config = load_config(["--model.flavor", "405B", "--plan.devices", "64", *REAL])
+    config.parallelism.pipeline_parallel_layers_per_stage = 3
+    shape = plan.model_shape(config)
+    layout = next(lay for lay in plan.enumerate_layouts(config, shape) if (lay.pp, lay.schedule) == (8, "1F1B"))
+    written = plan.layout_config(config, layout)
+    assert pipeline_layout(written, shape.n_layers).num_stages == layout.stages == 8
+    measured = []
+    monkeypatch.setattr(plan, "_in_child", lambda _, config, world_size: measured.append(config) or (0, 0))
+    plan.PeakEstimator(config, shape).peak_bytes(layout)
+    assert [pipeline_layout(c, c.model.n_layers).stage_layers for c in measured] == [
+        tuple((s,) for s in range(8)),
+        tuple((2 * s, 2 * s + 1) for s in range(8)),
+    ]
