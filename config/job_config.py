@@ -217,6 +217,11 @@ class Parallelism:
     """Likewise for the last stage's final norm and output layer."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Explicit stage boundaries, e.g. 'layers.2,layers.4': each named layer starts a stage."""
+    module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
+    """Explicit stages by their modules, as torchtitan names them: in TOML a list of lists, e.g.
+    [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]; on the command line stages
+    joined by ',' and a stage's modules by '+'. tok_embeddings goes in the first stage, norm and
+    output in the last, the blocks in order."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline microbatch; the local batch is split into microbatches of this size."""
 

@@ -54,7 +54,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _type_name(tp: typing.Any) -> str:
     inner, optional = _unwrap_optional(tp)
-    name = _list_item_type(inner).__name__ + " list" if _is_list(inner) else inner.__name__
+    name = _type_name(_list_item_type(inner)) + " list" if _is_list(inner) else inner.__name__
     name = "str" if choices_of(inner) else name
     return name + " (optional)" if optional else name
 
@@ -100,8 +100,10 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
         item_type = _list_item_type(inner)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+            if _is_list(item_type):  # a list of lists on the command line: 'a+b,c'
+                value = [[w.strip() for w in v.split("+")] for v in value]
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list of {item_type.__name__}, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
         return [_convert(key, v, item_type, from_cli) for v in value]
     if inner is bool:
         if isinstance(value, bool):

@@ -44,7 +44,6 @@ FOREIGN: dict[str, object] = {
     "training.dataloader.persistent_workers": ANY,
     "training.dataloader.pin_memory": ANY,
     "training.dataloader.prefetch_factor": ANY,
-    "parallelism.module_fqns_per_model_part": None,
     "parallelism.pipeline_parallel_schedule_csv": "",
     "parallelism.pipeline_parallel_expert_parallel_overlap": ANY,
     "parallelism.context_parallel_degree": 1,

@@ -41,6 +41,7 @@ DEGREE_OPTION = "parallelism.pipeline_parallel_degree"
 SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
 LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
 SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
+MODULE_FQNS_OPTION = "parallelism.module_fqns_per_model_part"
 FIRST_LESS_OPTION = "parallelism.pipeline_parallel_first_stage_less_layers"
 LAST_LESS_OPTION = "parallelism.pipeline_parallel_last_stage_less_layers"
 MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
@@ -95,12 +96,14 @@ def plan_pipeline(
     split_points: Sequence[str],
     local_batch_size: int,
     microbatch_size: int,
+    module_fqns: Sequence[Sequence[str]] = (),
     first_stage_less_layers: int = 1,
     last_stage_less_layers: int = 1,
 ) -> PipelineLayout:
     """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
 
-    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage); else the blocks
+    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage) or from
+    ``module_fqns`` (torchtitan's module names per stage); else the blocks
     are shared as torchtitan shares them: the first and last stages count their embeddings and
     output as ``first_stage_less_layers`` and ``last_stage_less_layers`` blocks, and the blocks
     plus these are split as evenly as they go, earlier stages taking one more, over as many stages
@@ -117,28 +120,60 @@ def plan_pipeline(
     except ValueError:
         raise ValueError(f"{SCHEDULE_OPTION}: unknown schedule '{schedule}'") from None
     single_stage = issubclass(schedule_cls, PipelineScheduleSingle)
-    if split_points and layers_per_stage is not None:
-        raise ValueError(f"set {SPLIT_POINTS_OPTION} or {LAYERS_PER_STAGE_OPTION}, not both")
-    if split_points:
-        starts = _parse_split_points(split_points, n_layers)
-        source = f"{SPLIT_POINTS_OPTION} {','.join(split_points)}"
-    else:
-        if layers_per_stage is None:
-            num_stages = pp_degree * (1 if single_stage else 2)
-            source = f"{DEGREE_OPTION} {pp_degree}"
-        elif layers_per_stage < 1:
-            raise ValueError(f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}: give 1 or more blocks per stage")
-        else:
-            # torchtitan's count: the end stages' weights take block places too.
-            num_stages = math.ceil((n_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage)
-            source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
-        starts = _weighted_stage_starts(
-            n_layers, num_stages, first_stage_less_layers, last_stage_less_layers, schedule, source
-        )
+    starts, source = _stage_starts(
+        n_layers,
+        pp_degree,
+        schedule,
+        single_stage,
+        layers_per_stage,
+        split_points,
+        module_fqns,
+        first_stage_less_layers,
+        last_stage_less_layers,
+    )
     stage_layers = tuple(tuple(range(a, b)) for a, b in zip(starts, [*starts[1:], n_layers]))
     _check_stages_per_rank(len(stage_layers), pp_degree, schedule, single_stage, source)
     n_microbatches = _microbatch_count(local_batch_size, microbatch_size, len(stage_layers), pp_degree, schedule)
     return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
+
+
+def _stage_starts(
+    n_layers: int,
+    pp_degree: int,
+    schedule: str,
+    single_stage: bool,
+    layers_per_stage: int | None,
+    split_points: Sequence[str],
+    module_fqns: Sequence[Sequence[str]],
+    first_less: int,
+    last_less: int,
+) -> tuple[list[int], str]:
+    """First block of each stage (see ``plan_pipeline``), and the option that gave the split."""
+    given = [
+        option
+        for option, value in (
+            (SPLIT_POINTS_OPTION, split_points),
+            (LAYERS_PER_STAGE_OPTION, layers_per_stage is not None),
+            (MODULE_FQNS_OPTION, module_fqns),
+        )
+        if value
+    ]
+    if len(given) > 1:
+        raise ValueError(f"set {' or '.join(given)}, not {'both' if len(given) == 2 else 'several'}")
+    if split_points:
+        return _parse_split_points(split_points, n_layers), f"{SPLIT_POINTS_OPTION} {','.join(split_points)}"
+    if module_fqns:
+        return _parse_module_fqns(module_fqns, n_layers), MODULE_FQNS_OPTION
+    if layers_per_stage is None:
+        num_stages = pp_degree * (1 if single_stage else 2)
+        source = f"{DEGREE_OPTION} {pp_degree}"
+    elif layers_per_stage < 1:
+        raise ValueError(f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}: give 1 or more blocks per stage")
+    else:
+        # torchtitan's count: the end stages' weights take block places too.
+        num_stages = math.ceil((n_layers + first_less + last_less) / layers_per_stage)
+        source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
+    return _weighted_stage_starts(n_layers, num_stages, first_less, last_less, schedule, source), source
 
 
 def _weighted_stage_starts(
@@ -173,6 +208,46 @@ def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]
         if int(index) <= starts[-1]:
             raise ValueError(f"{SPLIT_POINTS_OPTION}: '{point}' is out of order; list split points in increasing order")
         starts.append(int(index))
+    return starts
+
+
+def _parse_module_fqns(module_fqns: Sequence[Sequence[str]], n_layers: int) -> list[int]:
+    """Block indices starting each stage (0 first) from the module names of each stage. The model's
+    stages keep tok_embeddings in the first and norm and output in the last; each stage's blocks
+    follow the previous stage's, each block in one stage."""
+    last, starts, next_block = len(module_fqns) - 1, [], 0
+    for s, names in enumerate(module_fqns):
+        blocks, ends = [], set()
+        for name in names:
+            prefix, _, index = name.partition(".")
+            if prefix == "layers" and index.isdigit() and int(index) < n_layers:
+                blocks.append(int(index))
+            elif name in ("tok_embeddings", "norm", "output"):
+                ends.add(name)
+            else:
+                raise ValueError(
+                    f"{MODULE_FQNS_OPTION}: '{name}' is not a module of the model; "
+                    f"use tok_embeddings, layers.N with N < {n_layers}, norm or output"
+                )
+        expected = ({"tok_embeddings"} if s == 0 else set()) | ({"norm", "output"} if s == last else set())
+        if ends != expected:
+            held = ", ".join(sorted(ends)) or "none of tok_embeddings, norm, output"
+            raise ValueError(
+                f"{MODULE_FQNS_OPTION}: stage {s} holds {held}; "
+                "tok_embeddings goes in the first stage, norm and output in the last"
+            )
+        if not blocks and 0 < s < last:
+            raise ValueError(f"{MODULE_FQNS_OPTION}: stage {s} holds no block")
+        if sorted(blocks) != list(range(next_block, next_block + len(blocks))):
+            raise ValueError(
+                f"{MODULE_FQNS_OPTION}: stage {s} holds {', '.join(names)}; its blocks should follow "
+                f"on from layers.{next_block}, each block in one stage"
+            )
+        starts.append(next_block)
+        next_block += len(blocks)
+    if next_block != n_layers:
+        missing = f"layers.{next_block}" + (f" to layers.{n_layers - 1} are" if next_block < n_layers - 1 else " is")
+        raise ValueError(f"{MODULE_FQNS_OPTION}: {missing} in no stage")
     return starts
 
 

@@ -228,6 +228,7 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         # The planner plans the default split (one stage per rank, two for multi-stage schedules).
         pipeline_parallel_layers_per_stage=None,
         pipeline_parallel_split_points=[],
+        module_fqns_per_model_part=[],
     )
     training = dataclasses.replace(
         config.training,

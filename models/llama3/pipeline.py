@@ -49,6 +49,7 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
             schedule=schedule,
             layers_per_stage=p.pipeline_parallel_layers_per_stage,
             split_points=p.pipeline_parallel_split_points,
+            module_fqns=p.module_fqns_per_model_part,
             local_batch_size=config.training.local_batch_size,
             microbatch_size=p.pipeline_parallel_microbatch_size,
             first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,

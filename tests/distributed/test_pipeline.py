@@ -36,6 +36,7 @@ def pp(schedule: str, microbatch_size: int, *more: str) -> list[str]:
 # one block each: 8 stages, four per rank, the ends holding no block), or 4 stages cut before
 # blocks 1, 3 and 5 (the stages holding the embeddings and the output head get one block).
 ONE_BLOCK_STAGES = ["--parallelism.pipeline_parallel_layers_per_stage", "1"]
+MODULE_FQNS = "--parallelism.module_fqns_per_model_part"
 FOUR_STAGES = ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
 # The trained runs cut the model to 4 blocks (a third of the steps' compute): one-block stages are
 # then 6 stages, three per rank, and the uneven 4-stage cut puts blocks 1 and 2 in stages of their own.
@@ -164,6 +165,33 @@ def _layout_error(*overrides: str) -> str:
             "not both",
         ),
         (
+            [MODULE_FQNS, "tok_embeddings+layers.0+layers.1+layers.2,layers.3+layers.4+layers.5+output"],
+            "parallelism.module_fqns_per_model_part: stage 1 holds output; tok_embeddings goes in the first "
+            "stage, norm and output in the last",
+        ),
+        (
+            [MODULE_FQNS, "tok_embeddings+layers.0+layers.1,layers.3+layers.2+layers.5+norm+output"],
+            "parallelism.module_fqns_per_model_part: stage 1 holds layers.3, layers.2, layers.5, norm, output; "
+            "its blocks should follow on from layers.2, each block in one stage",
+        ),
+        (
+            [MODULE_FQNS, "tok_embeddings+layers.0+layers.1+layers.2,layers.3+layers.4+norm+output"],
+            "parallelism.module_fqns_per_model_part: layers.5 is in no stage",
+        ),
+        (
+            [MODULE_FQNS, "tok_embeddings+layers.0+layers.1+layers.2,layers.3+layers.4+layers.5+norm+output+lm_head"],
+            "parallelism.module_fqns_per_model_part: 'lm_head' is not a module of the model; use tok_embeddings, "
+            "layers.N with N < 6, norm or output",
+        ),
+        (
+            [
+                MODULE_FQNS,
+                "tok_embeddings+layers.0+layers.1+layers.2,layers.3+layers.4+layers.5+norm+output",
+                *FOUR_STAGES,
+            ],
+            "set parallelism.pipeline_parallel_split_points or parallelism.module_fqns_per_model_part, not both",
+        ),
+        (
             ["--parallelism.pipeline_parallel_microbatch_size", "3"],
             "parallelism.pipeline_parallel_microbatch_size 3 does not divide training.local_batch_size 8",
         ),
@@ -263,6 +291,40 @@ def test_layers_per_stage_counts_stages_as_torchtitan():
             local_batch_size=16,
             microbatch_size=1,
         )
+
+
+def test_module_names_per_stage_split_as_torchtitan_lists_them(tmp_path):
+    """torchtitan's module_fqns_per_model_part, a list of lists in TOML, or stages joined by ','
+    and modules by '+' on the command line: the same stages as the split points naming their
+    first blocks. Before, the option was ignored with a warning and the default split trained."""
+    toml = tmp_path / "stages.toml"
+    toml.write_text(
+        "[parallelism]\npipeline_parallel_schedule = 'Interleaved1F1B'\nmodule_fqns_per_model_part = ["
+        "['tok_embeddings', 'layers.1', 'layers.0'], ['layers.2'], ['layers.4', 'layers.3'], ['layers.5', 'norm', 'output']]\n"
+    )
+    from_toml = _layout("--job.config_file", str(toml))
+    on_command_line = "tok_embeddings+layers.0+layers.1,layers.2,layers.3+layers.4,layers.5+norm+output"
+    from_cli = _layout(
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--parallelism.module_fqns_per_model_part",
+        on_command_line,
+    )
+    by_points = _layout(
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--parallelism.pipeline_parallel_split_points",
+        "layers.2,layers.3,layers.5",
+    )
+    assert from_toml.stage_layers == from_cli.stage_layers == by_points.stage_layers == ((0, 1), (2,), (3, 4), (5,))
+    # End stages may hold only the embeddings or the output.
+    ends_alone = _layout(
+        "--parallelism.pipeline_parallel_schedule",
+        "Interleaved1F1B",
+        "--parallelism.module_fqns_per_model_part",
+        "tok_embeddings,layers.0+layers.1+layers.2,layers.3+layers.4+layers.5,norm+output",
+    )
+    assert ends_alone.stage_layers == ((), (0, 1, 2), (3, 4, 5), ())
 
 
 def test_layouts_place_stages_and_blocks():
