@@ -181,6 +181,9 @@ class LRScheduler:
     """Fraction of all steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
     min_lr_factor: float = 0.1
     """Final learning rate as a fraction of the peak."""
+    total_steps: int | None = None
+    """Steps the schedule spans; unset = training.steps. Longer than the run, a short run follows
+    the first steps of a long run's schedule."""
 
 
 @dataclass
@@ -252,6 +255,10 @@ class Checkpoint:
     """At the last step, also write the model in Hugging Face's Llama safetensors layout to <folder>/hf."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the Hugging Face export: float32, bfloat16 or float16."""
+    enable_first_step_checkpoint: bool = False
+    """Also save after step 1: a new cluster or storage shows at once that checkpoints work."""
+    load_only: bool = False
+    """Resume or load as usual, but save no checkpoint (verification and debugging runs)."""
 
 
 @dataclass
@@ -346,6 +353,8 @@ class Debug:
     """Seed of model initialization and data order."""
     deterministic: bool = False
     """Use deterministic algorithms so two runs give bitwise-equal losses."""
+    deterministic_warn_only: bool = False
+    """With deterministic: warn about an operation without a deterministic kernel instead of failing."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic collection is off); 0 = leave gc alone."""
     fail_at_step: int = -1

@@ -361,10 +361,18 @@ def _validate_checkpoint(config: JobConfig) -> None:
         "create_seed_checkpoint": ckpt.create_seed_checkpoint,
         "load_step": ckpt.load_step != -1,
         "export_hf": ckpt.export_hf,
+        "enable_first_step_checkpoint": ckpt.enable_first_step_checkpoint,
+        "load_only": ckpt.load_only,
     }
     for option, used in needs_enable.items():
         if used and not ckpt.enable:
             raise ConfigError(f"checkpoint.{option} needs checkpoint.enable")
+    if ckpt.load_only:
+        saves = {"create_seed_checkpoint": ckpt.create_seed_checkpoint, "export_hf": ckpt.export_hf}
+        saves["enable_first_step_checkpoint"] = ckpt.enable_first_step_checkpoint
+        for option, used in saves.items():
+            if used:
+                raise ConfigError(f"checkpoint.{option}: it saves, which checkpoint.load_only rules out")
     if config.training.nonfinite_policy == "rollback" and not ckpt.enable:
         raise ConfigError("training.nonfinite_policy: 'rollback' needs checkpoint.enable")
     if ckpt.create_seed_checkpoint and config.parallelism.pipeline_parallel_degree > 1:

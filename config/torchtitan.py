@@ -37,7 +37,6 @@ FOREIGN: dict[str, object] = {
     "model.converters": [],
     "model.print_after_conversion": False,
     "optimizer.early_step_in_backward": False,
-    "lr_scheduler.total_steps": None,
     "training.enable_cpu_offload": False,
     "training.dtype": "float32",
     "training.gc_debug": False,
@@ -57,8 +56,6 @@ FOREIGN: dict[str, object] = {
     "checkpoint.initial_load_in_hf": ANY,  # Tessera recognises a Hugging Face folder by itself
     "checkpoint.initial_load_in_hf_quantized": False,
     "checkpoint.last_save_model_only": ANY,  # Tessera's last checkpoint holds everything
-    "checkpoint.enable_first_step_checkpoint": False,
-    "checkpoint.load_only": False,
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": ANY,
     "activation_checkpoint.early_stop": False,
     "activation_checkpoint.memory_budget": ANY,
@@ -99,7 +96,6 @@ FOREIGN: dict[str, object] = {
     "validation.dataloader.persistent_workers": ANY,
     "validation.dataloader.pin_memory": ANY,
     "validation.dataloader.prefetch_factor": ANY,
-    "debug.deterministic_warn_only": False,
     "debug.moe_force_load_balance": False,
 }
 """torchtitan options of features Tessera lacks -> the value that leaves the feature off."""

@@ -308,11 +308,12 @@ class PeakFlops:
         return f"peak {self.flops / 1e12:.3g} TFLOP/s {self.source}"
 
 
-def use_deterministic_algorithms() -> None:
-    """torch's deterministic kernels (``debug.deterministic``); on CUDA cuBLAS also needs a fixed
-    workspace, and cuDNN must not pick kernels by timing them."""
+def use_deterministic_algorithms(warn_only: bool = False) -> None:
+    """torch's deterministic kernels (``debug.deterministic``; ``warn_only``: an operation without
+    one warns instead of failing); on CUDA cuBLAS also needs a fixed workspace, and cuDNN must not
+    pick kernels by timing them."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cudnn.benchmark = False
 
 

@@ -506,9 +506,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, last_step: int) -> None:
-        """After training step ``step``: saves every ``checkpoint.interval`` steps and at
-        ``last_step``; otherwise completes a background save that has finished."""
-        if self.config.enable and (step % self.config.interval == 0 or step == last_step):
+        """After training step ``step``: saves every ``checkpoint.interval`` steps, at
+        ``last_step`` and, with ``enable_first_step_checkpoint``, at step 1 (never with
+        ``load_only``); otherwise completes a background save that has finished."""
+        first = step == 1 and self.config.enable_first_step_checkpoint
+        due = step % self.config.interval == 0 or step == last_step or first
+        if self.config.enable and not self.config.load_only and due:
             self.write(step)
         else:
             self.poll()

@@ -138,6 +138,7 @@ def build_lr_scheduler(
     *,
     warmup_steps: int,
     total_steps: int,
+    total_steps_option: str = "training.steps",
     decay_type: str = "linear",
     decay_ratio: float | None = None,
     min_lr_factor: float = 0.0,
@@ -146,16 +147,18 @@ def build_lr_scheduler(
     or sqrt (``1 - sqrt(progress)``) decay to ``min_lr_factor * peak`` at the last step; the
     optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
     (WSD); None decays over all steps after warmup. Step it once after each ``optimizer.step()``.
+    ``total_steps_option`` is the option that gave ``total_steps``, for messages.
     A run shorter than its warmup and decay (a short trial of a long job's config) gets them cut to
     fit, with a warning, as torchtitan does. ValueError names a bad ``lr_scheduler.*`` value."""
     if total_steps < 1:
-        raise ValueError(f"lr_scheduler.total_steps must be >= 1, got {total_steps}")
+        raise ValueError(f"{total_steps_option} must be >= 1, got {total_steps}")
     if warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {warmup_steps}")
     if warmup_steps > total_steps:
         logger.warning(
-            "lr_scheduler.warmup_steps %d exceeds training.steps %d: warming up over all %d steps",
+            "lr_scheduler.warmup_steps %d exceeds %s %d: warming up over all %d steps",
             warmup_steps,
+            total_steps_option,
             total_steps,
             total_steps,
         )
@@ -261,7 +264,8 @@ def build_optimizer_and_schedule(
         lr_scheduler = build_lr_scheduler(
             optimizer,
             warmup_steps=schedule.warmup_steps,
-            total_steps=config.training.steps,
+            total_steps=config.training.steps if schedule.total_steps is None else schedule.total_steps,
+            total_steps_option="training.steps" if schedule.total_steps is None else "lr_scheduler.total_steps",
             decay_type=schedule.decay_type,
             decay_ratio=schedule.decay_ratio,
             min_lr_factor=schedule.min_lr_factor,

@@ -267,4 +267,4 @@ class Trainer:
 def _set_determinism(config: JobConfig) -> None:
     torch.manual_seed(config.debug.seed)
     if config.debug.deterministic:
-        use_deterministic_algorithms()
+        use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)

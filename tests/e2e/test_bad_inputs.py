@@ -160,6 +160,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("schedule", ["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),
     ("schedule", ["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio must be in [0, 1]"),
     ("schedule", ["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
+    ("schedule", ["--lr_scheduler.total_steps", "0"], "lr_scheduler.total_steps must be >= 1"),
     # Checkpoint options that do not go together.
     ("checkpoint", ["--checkpoint.interval", "0"], "checkpoint.interval must be positive"),
     ("checkpoint", ["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k must be >= 0"),
@@ -170,6 +171,12 @@ CASES: list[tuple[str, list[str], str]] = [
         "checkpoint.load_step: no complete checkpoint step-5 in {d}/dump/checkpoint",
     ),
     ("checkpoint", ["--checkpoint.export_hf"], "checkpoint.export_hf needs checkpoint.enable"),
+    ("checkpoint", ["--checkpoint.load_only"], "checkpoint.load_only needs checkpoint.enable"),
+    (
+        "checkpoint",
+        ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.enable_first_step_checkpoint"],
+        "checkpoint.enable_first_step_checkpoint: it saves, which checkpoint.load_only rules out",
+    ),
     ("checkpoint", ["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
     ("checkpoint", ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean"),
     ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),

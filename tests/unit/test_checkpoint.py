@@ -274,6 +274,26 @@ def test_incomplete_save_is_never_loaded_and_is_removed(tmp_path):
     assert steps_on_disk(str(tmp_path)) == [1]
 
 
+def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
+    """The step a Run over ``folder`` resumed at (None: nothing to resume), and the steps on disk after it called
+    ``save(step, last_step)`` after each of ``steps``, as the Trainer does."""
+    run = Run(folder, **options)
+    resumed = run.manager.resume()
+    for step in steps:
+        run.step = step
+        run.manager.save(step, last_step)
+    run.manager.close()
+    return resumed, steps_on_disk(folder)
+
+
+def test_saves_every_interval_at_the_end_at_step_one_if_asked_and_never_when_load_only(tmp_path):
+    """torchtitan's enable_first_step_checkpoint adds step 1; load_only resumes and saves none."""
+    assert _saved_by_policy(str(tmp_path / "a"), range(1, 8), 7, interval=3) == (None, [7, 6, 3])
+    first = _saved_by_policy(str(tmp_path / "b"), range(1, 8), 7, interval=3, enable_first_step_checkpoint=True)
+    assert first == (None, [7, 6, 3, 1])
+    assert _saved_by_policy(str(tmp_path / "a"), range(8, 10), 9, interval=3, load_only=True) == (7, [7, 6, 3])
+
+
 def test_keep_latest_k_deletes_older_complete_checkpoints(tmp_path):
     Run(str(tmp_path), keep_latest_k=2, async_mode="async").train(5)
     assert steps_on_disk(str(tmp_path)) == [5, 4]

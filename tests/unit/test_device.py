@@ -54,6 +54,9 @@ def test_deterministic_algorithms_with_cublas_workspace(monkeypatch):
         assert torch.are_deterministic_algorithms_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert torch.backends.cudnn.benchmark is False
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        dev.use_deterministic_algorithms(warn_only=True)  # debug.deterministic_warn_only, as torchtitan
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from config.manager import load_config
 from tests.spawn import spawn_ranks
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from trainer.optim import build_lr_scheduler, build_optimizer, build_optimizer_and_schedule, clip_grad_norm_
 
 # ---------------------------------------------------------------------------
 # Optimizer
@@ -190,6 +191,30 @@ def test_a_run_shorter_than_its_schedule_cuts_warmup_and_decay_with_a_warning(ca
     assert "lr_scheduler.decay_ratio 0.8 gives 4 decay steps, more than the 3 after 2 of warmup" in caplog.text
 
 
+def test_total_steps_lets_a_short_run_follow_a_long_runs_schedule(caplog) -> None:
+    """torchtitan's lr_scheduler.total_steps: 4 steps of a 10-step schedule take its first 4 rates;
+    unset, the schedule spans training.steps."""
+    model = nn.Linear(2, 2)
+
+    def rates(*overrides: str) -> list[float]:
+        config = load_config(["--training.steps", "4", "--lr_scheduler.warmup_steps", "2", *overrides])
+        optimizer, scheduler = build_optimizer_and_schedule(config, [model])
+        trace = []
+        for _ in range(4):
+            trace.append(scheduler.get_last_lr()[0] / config.optimizer.lr)
+            optimizer.step()
+            scheduler.step()
+        return trace
+
+    assert rates("--lr_scheduler.total_steps", "10") == pytest.approx(
+        _lr_trace(10, warmup_steps=2, total_steps=10, min_lr_factor=0.1)[:4]
+    )
+    assert rates() == pytest.approx(_lr_trace(4, warmup_steps=2, total_steps=4, min_lr_factor=0.1))
+    with caplog.at_level(logging.WARNING, logger="trainer.optim"):
+        rates("--lr_scheduler.total_steps", "1")
+    assert "lr_scheduler.warmup_steps 2 exceeds lr_scheduler.total_steps 1" in caplog.text
+
+
 def test_scheduler_state_dict_round_trip() -> None:
     def make(warmup_steps: int, total_steps: int, decay_type: str):
         optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -223,7 +248,11 @@ def test_scheduler_state_dict_round_trip() -> None:
     ("kwargs", "option"),
     [
         ({"warmup_steps": -1}, "lr_scheduler.warmup_steps"),
-        ({"total_steps": 0, "warmup_steps": 0}, "lr_scheduler.total_steps"),
+        (
+            {"total_steps": 0, "warmup_steps": 0, "total_steps_option": "lr_scheduler.total_steps"},
+            "lr_scheduler.total_steps",
+        ),
+        ({"total_steps": 0, "warmup_steps": 0}, "training.steps"),
         ({"decay_ratio": 1.5}, "lr_scheduler.decay_ratio"),
         ({"min_lr_factor": 1.5}, "lr_scheduler.min_lr_factor"),
     ],
