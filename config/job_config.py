@@ -249,6 +249,10 @@ class Checkpoint:
     initial_load_path: str = ""
     """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
     folder (e.g. a seed checkpoint's step-0) or Hugging Face safetensors folder (fine-tuning)."""
+    initial_load_model_only: bool = True
+    """With initial_load_path a DCP checkpoint: false loads it as a resume (optimizer, LR schedule,
+    data position and step too, but the parts exclude_from_loading names), to go on from another
+    job's checkpoint."""
     create_seed_checkpoint: bool = False
     """On 1 rank: write the initialized model as <folder>/step-0 and exit; loadable at any layout."""
     export_hf: bool = False

@@ -52,7 +52,6 @@ FOREIGN: dict[str, object] = {
     "parallelism.expert_tensor_parallel_degree": 1,
     "parallelism.expert_parallel_comm_backend": ANY,
     "checkpoint.enable_ft_dataloader_checkpoints": ANY,
-    "checkpoint.initial_load_model_only": True,
     "checkpoint.initial_load_in_hf": ANY,  # Tessera recognises a Hugging Face folder by itself
     "checkpoint.initial_load_in_hf_quantized": False,
     "checkpoint.last_save_model_only": ANY,  # Tessera's last checkpoint holds everything

@@ -65,7 +65,7 @@ from torch.futures import Future
 
 from config.job_config import CHECKPOINT_PARTS, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
-from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights
+from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 
 logger = logging.getLogger(__name__)
 
@@ -590,8 +590,9 @@ class CheckpointManager:
 
     def load_at_start(self) -> str | None:
         """Restores the newest complete checkpoint and returns its folder, or else loads
-        ``checkpoint.initial_load_path``'s model weights (a DCP checkpoint folder or a Hugging Face
-        folder) and returns None."""
+        ``checkpoint.initial_load_path``: its model weights (a DCP checkpoint folder or a Hugging
+        Face folder; returns None) or, without ``initial_load_model_only``, every wanted part of
+        a DCP checkpoint (returns its folder)."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
             return os.path.join(self.folder, f"step-{step}")
@@ -600,9 +601,15 @@ class CheckpointManager:
             return None
         if not os.path.isdir(path):
             raise ConfigError(f"checkpoint.initial_load_path: {path} is not a folder")
+        if problem := weights_only_problem(self.config):
+            raise ConfigError(problem)
         if is_hf_folder(path):
             with user_input("checkpoint.initial_load_path"):
                 load_hf_weights(self.model_parts, path)
+        elif not self.config.initial_load_model_only:
+            self._load_checked(path, self._wanted_parts(), require_marker=False, option="checkpoint.initial_load_path")
+            logger.info("initial state loaded from %s", path)
+            return path
         else:
             self._load_checked(path, ["model"], require_marker=False, option="checkpoint.initial_load_path")
         logger.info("initial weights loaded from %s", path)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import JobConfig, user_input
+from config.job_config import Checkpoint, JobConfig, user_input
 from models.builder import model_args
 from models.llama3.hf_adapter import (
     args_from_hf_config,
@@ -259,6 +259,18 @@ def is_hf_folder(path: str) -> bool:
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         return False
     return any(name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def weights_only_problem(checkpoint: Checkpoint) -> str | None:
+    """What is wrong when ``checkpoint.initial_load_path`` is a Hugging Face folder, which holds
+    weights only, but the job asks to load a training checkpoint's whole state; None otherwise."""
+    path = checkpoint.initial_load_path
+    if checkpoint.initial_load_model_only or not (path and is_hf_folder(path)):
+        return None
+    return (
+        f"checkpoint.initial_load_model_only: false loads a training checkpoint's state, but {path} is a "
+        "Hugging Face folder of weights only"
+    )
 
 
 def _read_json(path: str) -> dict:

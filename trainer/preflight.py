@@ -191,7 +191,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     from the model. Returns the model args the run will build (the tokenizer's vocabulary; for a
     dry run, ``simulated``, the flavor's unless model.tokenizer_path is given, as the dry run
     sizes it)."""
-    from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args
+    from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args, weights_only_problem
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems = [problem for option in options if (problem := _dataset_problem(config, option))]
@@ -211,6 +211,8 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     path = config.checkpoint.initial_load_path
     if path and os.path.isdir(path) and not (is_hf_folder(path) or os.path.isfile(os.path.join(path, ".metadata"))):
         problems.append(f"checkpoint.initial_load_path: {path} is neither a DCP checkpoint nor a Hugging Face folder")
+    if problem := weights_only_problem(config.checkpoint):
+        problems.append(problem)
     if path and is_hf_folder(path) and args is not None:
         try:
             check_hf_folder(path, args)

@@ -122,8 +122,10 @@ class Trainer:
         except ValueError as e:
             if resumed is None:
                 raise
+            initial = resumed == self.config.checkpoint.initial_load_path
+            option = "checkpoint.initial_load_path" if initial else "checkpoint.folder"
             raise ConfigError(
-                f"checkpoint.folder: the data position saved in {resumed} does not fit this job: {e}; "
+                f"{option}: the data position saved in {resumed} does not fit this job: {e}; "
                 "keep the checkpoint's training.dataset, seq_len, global batch and seed, or start the data "
                 "over with --checkpoint.exclude_from_loading dataloader"
             ) from None

@@ -314,6 +314,11 @@ def test_exclude_from_loading_and_model_only(tmp_path):
     fresh.manager.load_at_start()
     assert fresh.step == 0 and all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), saved["params"]))
 
+    # torchtitan's initial_load_model_only = false: another job's checkpoint loads as a resume.
+    whole = Run(str(tmp_path / "whole"), seed=1, initial_load_path=step_2, initial_load_model_only=False)
+    assert whole.manager.load_at_start() == step_2
+    assert_same(whole.snapshot(), saved)
+
     # A DCP folder without our marker (written by another program) loads as initial weights, but
     # is never resumed from.
     os.remove(tmp_path / "checkpoint" / "step-2" / COMPLETE_MARKER)

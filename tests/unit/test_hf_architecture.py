@@ -140,6 +140,16 @@ BAD_FOLDERS = [
         ["model.tie_word_embeddings: a tied embedding table does not work with tensor parallelism"],
     ),
     (
+        "a training state asked of weights",
+        {},
+        (),
+        ["--checkpoint.initial_load_model_only", "false"],
+        [
+            "checkpoint.initial_load_model_only: false loads a training checkpoint's state, but",
+            "is a Hugging Face folder of weights only",
+        ],
+    ),
+    (
         "rope type",
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
         (),
