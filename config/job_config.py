@@ -331,6 +331,11 @@ class Profiling:
     """Trace folder inside the dump folder."""
     profile_freq: int = 10
     """Record a trace every this many steps."""
+    profiler_active: int = 1
+    """Steps each trace records: the last ones of every profile_freq window."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs unrecorded before them, so that its start-up stays out of the trace
+    (cut to fit the window when profile_freq is smaller)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import types
 import typing
 
 from config import torchtitan
-from config.job_config import CHECKPOINT_PARTS, MODEL_SIZE_FIELDS, ConfigError, JobConfig, Training
+from config.job_config import CHECKPOINT_PARTS, MODEL_SIZE_FIELDS, ConfigError, JobConfig, Parallelism, Training
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,8 @@ def validate(config: JobConfig) -> None:
         "training.dataloader_num_workers": (c.training.dataloader_num_workers, 0),
         "metrics.log_freq": (c.metrics.log_freq, 1),
         "profiling.profile_freq": (c.profiling.profile_freq, 1),
+        "profiling.profiler_active": (c.profiling.profiler_active, 1),
+        "profiling.profiler_warmup": (c.profiling.profiler_warmup, 0),
         "debug.gc_freq": (c.debug.gc_freq, 0),
         **{f"parallelism.{name}": (getattr(c.parallelism, name), 0) for name in PIPELINE_END_WEIGHTS},
         "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
@@ -316,16 +318,14 @@ def validate(config: JobConfig) -> None:
     for key, value in {**rates, "compile.bucket_memory_cap_mb": c.compile.bucket_memory_cap_mb}.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if c.profiling.profiler_active > c.profiling.profile_freq:
+        raise ConfigError(
+            f"profiling.profiler_active {c.profiling.profiler_active} is more steps than a window of "
+            f"profiling.profile_freq {c.profiling.profile_freq}"
+        )
     if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
-    p = config.parallelism
-    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
-    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
-        raise ConfigError(
-            f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}"
-        )
+    _validate_degrees(config.parallelism)
     ac = config.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
@@ -341,6 +341,16 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
+
+
+def _validate_degrees(p: Parallelism) -> None:
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}"
+        )
 
 
 def _validate_checkpoint(config: JobConfig) -> None:

@@ -30,8 +30,17 @@ def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[to
         logger.info("profiler trace saved to %s", step_dir)
 
     activities = profiler_activities()
-    # Record the last step of each profile_freq window, after a warm-up step.
-    wait = max(config.profile_freq - 2, 0)
-    schedule = torch.profiler.schedule(wait=wait, warmup=1, active=1)
+    # Record the last profiler_active steps of each profile_freq window, after the warm-up steps.
+    warmup = min(config.profiler_warmup, config.profile_freq - config.profiler_active)
+    if warmup < config.profiler_warmup:
+        logger.warning(
+            "profiling.profiler_warmup %d cut to %d: profile_freq %d holds %d active steps",
+            config.profiler_warmup,
+            warmup,
+            config.profile_freq,
+            config.profiler_active,
+        )
+    wait = config.profile_freq - config.profiler_active - warmup
+    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=config.profiler_active)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
         yield prof
