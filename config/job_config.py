@@ -306,6 +306,9 @@ class Metrics:
     """Write TensorBoard event files under <dump_folder>/<save_tb_folder>/<run_name>."""
     save_tb_folder: str = "tb"
     """TensorBoard folder inside the dump folder."""
+    save_for_all_ranks: bool = False
+    """Every rank writes TensorBoard, to <run_name>/rank_<rank> (its own memory, tokens/s and
+    TFLOPs; the loss, gradient norm and learning rate are the job's); else rank 0 alone."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; unset = known GPU table or a CPU matmul benchmark."""
 

@@ -27,12 +27,9 @@ ANY = object()
 FOREIGN: dict[str, object] = {
     "job.save_config_file": None,
     "job.custom_config_module": "",
-    "profiling.profiler_active": ANY,
-    "profiling.profiler_warmup": ANY,
     "profiling.enable_memory_snapshot": False,
     "profiling.save_memory_snapshot_folder": ANY,
     "metrics.disable_color_printing": ANY,
-    "metrics.save_for_all_ranks": False,
     "metrics.enable_wandb": False,
     "model.converters": [],
     "model.print_after_conversion": False,

@@ -229,8 +229,9 @@ class MetricsLogger:
     """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard, and the summary
     at the end of the run.
 
-    Construct it on every rank with ``enable`` true only on the logging rank; the
-    other ranks' instances do nothing (no console line, no file).
+    Construct it on every rank with ``enable`` true only on the logging rank (console, JSON lines,
+    summary), and ``enable_tensorboard`` on the ranks that write TensorBoard (the logging rank, or
+    every rank in a folder of its own); the other instances do nothing.
 
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
     data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
@@ -255,11 +256,10 @@ class MetricsLogger:
         self.tensorboard_dir = tensorboard_dir if enable_tensorboard else None
         self._jsonl = None
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
-        if not enable:
-            return
-        os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if enable:
+            os.makedirs(dump_folder, exist_ok=True)
+            self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -276,18 +276,19 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (see the class docstring for the keys)."""
-        if not self.enabled:
+        if not self.enabled and self._tensorboard is None:
             return
         missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
         if missing:
             raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
         values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
-        elapsed = self.progress.elapsed()
-        logger.info("%s", format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta()))
-
-        record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
-        self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
-        self._jsonl.flush()  # a crash must not lose the lines before it
+        if self.enabled:
+            elapsed = self.progress.elapsed()
+            line = format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta())
+            logger.info("%s", line)
+            record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
+            self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
+            self._jsonl.flush()  # a crash must not lose the lines before it
 
         if self._tensorboard is not None:
             for key, tag in _TENSORBOARD_TAGS.items():
@@ -308,11 +309,10 @@ class MetricsLogger:
 
     def log_validation(self, step: int, loss: float) -> None:
         """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""
-        if not self.enabled:
-            return
-        logger.info("step %d | validation loss %.4f", step, loss)
-        with open(os.path.join(os.path.dirname(self.jsonl_path), "validation.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
+        if self.enabled:
+            logger.info("step %d | validation loss %.4f", step, loss)
+            with open(os.path.join(os.path.dirname(self.jsonl_path), "validation.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("validation/loss", loss, step)
 

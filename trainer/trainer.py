@@ -67,12 +67,16 @@ class Trainer:
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
 
-        run_name = config.job.run_name or time.strftime("%Y%m%d-%H%M%S")
+        run_name = [config.job.run_name or time.strftime("%Y%m%d-%H%M%S")]
+        every_rank = config.metrics.save_for_all_ranks
+        if every_rank and not config.job.run_name:
+            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
+        tensorboard_dir = os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name[0])
         self.metrics = MetricsLogger(
             config.job.dump_folder,
             enable=self.rank == 0,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            tensorboard_dir=os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name),
+            enable_tensorboard=config.metrics.enable_tensorboard and (self.rank == 0 or every_rank),
+            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{self.rank}") if every_rank else tensorboard_dir,
             total_steps=config.training.steps,
             tokens_per_step=self.global_batch_size * config.training.seq_len,
         )

@@ -10,6 +10,7 @@ import os
 import random
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launch import GRAD_NORM_RTOL, TWO_BLOCKS, RunBatch, grad_norms, losses, run_train
 
@@ -17,6 +18,13 @@ GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 # Validation after steps 5 and 10, 2 batches each; profiler traces of steps 5 and 10.
 VALIDATION = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
 PROFILING = ["--profiling.enable_profiling", "--profiling.profile_freq", "5"]
+TENSORBOARD_PER_RANK = [
+    "--metrics.enable_tensorboard",
+    "true",
+    "--metrics.save_for_all_ranks",
+    "--job.run_name",
+    "per_rank",
+]
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -127,7 +135,7 @@ def layout_runs(tmp_path_factory, validation_corpus):
             return batch.folder(f"{layout}-{impl}")
         if not os.path.exists(os.path.join(fast, "metrics.jsonl")):
             nproc, overrides = LAYOUTS[layout]
-            extra = [*VALIDATION, "--validation.dataset", validation_corpus, *PROFILING]
+            extra = [*VALIDATION, "--validation.dataset", validation_corpus, *PROFILING, *TENSORBOARD_PER_RANK]
             run_train(fast, nproc, *overrides, *extra, *IMPLEMENTATIONS[impl], *GLOBAL_BATCH, *TWO_BLOCKS)
         return fast
 
@@ -177,6 +185,21 @@ def test_validation_over_two_ranks_equals_one_process(reference_run, layout_runs
     # Measured: 1.2e-7 relative (step 5), equal (step 10); a rank dividing by its own tokens only
     # would be 2x off, one that skipped the all-reduce would see half the batch.
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-6, abs=0)
+
+
+def test_every_rank_writes_its_own_tensorboard(layout_runs):
+    """metrics.save_for_all_ranks: tb/<run>/rank_<r> per rank, each with its own memory and
+    throughput; the loss and the validation loss are the job's, the same on both."""
+    scalars = []
+    for rank in (0, 1):
+        events = EventAccumulator(os.path.join(layout_runs(*FAST_CASE), "tb", "per_rank", f"rank_{rank}"))
+        events.Reload()
+        scalars.append({tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]})
+    assert {"memory/peak_gib", "throughput/tps", "loss/global_avg", "validation/loss"} <= set(scalars[0])
+    assert scalars[0].keys() == scalars[1].keys()
+    for tag in ("loss/global_avg", "validation/loss", "lr"):
+        assert scalars[0][tag] == scalars[1][tag]
+    assert all(value > 0 for rank in scalars for value in rank["memory/peak_gib"])
 
 
 def test_profiler_traces_hold_the_steps_collectives(layout_runs):

@@ -363,12 +363,28 @@ def test_non_logging_rank_writes_nothing(tmp_path: Path, caplog: pytest.LogCaptu
     dump_folder, tensorboard_dir = tmp_path / "dump", tmp_path / "tb"
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
         metrics_logger = MetricsLogger(
-            str(dump_folder), enable=False, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+            str(dump_folder), enable=False, enable_tensorboard=False, tensorboard_dir=str(tensorboard_dir)
         )
         metrics_logger.log(1, _step_metrics(1))
+        metrics_logger.log_validation(1, 2.5)
         metrics_logger.close()
     assert list(tmp_path.iterdir()) == []
     assert caplog.records == []
+
+
+def test_non_logging_rank_writes_only_its_tensorboard_when_asked(tmp_path: Path) -> None:
+    """metrics.save_for_all_ranks: the other ranks write TensorBoard, no console line, no JSON lines."""
+    dump_folder, tensorboard_dir = tmp_path / "dump", tmp_path / "tb"
+    metrics_logger = MetricsLogger(
+        str(dump_folder), enable=False, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+    )
+    metrics_logger.log(1, _step_metrics(1))
+    metrics_logger.log_validation(1, 2.5)
+    metrics_logger.close()
+    assert list(tmp_path.iterdir()) == [tensorboard_dir]
+    accumulator = EventAccumulator(str(tensorboard_dir))
+    accumulator.Reload()
+    assert {"memory/peak_gib", "validation/loss"} <= set(accumulator.Tags()["scalars"])
 
 
 def test_metrics_logger_without_a_peak_prints_and_plots_no_mfu(tmp_path: Path, caplog) -> None:
@@ -543,7 +559,7 @@ def test_metrics_logger_summary_on_the_logging_rank_only(tmp_path: Path, caplog)
         MetricsLogger(
             str(tmp_path / f"rank{rank}"),
             enable=rank == 0,
-            enable_tensorboard=True,
+            enable_tensorboard=rank == 0,
             tensorboard_dir=str(tmp_path / "tb"),
             total_steps=2,
             tokens_per_step=512,
