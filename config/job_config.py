@@ -357,6 +357,10 @@ class Validation:
     """Validate every this many steps."""
     steps: int = 4
     """Batches per validation."""
+    local_batch_size: int | None = None
+    """Sequences per rank in a validation batch; unset = training.local_batch_size."""
+    seq_len: int | None = None
+    """Tokens per validation sequence, at most training.seq_len; unset = training.seq_len."""
 
 
 @dataclass

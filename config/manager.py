@@ -307,8 +307,6 @@ def validate(config: JobConfig) -> None:
         "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
     }
-    if c.validation.enable:  # torchtitan's files leave steps at -1 (the whole set) when validation is off
-        at_least |= {"validation.freq": (c.validation.freq, 1), "validation.steps": (c.validation.steps, 1)}
     for key, (value, smallest) in at_least.items():
         if value < smallest:
             raise ConfigError(f"{key} must be {'positive' if smallest == 1 else '>= 0'}, got {value}")
@@ -334,6 +332,7 @@ def validate(config: JobConfig) -> None:
                 "is neither 'op' nor a positive integer"
             )
     _validate_checkpoint(config)
+    _validate_validation(config)
     if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
         raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
     lr = config.lr_scheduler
@@ -351,6 +350,33 @@ def _validate_degrees(p: Parallelism) -> None:
         raise ConfigError(
             f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}"
         )
+
+
+def _validate_validation(config: JobConfig) -> None:
+    """Positive counts, and a validation batch of its own shape fits the model and its parallelisms."""
+    v, p, seq_len = config.validation, config.parallelism, config.validation.seq_len
+    if not v.enable:  # torchtitan's files leave steps at -1 (the whole set) when validation is off
+        return
+    for name in ("freq", "steps", "local_batch_size", "seq_len"):
+        if (value := getattr(v, name)) is not None and value < 1:
+            raise ConfigError(f"validation.{name} must be positive, got {value}")
+    if seq_len is not None and seq_len > config.training.seq_len:
+        raise ConfigError(
+            f"validation.seq_len {seq_len} exceeds training.seq_len {config.training.seq_len}, "
+            "the longest the model's rotary table holds"
+        )
+    if seq_len is not None and seq_len % p.tensor_parallel_degree:
+        raise ConfigError(
+            f"validation.seq_len {seq_len}: parallelism.tensor_parallel_degree {p.tensor_parallel_degree} "
+            "must divide it (sequence parallel)"
+        )
+    training = {"local_batch_size": config.training.local_batch_size, "seq_len": config.training.seq_len}
+    for name, value in training.items():
+        if p.pipeline_parallel_degree > 1 and getattr(v, name) not in (None, value):
+            raise ConfigError(
+                f"validation.{name}: a pipeline validates with training's microbatches; "
+                f"leave it unset or at training.{name} {value}"
+            )
 
 
 def _validate_checkpoint(config: JobConfig) -> None:

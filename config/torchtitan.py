@@ -86,8 +86,6 @@ FOREIGN: dict[str, object] = {
     "fault_tolerance.semi_sync_method": ANY,
     "experimental.custom_import": "",
     "experimental.custom_args_module": "",
-    "validation.local_batch_size": ANY,  # Tessera validates with training's batch and length
-    "validation.seq_len": ANY,
     "validation.dataloader.num_workers": ANY,
     "validation.dataloader.persistent_workers": ANY,
     "validation.dataloader.pin_memory": ANY,

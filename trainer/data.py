@@ -236,12 +236,14 @@ def config_dataloader(
     """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus that
     ``option`` (``training.dataset`` or ``validation.dataset``) names; a one-line ConfigError
     naming ``option`` for a bad corpus."""
+    # A validation batch may have a shape of its own.
+    shape = config.validation if option.startswith("validation.") else config.training
     with user_input(option):
         dataset = build_dataset(
             corpus_of(config, option),
             tokenizer,
-            seq_len=config.training.seq_len,
-            local_batch_size=config.training.local_batch_size,
+            seq_len=shape.seq_len or config.training.seq_len,
+            local_batch_size=shape.local_batch_size or config.training.local_batch_size,
             dp_rank=parallel_dims.dp_rank,
             dp_world_size=parallel_dims.dp_degree,
             seed=seed,

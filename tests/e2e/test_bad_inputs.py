@@ -80,6 +80,21 @@ CASES: list[tuple[str, list[str], str]] = [
     ("range", ["--validation.enable", "--validation.freq", "0"], "validation.freq must be positive"),
     ("range", ["--profiling.profile_freq", "0"], "profiling.profile_freq must be positive"),
     ("range", ["--profiling.profiler_active", "20"], "profiling.profiler_active 20 is more steps than a window"),
+    (
+        "range",
+        ["--validation.enable", "--validation.local_batch_size", "0"],
+        "validation.local_batch_size must be positive",
+    ),
+    (
+        "range",
+        ["--validation.enable", "--validation.seq_len", "512"],
+        "validation.seq_len 512 exceeds training.seq_len 256",
+    ),
+    (
+        "layout",
+        ["--validation.enable", "--parallelism.pipeline_parallel_degree", "2", "--validation.seq_len", "128"],
+        "validation.seq_len: a pipeline validates with training's microbatches",
+    ),
     ("range", ["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be positive"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),

@@ -13,11 +13,14 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainer.corpus
+from config.manager import load_config
+from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer
 from trainer.corpus import Corpus, default_corpus_texts, local_corpus_texts
 from trainer.data import (
     PackedTokenDataset,
     build_dataset,
+    config_dataloader,
     epoch_permutation,
     load_token_stream,
     packed_dataloader,
@@ -112,6 +115,22 @@ def test_loader_yields_shifted_int64_batches(tmp_path: Path, char_tokenizer: Cha
     stream = [1, *range(97, 123), 2]  # 28 tokens -> 4 windows of 6
     windows = [stream[w * 6 : w * 6 + 6] for w in epoch_permutation(4, 3, 0)[:2].tolist()]
     assert inputs.tolist() == [w[:-1] for w in windows] and labels.tolist() == [w[1:] for w in windows]
+
+
+def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    """torchtitan's validation.local_batch_size and seq_len; unset, training's."""
+    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz" * 20})
+    common = ["--training.seq_len", "16", "--training.local_batch_size", "4", "--job.cache_dir", str(tmp_path)]
+    common += ["--training.dataset", str(corpus), "--validation.dataset", str(corpus), "--validation.enable"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+
+    def shape(option: str, *overrides: str) -> tuple[int, ...]:
+        loader = config_dataloader(load_config([*common, *overrides]), option, char_tokenizer, dims, seed=0)
+        return tuple(next(iter(loader))[0].shape)
+
+    own = ["--validation.seq_len", "8", "--validation.local_batch_size", "6"]
+    assert shape("validation.dataset", *own) == (6, 8)
+    assert shape("training.dataset", *own) == shape("validation.dataset") == (4, 16)
 
 
 def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
