@@ -269,28 +269,23 @@ def test_layers_per_stage_counts_stages_as_torchtitan():
     ]
     by_two = _layout(*interleaved, "--parallelism.pipeline_parallel_layers_per_stage", "2", *weighted)
     assert by_two.stage_layers == ((), (0, 1), (2, 3), (4, 5))
-    # Llama 3 405B, 8 blocks a stage on 8 ranks: (126 + 2) / 8 = 16 stages, the ends 7 blocks.
-    layout = plan_pipeline(
-        n_layers=126,
-        pp_degree=8,
-        schedule="Interleaved1F1B",
-        layers_per_stage=8,
-        split_points=(),
-        local_batch_size=16,
-        microbatch_size=1,
-    )
-    assert [len(stage) for stage in layout.stage_layers] == [7, *[8] * 14, 7]
-    # 32 blocks, 4 a stage: 9 stages, which 4 ranks cannot share (torchtitan refuses it too).
-    with pytest.raises(ValueError, match="layers_per_stage 4 gives 9 stages"):
-        plan_pipeline(
-            n_layers=32,
-            pp_degree=4,
+
+    def interleaved_by(layers_per_stage: int, n_layers: int, pp_degree: int):
+        return plan_pipeline(
+            n_layers=n_layers,
+            pp_degree=pp_degree,
             schedule="Interleaved1F1B",
-            layers_per_stage=4,
+            layers_per_stage=layers_per_stage,
             split_points=(),
             local_batch_size=16,
             microbatch_size=1,
         )
+
+    # Llama 3 405B, 8 blocks a stage on 8 ranks: (126 + 2) / 8 = 16 stages, the ends 7 blocks.
+    assert [len(stage) for stage in interleaved_by(8, 126, 8).stage_layers] == [7, *[8] * 14, 7]
+    # 32 blocks, 4 a stage: 9 stages, which 4 ranks cannot share (torchtitan refuses it too).
+    with pytest.raises(ValueError, match="layers_per_stage 4 gives 9 stages"):
+        interleaved_by(4, 32, 4)
 
 
 def test_module_names_per_stage_split_as_torchtitan_lists_them(tmp_path):
