@@ -1,13 +1,13 @@
 """A real run's tracked peak memory, measured as the dry run measures its estimate.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N bench/memory_worker.py OUT.json [config options]
-    python bench/memory_worker.py OUT.json --fake N [config options]
+    python -m torch.distributed.run --standalone --nproc-per-node N bench/memory_worker.py OUT.json [--rank R] [config options]
+    python bench/memory_worker.py OUT.json [--rank R] --fake N [config options]
 
 Real (under torchrun, gloo, CPU): builds the config's model, optimizer and LR schedule on the ranks
 and runs ``trainer.dry_run.measure_steps`` (two training steps on random tokens, MemTracker over
-the second); rank 0 writes ``{"peak": bytes by MemTracker category and "Total", "seconds": ...}`` to
-OUT.json.
-``--fake N``: the dry run of the same config as rank 0 of N fake ranks, its peak written the same
+the second); rank R (0 by default) writes ``{"peak": bytes by MemTracker category and "Total",
+"seconds": ...}`` to OUT.json.
+``--fake N``: the dry run of the same config as rank R of N fake ranks, its peak written the same
 way, with the dry run's whole report under "report". Used by ``bench/estimate_accuracy.py`` and ``tests/unit/test_dry_run.py``.
 
 Attention computes in the compute dtype, as on the GPUs a dry run stands for (on a CPU, heads
@@ -66,21 +66,22 @@ def real_peak(argv: list[str]) -> dict[str, int]:
     return peak
 
 
-def fake_peak(world_size: int, argv: list[str]) -> tuple[dict[str, int], dict]:
+def fake_peak(world_size: int, rank: int, argv: list[str]) -> tuple[dict[str, int], dict]:
     """The dry run's peak by category and "Total", and its whole report."""
-    report = dry_run(load_config(argv), world_size)
+    report = dry_run(load_config(argv), world_size, rank)
     return {**report.peak, "Total": report.peak_bytes}, dataclasses.asdict(report)
 
 
 def main(argv: list[str]) -> int:
     out, argv = argv[0], argv[1:]
+    rank, argv = (int(argv[1]), argv[2:]) if argv[:1] == ["--rank"] else (0, argv)
     start = time.perf_counter()
     report = None
     if argv[:1] == ["--fake"]:
-        peak, report = fake_peak(int(argv[1]), argv[2:])
+        peak, report = fake_peak(int(argv[1]), rank, argv[2:])
     else:
         peak = real_peak(argv)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == rank or argv[:1] == ["--fake"]:
         with open(out, "w") as f:
             json.dump({"peak": peak, "seconds": time.perf_counter() - start, "report": report}, f)
     exit_without_teardown(0)

@@ -1,4 +1,4 @@
-"""Dry run at any world size: one process plays rank 0 of ``--world-size`` ranks.
+"""Dry run at any world size: one process plays one rank of ``--world-size`` ranks.
 
 ``python -m trainer.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
 joins torch's fake process group (every collective returns at once, moving nothing) and builds
@@ -6,12 +6,14 @@ the run's real mesh, model (``build_model``: pipeline split, tensor parallel, ac
 checkpointing, data parallel), optimizer and LR schedule with the weights as fake tensors, so a
 405B model costs no memory. It then runs two training steps (forward, backward, clip, optimizer
 step) on fake token batches, takes the checkpoint's model and optimizer state dicts, and prints
-rank 0's peak memory with its breakdown as ``MemTracker`` counts it (every tensor's storage, by
-what it holds). A config the real run would refuse exits 2 with the same one line.
+the rank's peak memory with its breakdown as ``MemTracker`` counts it (every tensor's storage, by
+what it holds): rank 0's, and under pipeline parallelism also the last stage's first rank's, which
+holds the output layer, the logits and the loss (each in a process of its own). A config the real
+run would refuse exits 2 with the same one line.
 
 Pipeline parallelism: torch's schedules agree on a warm-up by reading values the other ranks
 send, which a fake group cannot deliver. The dry run replays instead the action list torch's
-schedule gives rank 0 (``pipeline_order``: forward and backward of which stage on which
+schedule gives the rank (``pipeline_order``: forward and backward of which stage on which
 microbatch, in order), with the stage boundaries' sends and receives on the fake group, so the
 microbatches in flight and their saved activations are the schedule's; as there, FSDP's gradients
 accumulate unsharded until the stages' closing reduce-scatter. Zero-bubble schedules'
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import pickle
 import signal
 import sys
 import time
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Schedule1F1B
 from torch.distributed.tensor import DTensor
 
 from config.job_config import ConfigError, JobConfig, print_error
@@ -78,17 +83,18 @@ class _PeakTracker(MemTracker):
 
 @dataclass
 class DryRunReport:
-    """What a dry run found for rank 0."""
+    """What a dry run found for the rank it played."""
 
+    rank: int
     world_size: int
     mesh: dict[str, int]
     parameters: int
-    """Parameters of rank 0's model parts (all of them without pipelining), before sharding."""
+    """Parameters of the rank's model parts (all of them without pipelining), before sharding."""
     vocab_size: int
     """The model's vocabulary: model.tokenizer_path's, else the flavor's or Hugging Face folder's
     (not the default tokenizer's, which is for trial runs)."""
     peak_bytes: int
-    """Rank 0's peak of live tensor storage in the last step (the first one is a warm-up)."""
+    """The rank's peak of live tensor storage in the last step (the first one is a warm-up)."""
     peak: dict[str, int]
     """The peak's bytes by MemTracker category."""
     after_forward: dict[str, int]
@@ -106,7 +112,7 @@ class DryRunReport:
     def summary(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
         lines = [
-            f"dry run: rank 0 of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages "
+            f"dry run: rank {self.rank} of {self.world_size} ({mesh}), {self.parameters / 1e9:.2f}B parameters in its stages "
             f"(vocabulary {self.vocab_size:,}), {STEPS} steps in {self.seconds:.0f}s",
             f"  peak memory per rank {_size(self.peak_bytes)} in step {STEPS} (live tensors as MemTracker "
             "counts them; per-tensor optimizer step)",
@@ -153,8 +159,28 @@ def _receive_like(template: torch.Tensor, peer: int, group: dist.ProcessGroup) -
     return buffer
 
 
-def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
-    """Rank 0's share of one schedule step: its actions, in torch's order (see the module doc).
+def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
+    """(stage, computation, microbatch) of each action the rank runs, in order: a multi-stage
+    schedule runs its ``pipeline_order``; GPipe and 1F1B run a loop of their own (torch 2.13's
+    ``pipeline_order`` numbers the last rank's 1F1B forwards from 1), here spelt out: ``warmup``
+    forwards, then a backward and a forward in turn, then the remaining backwards."""
+    if not isinstance(schedule, PipelineScheduleSingle):
+        actions = (a for a in schedule.pipeline_order[pp_rank] if a is not None)
+        return [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions]
+    stage, n = schedule._stage.stage_index, schedule._n_microbatches
+    warmup = min(n, schedule._num_stages - stage) if isinstance(schedule, Schedule1F1B) else n
+    order = [(stage, "F", mb) for mb in range(warmup)]
+    for mb in range(n):
+        order.append((stage, "B", mb))
+        if warmup + mb < n:
+            order.append((stage, "F", warmup + mb))
+    return order
+
+
+def _pipeline_step(
+    built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark, dims: ParallelDims
+) -> None:
+    """This rank's share of one schedule step: its actions, in torch's order (see the module doc).
     ``mark()`` is called before the first backward, when the most microbatches are in flight."""
     schedule = built.schedule
     pipeline_stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -165,19 +191,19 @@ def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: 
     peer = {s: ranks[r] for s, r in stage_ranks.items()}
     micro_inputs = inputs.tensor_split(schedule._n_microbatches)
     micro_labels = labels.tensor_split(schedule._n_microbatches)
-    template: torch.Tensor | None = None
+    # What a stage receives: the hidden state, a plain tensor (split on the sequence under tensor
+    # parallelism) in the blocks' dtype; autocast, without data parallelism, keeps it in float32.
+    microbatch, seq_len = micro_inputs[0].shape
+    dtype = built.compute_dtype if dims.dp_enabled else torch.float32
+    template = torch.empty(microbatch, seq_len // dims.tp, built.args.dim, dtype=dtype)
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    for action in schedule.pipeline_order[0]:
-        if action is None:
-            continue
-        s, kind, mb = action.stage_index, action.computation_type.value, action.microbatch_index
+    for s, kind, mb in _rank_actions(schedule, dims.pp_mesh.get_local_rank()):
         stage = stages.get(s)
         if stage is None:
             continue
         if kind == "F":
             if s == 0:
                 x, out = None, stage.submod(micro_inputs[mb])
-                template = out
             else:
                 x = _receive_like(template, peer[s - 1], group).detach().requires_grad_()
                 out = stage.submod(x)
@@ -205,18 +231,18 @@ def _pipeline_step(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: 
         stage.perform_reduce_grad(1)  # the schedule's closing action: FSDP's reduce-scatters (scale_grads off)
 
 
-def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches, pp_mesh, mark) -> None:
+def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches, dims: ParallelDims, mark) -> None:
     optimizer.zero_grad()
     for inputs, labels in batches:
         if built.schedule is None:
             _forward_backward(built, loss, inputs, labels, mark)
         elif dist.get_backend() == "fake":
-            _pipeline_step(built, loss, inputs, labels, mark)
+            _pipeline_step(built, loss, inputs, labels, mark, dims)
         else:  # real ranks (measuring a real run's peak) run torch's schedule itself
             with loss.context():
                 built.run_pipeline(inputs, labels, train=True)
     params = [p for part in built.parts for p in part.parameters() if p.grad is not None]
-    clip_grad_norm_(params, float("inf"), pp_mesh=pp_mesh)
+    clip_grad_norm_(params, float("inf"), pp_mesh=dims.pp_mesh)
     optimizer.step()
     lr_scheduler.step()
 
@@ -242,11 +268,11 @@ def measure_steps(
         batches = [make_batch() for _ in range(accumulation)]
         if step < STEPS - 1:
             # Warm-up: the optimizer state and the wrappers' lazily built buffers come to be.
-            _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, lambda: None)
+            _train_step(built, loss, optimizer, lr_scheduler, batches, dims, lambda: None)
             continue
         tracker.track_external(*built.parts, optimizer)
         with tracker:
-            _train_step(built, loss, optimizer, lr_scheduler, batches, dims.pp_mesh, mark)
+            _train_step(built, loss, optimizer, lr_scheduler, batches, dims, mark)
     return tracker.get_tracker_snapshot("peak").get(device, {}), after_forward
 
 
@@ -275,8 +301,8 @@ def _buckets_planned(config: JobConfig) -> bool:
     return True
 
 
-def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
-    """Rank 0's build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
+def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
+    """``rank``'s build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
@@ -294,7 +320,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
             " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
         )
         config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors
     global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
@@ -319,6 +345,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
     # Only compiled SimpleFSDP gathers by buckets (bucket_plan plans for any data parallelism).
     buckets = [b.param_bytes // dims.tp for plan in plans if plan is not None and bucketed for b in plan.buckets]
     return DryRunReport(
+        rank=rank,
         world_size=world_size,
         mesh=dict(zip(dims.mesh.mesh_dim_names, dims.mesh.shape, strict=True)),
         parameters=sum(p.numel() for part in built.parts for p in part.parameters()),
@@ -333,7 +360,40 @@ def dry_run(config: JobConfig, world_size: int) -> DryRunReport:
     )
 
 
+def in_child(fn, *args):
+    """``fn(*args)`` in a forked child: torch keeps meshes and process-group names per process,
+    which a second fake world in the same process would find stale; a fork costs no imports."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            result = ("ok", fn(*args))
+        except ConfigError as e:
+            result = ("error", str(e))
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            result = ("crash", f"{type(e).__name__}: {e}")
+        with os.fdopen(write, "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    status, value = pickle.loads(data) if data else ("crash", "the dry run's process died")
+    if status == "ok":
+        return value
+    raise ConfigError(value) if status == "error" else RuntimeError(value)
+
+
 USAGE = "usage: python -m trainer.dry_run --world-size N [config options]"
+
+
+def measured_ranks(config: JobConfig, world_size: int) -> list[int]:
+    """The ranks a dry run plays: rank 0 and, under pipeline parallelism (the mesh's outermost
+    dimension), the last stage's first rank, which holds the output layer, the logits and the loss."""
+    pp = config.parallelism.pipeline_parallel_degree
+    return [0] if pp == 1 else [0, (pp - 1) * (world_size // pp)]
 
 
 def main(argv: list[str]) -> int:
@@ -345,11 +405,15 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)
         check(config, world_size)  # the pre-launch check of the real run, at the simulated world size
-        report = dry_run(config, world_size)
+        ranks = measured_ranks(config, world_size)
+        if len(ranks) == 1:
+            reports = [dry_run(config, world_size)]
+        else:
+            reports = [in_child(dry_run, config, world_size, rank) for rank in ranks]
     except ConfigError as e:
         print_error(e)
         return 2
-    print(report.summary())
+    print("\n".join(report.summary() for report in reports))
     return 0
 
 

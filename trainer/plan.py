@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import help_text, load_config, to_toml
 from models.registry import get_model_spec
 from parallelisms.pipeline import plan_pipeline
-from trainer.dry_run import dry_run
+from trainer.dry_run import dry_run, in_child, measured_ranks
 from trainer.hf_checkpoint import architecture_folder, job_model_args
 
 GiB = 2**30
@@ -247,37 +245,11 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
     )
 
 
-def _peak_of(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """The dry run's eager peak, and the gathered bytes compiled SimpleFSDP's buckets add to it."""
+def _peak_of(config: JobConfig, world_size: int, rank: int) -> tuple[int, int]:
+    """``rank``'s eager peak in the dry run, and the gathered bytes compiled SimpleFSDP's buckets add to it."""
     logging.disable(logging.WARNING)  # the build's warnings, once per dry run; the planner says what matters
-    report = dry_run(config, world_size)
+    report = dry_run(config, world_size, rank)
     return report.peak_bytes, report.bucket_pair_bytes
-
-
-def _in_child(fn, *args):
-    """``fn(*args)`` in a forked child: torch keeps meshes and process-group names per process,
-    which a second fake world in the same process would find stale; a fork costs no imports."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read)
-        try:
-            result = ("ok", fn(*args))
-        except ConfigError as e:
-            result = ("error", str(e))
-        except BaseException as e:  # noqa: BLE001 - reported by the parent
-            result = ("crash", f"{type(e).__name__}: {e}")
-        with os.fdopen(write, "wb") as f:
-            pickle.dump(result, f)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    status, value = pickle.loads(data) if data else ("crash", "the dry run's process died")
-    if status == "ok":
-        return value
-    raise ConfigError(value) if status == "error" else RuntimeError(value)
 
 
 class PeakEstimator:
@@ -304,8 +276,11 @@ class PeakEstimator:
                 training=dataclasses.replace(config.training, global_batch_size=-1),
             )
             start = time.perf_counter()
-            self.cache[key] = _in_child(_peak_of, config, layout.shard * layout.tp * layout.pp)
-            self.dry_runs += 1
+            world_size = layout.shard * layout.tp * layout.pp
+            ranks = measured_ranks(config, world_size)
+            # The larger peak: rank 0's, or the last pipeline stage's (the logits and the loss).
+            self.cache[key] = max(in_child(_peak_of, config, world_size, rank) for rank in ranks)
+            self.dry_runs += len(ranks)
             self.seconds += time.perf_counter() - start
         return self.cache[key]
 

@@ -135,7 +135,8 @@ def test_the_peak_extrapolates_to_the_largest_stage():
 def test_the_layouts_split_as_planned_whatever_the_config_set(monkeypatch):
     """The planner plans the default split and measures even ones: a config's own
     pipeline_parallel_layers_per_stage is dropped from the written layout and from the dry runs'
-    configs (which name their stage boundaries)."""
+    configs (which name their stage boundaries). Each is measured on rank 0 and on the last
+    stage's first rank (the logits and the loss)."""
     config = load_config(["--model.flavor", "405B", "--plan.devices", "64", *REAL])
     config.parallelism.pipeline_parallel_layers_per_stage = 3
     shape = plan.model_shape(config)
@@ -143,9 +144,14 @@ def test_the_layouts_split_as_planned_whatever_the_config_set(monkeypatch):
     written = plan.layout_config(config, layout)
     assert pipeline_layout(written, shape.n_layers).num_stages == layout.stages == 8
     measured = []
-    monkeypatch.setattr(plan, "_in_child", lambda _, config, world_size: measured.append(config) or (0, 0))
+    monkeypatch.setattr(
+        plan, "in_child", lambda _, config, world_size, rank: measured.append((config, world_size, rank)) or (0, 0)
+    )
     plan.PeakEstimator(config, shape).peak_bytes(layout)
-    assert [pipeline_layout(c, c.model.n_layers).stage_layers for c in measured] == [
-        tuple((s,) for s in range(8)),
-        tuple((2 * s, 2 * s + 1) for s in range(8)),
+    one, two = tuple((s,) for s in range(8)), tuple((2 * s, 2 * s + 1) for s in range(8))
+    assert [(pipeline_layout(c, c.model.n_layers).stage_layers, world, rank) for c, world, rank in measured] == [
+        (one, 64, 0),
+        (one, 64, 56),
+        (two, 64, 0),
+        (two, 64, 56),
     ]
