@@ -75,13 +75,14 @@ def fake_peak(world_size: int, rank: int, argv: list[str]) -> tuple[dict[str, in
 def main(argv: list[str]) -> int:
     out, argv = argv[0], argv[1:]
     rank, argv = (int(argv[1]), argv[2:]) if argv[:1] == ["--rank"] else (0, argv)
+    fake = argv[:1] == ["--fake"]
     start = time.perf_counter()
     report = None
-    if argv[:1] == ["--fake"]:
+    if fake:
         peak, report = fake_peak(int(argv[1]), rank, argv[2:])
     else:
         peak = real_peak(argv)
-    if int(os.environ.get("RANK", "0")) == rank or argv[:1] == ["--fake"]:
+    if fake or int(os.environ.get("RANK", "0")) == rank:
         with open(out, "w") as f:
             json.dump({"peak": peak, "seconds": time.perf_counter() - start, "report": report}, f)
     exit_without_teardown(0)

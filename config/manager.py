@@ -17,7 +17,15 @@ import types
 import typing
 
 from config import torchtitan
-from config.job_config import CHECKPOINT_PARTS, MODEL_SIZE_FIELDS, ConfigError, JobConfig, Parallelism, Training
+from config.job_config import (
+    CHECKPOINT_PARTS,
+    MODEL_SIZE_FIELDS,
+    ConfigError,
+    JobConfig,
+    Parallelism,
+    Training,
+    Validation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +314,7 @@ def validate(config: JobConfig) -> None:
         "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
         "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
+        **_validation_counts(c.validation),
     }
     for key, (value, smallest) in at_least.items():
         if value < smallest:
@@ -352,14 +361,20 @@ def _validate_degrees(p: Parallelism) -> None:
         )
 
 
+def _validation_counts(v: Validation) -> dict[str, tuple[int, int]]:
+    """validate()'s bounds of the validation counts that are set, when validation is on
+    (torchtitan's files leave steps at -1, the whole set, when it is off)."""
+    if not v.enable:
+        return {}
+    counts = {"freq": v.freq, "steps": v.steps, "local_batch_size": v.local_batch_size, "seq_len": v.seq_len}
+    return {f"validation.{name}": (value, 1) for name, value in counts.items() if value is not None}
+
+
 def _validate_validation(config: JobConfig) -> None:
-    """Positive counts, and a validation batch of its own shape fits the model and its parallelisms."""
+    """A validation batch of its own shape fits the model and its parallelisms."""
     v, p, seq_len = config.validation, config.parallelism, config.validation.seq_len
-    if not v.enable:  # torchtitan's files leave steps at -1 (the whole set) when validation is off
+    if not v.enable:
         return
-    for name in ("freq", "steps", "local_batch_size", "seq_len"):
-        if (value := getattr(v, name)) is not None and value < 1:
-            raise ConfigError(f"validation.{name} must be positive, got {value}")
     if seq_len is not None and seq_len > config.training.seq_len:
         raise ConfigError(
             f"validation.seq_len {seq_len} exceeds training.seq_len {config.training.seq_len}, "

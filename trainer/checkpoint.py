@@ -606,12 +606,13 @@ class CheckpointManager:
         if is_hf_folder(path):
             with user_input("checkpoint.initial_load_path"):
                 load_hf_weights(self.model_parts, path)
-        elif not self.config.initial_load_model_only:
-            self._load_checked(path, self._wanted_parts(), require_marker=False, option="checkpoint.initial_load_path")
-            logger.info("initial state loaded from %s", path)
-            return path
         else:
-            self._load_checked(path, ["model"], require_marker=False, option="checkpoint.initial_load_path")
+            whole = not self.config.initial_load_model_only
+            parts = self._wanted_parts() if whole else ["model"]
+            self._load_checked(path, parts, require_marker=False, option="checkpoint.initial_load_path")
+            if whole:
+                logger.info("initial state loaded from %s", path)
+                return path
         logger.info("initial weights loaded from %s", path)
         return None
 
