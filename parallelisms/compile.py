@@ -35,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.func import functional_call
 
 from parallelisms.bucketing import BucketingPass, is_view_op
+from parallelisms.simple_fsdp import mark_gathers_for_partitioner
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class SavedValuesOrderPartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        mark_gathers_for_partitioner(gm)
         _read_region_inputs_outside(gm)
         fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         _order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])

@@ -8,11 +8,13 @@ parameter, and the property runs one traceable expression (redistribute to ``Rep
 ``to_local`` with a ``Partial`` gradient). Autograd turns that gradient into a reduce-scatter
 (FSDP), an all-reduce (DDP) or both (HSDP), summed, in ``reduce_dtype``.
 
-Reshard after forward. Each gather runs in a per-parameter selective-checkpoint region that tags
-the all-gather, its wait and the dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` when not
-resharding). Under ``torch.compile`` the min-cut partitioner reads these tags and re-gathers in
-backward. In eager they are not enough: the matmul that consumes a gathered weight saves it for
-backward. So each resharded block also runs its forward in a block-level region that replays only
+Reshard after forward. Each gather runs under an ``fx.traceback`` annotation saying whether it
+reshards. Under ``torch.compile`` the partitioner tags the annotated all-gather, its wait and the
+dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` when not resharding; ``mark_gathers_for_partitioner``)
+and the min-cut partitioner re-gathers in backward. (Until 2026-11-28 each gather ran in a
+selective-checkpoint region with those tags as its policy: the same graphs, traced one region per
+parameter.) In eager the annotation does nothing, and the matmul that consumes a gathered weight
+saves it for backward. So each resharded block also runs its forward in a block-level region that replays only
 the gathers (and the views aliasing them) and saves everything else: backward re-runs the block's
 forward from those saved outputs, issuing the all-gathers again. Given the model's ``blocks``, only
 they reshard: backward starts with the parameters outside them (the output projection, the final
@@ -31,7 +33,7 @@ the gathers (never saved by those policies) are redone with it. In eager this ho
 Compile. Pass ``compiled=True`` when the model will run under ``torch.compile``: the block-level
 regions are then left out. They would trace (also with ``fullgraph=True``), but their
 save-everything policy overrides the partitioner's own choice of activations to keep; the
-per-parameter tags alone make compiled graphs reshard.
+gathers' tags alone make compiled graphs reshard.
 
 Tensor parallelism. A parameter that is already a DTensor on a 1-D TP mesh is stored on the
 (dp..., tp) mesh, with a strided dp shard when TP also splits dim 0 (the layout FSDP2 uses). The
@@ -47,8 +49,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-from torch._inductor.custom_graph_pass import get_hash_for_files
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -63,7 +66,10 @@ _STORAGE_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
     "hybrid_shard": (Replicate(), Shard(0)),
 }
 
-_CAST_OP = torch.ops.aten._to_copy.default
+# The weight's cast as the joint graph spells it.
+_CAST_OPS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+GATHER_ANNOTATION = "simple_fsdp_reshard_after_forward"
+"""Key of the ``fx.traceback`` annotation on a gather's nodes; its value: reshard after forward."""
 _COLLECTIVES_NAMESPACE = "_c10d_functional"
 # Collective bookkeeping that returns its input: like a view, it aliases the collective's buffer.
 _ALIASING_COLLECTIVE_OPS = {
@@ -82,8 +88,8 @@ class _GatherConfig:
     """HSDP only: the (replicate, shard) sub-meshes, gathered over one at a time."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    region_contexts: Callable[[], tuple[Any, Any]]
-    """``context_fn`` of the checkpoint region around each gather."""
+    reshard_after_forward: bool
+    """Gather again in backward (see ``mark_gathers_for_partitioner``)."""
 
 
 @dataclass(frozen=True)
@@ -146,20 +152,6 @@ def _gather(param: DTensor, config: _GatherConfig, tp: _TensorParallelLayout | N
     return DTensor.from_local(tp_part, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
-# A class, not a closure: torch's AOT autograd cache pickles the policy into its key.
-@dataclass(frozen=True)
-class _GatherRegionPolicy:
-    """The gather's region: its all-gather, wait and cast recomputed in backward (resharded) or saved."""
-
-    reshard_after_forward: bool
-
-    def __call__(self, ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        # The all-gather, its wait and the cast carry the decision; the views around them are free.
-        if op is _CAST_OP or op.namespace == _COLLECTIVES_NAMESPACE:
-            return CheckpointPolicy.MUST_RECOMPUTE if self.reshard_after_forward else CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _block_region_policy(dp_group_names: frozenset[str]) -> Callable[..., CheckpointPolicy]:
     """Replay the weights' all-gathers in backward; save everything else."""
 
@@ -178,29 +170,28 @@ def _block_region_policy(dp_group_names: frozenset[str]) -> Callable[..., Checkp
     return policy
 
 
-def _region_contexts(reshard_after_forward: bool) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` of the gather's region."""
-    policy = _GatherRegionPolicy(reshard_after_forward)
-    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
-    # Without a cache_hash, torch's AOT autograd cache skips every graph holding such a region, and
-    # each start of a compiled job (a restart too) compiles it again.
-    contexts.cache_hash = get_hash_for_files((__file__,), repr(policy))
-    return contexts
-
-
 def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor:
-    param = module._parameters[name]
     config: _GatherConfig = module._simple_fsdp_config
-    return checkpoint(
-        _gather,
-        param,
-        config,
-        module._simple_fsdp_tp_layouts.get(name),
-        use_reentrant=False,
-        context_fn=config.region_contexts,
-        # The gather draws no random numbers.
-        preserve_rng_state=False,
-    )
+    # Under compile, the partitioner reads the annotation (mark_gathers_for_partitioner).
+    with fx_traceback.annotate({GATHER_ANNOTATION: config.reshard_after_forward}):
+        return _gather(module._parameters[name], config, module._simple_fsdp_tp_layouts.get(name))
+
+
+def mark_gathers_for_partitioner(joint: fx.GraphModule) -> None:
+    """Tags the forward nodes of every gather in a compiled joint graph for the min-cut
+    partitioner: its all-gather (or, under HSDP, all-gathers), waits and cast ``MUST_RECOMPUTE``
+    when resharding (backward gathers again), ``MUST_SAVE`` when not; the views around them are
+    left to the partitioner's choice."""
+    for node in joint.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if GATHER_ANNOTATION not in custom or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        carries_decision = node.target in _CAST_OPS or getattr(node.target, "namespace", None) == _COLLECTIVES_NAMESPACE
+        if carries_decision:
+            reshard = custom[GATHER_ANNOTATION]
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        else:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # ---------------------------------------------------------------------------
@@ -310,7 +301,7 @@ def _shard_parameters(model: nn.Module, config: _GatherConfig) -> None:
 def _keep_gathered_outside(model: nn.Module, blocks: list[nn.Module], config: _GatherConfig) -> None:
     """The parameters outside ``blocks`` keep their gathered copy from forward to backward."""
     in_blocks = {id(module) for block in blocks for module in block.modules()}
-    keep_config = replace(config, region_contexts=_region_contexts(False))
+    keep_config = replace(config, reshard_after_forward=False)
     for module in model.modules():
         if id(module) not in in_blocks and hasattr(module, "_simple_fsdp_config"):
             module._simple_fsdp_config = keep_config
@@ -362,8 +353,7 @@ def apply_simple_fsdp(
             raise ValueError("hybrid_shard needs a mesh with named dims (dp_replicate, dp_shard)")
         hsdp_meshes = tuple(dp_mesh[name] for name in dp_mesh.mesh_dim_names)
     reshard_after_forward = reshard_after_forward and mode != "replicate"
-    contexts = _region_contexts(reshard_after_forward)
-    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, contexts)
+    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, reshard_after_forward)
     _shard_parameters(model, config)
     if not reshard_after_forward or blocks is None:
         return

@@ -154,7 +154,7 @@ def test_compiled_checkpointing_matches_compiled_without(layout, ac, composition
     assert got == without["losses"]  # bitwise: checkpointing recomputes the same ops
     assert got[-1] < got[0]
     # Checkpointing that does nothing gives the same losses: the compiled graphs must show it.
-    # Without checkpointing (SimpleFSDP's gathers have regions of their own) nothing is recomputed.
+    # Without checkpointing nothing is recomputed.
     assert recomputed_matmuls(without) == 0, without
     regions = case["checkpoint_regions"] - without["checkpoint_regions"]
     assert (regions, recomputed_matmuls(case)) == CHECKPOINTED[layout, ac], case
