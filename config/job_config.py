@@ -276,8 +276,11 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile the model (per transformer block for fsdp2, whole model for simple_fsdp) and,
-    without tensor parallelism, the loss."""
+    """torch.compile what compile.components names."""
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What compile.enable compiles: the model (per transformer block for fsdp2, the whole model for
+    simple_fsdp) and the loss (except under tensor parallelism, whose loss parallel runs eagerly on
+    the vocabulary-sharded logits)."""
     backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile backend: inductor or aot_eager."""
     bucketing: Literal["none", "manual", "auto", "block"] = "manual"
@@ -296,6 +299,14 @@ class Compile:
     compute_flops: float | None = None
     """Auto bucketing: FLOP/s one rank achieves; unset = measured at start on one transformer
     block's forward and backward at the run's batch (the slowest rank's)."""
+
+    @property
+    def compiles_model(self) -> bool:
+        return self.enable and "model" in self.components
+
+    @property
+    def compiles_loss(self) -> bool:
+        return self.enable and "loss" in self.components
 
 
 @dataclass

@@ -59,7 +59,6 @@ FOREIGN: dict[str, object] = {
     "activation_checkpoint.preserve_rng_state": ANY,
     "activation_checkpoint.determinism_check": ANY,
     "activation_checkpoint.debug": False,
-    "compile.components": ["model", "loss"],  # Tessera compiles the model and the loss
     "quantize.linear.float8.enable_fsdp_float8_all_gather": ANY,
     "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": ANY,
     "quantize.linear.float8.recipe_name": ANY,

@@ -291,7 +291,7 @@ def _buckets_planned(config: JobConfig) -> bool:
     """Whether the real run compiles SimpleFSDP with bucketing; ConfigError for auto bucketing
     without the figures it plans with (a dry run cannot time the GPUs it stands for)."""
     c = config.compile
-    if not (c.enable and config.parallelism.data_parallel_impl == "simple_fsdp" and c.bucketing != "none"):
+    if not (c.compiles_model and config.parallelism.data_parallel_impl == "simple_fsdp" and c.bucketing != "none"):
         return False
     if c.bucketing == "auto" and None in (config.comm.alpha_us, config.comm.bandwidth_gbps, c.compute_flops):
         raise ConfigError(

@@ -33,7 +33,7 @@ class Loss:
         # vocabulary, and the cross-entropy runs on the shards.
         self.loss_parallel = parallel_dims.tp_enabled and config.parallelism.enable_loss_parallel
         self.summed = summed_cross_entropy
-        if config.compile.enable and not parallel_dims.tp_enabled:
+        if config.compile.compiles_loss and not parallel_dims.tp_enabled:
             # Under tensor parallelism the logits are DTensors that loss parallel handles: left eager.
             self.summed = apply_compile_loss(summed_cross_entropy, config.compile.backend)
 

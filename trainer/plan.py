@@ -241,7 +241,9 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode=layout.ac),
         # Per-block compile for FSDP2 (the GPU default) and whole-model compile for SimpleFSDP,
         # whose bucketing (which the time model counts on) is a compiler pass.
-        compile=dataclasses.replace(config.compile, enable=True, bucketing="manual", manual_buckets=[]),
+        compile=dataclasses.replace(
+            config.compile, enable=True, components=["model", "loss"], bucketing="manual", manual_buckets=[]
+        ),
     )
 
 

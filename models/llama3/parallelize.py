@@ -62,7 +62,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
     first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
     regions = (
-        config.compile.enable
+        config.compile.compiles_model
         and config.parallelism.data_parallel_impl == "simple_fsdp"
         and config.compile.bucketing != "block"
         and not parallel_dims.tp_enabled
@@ -81,13 +81,13 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"
-    if config.compile.enable and not simple_fsdp:
+    if config.compile.compiles_model and not simple_fsdp:
         apply_compile_per_block(model.layers, config.compile.backend)
 
     if parallel_dims.dp_enabled:
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
-    if not (config.compile.enable and simple_fsdp):
+    if not (config.compile.compiles_model and simple_fsdp):
         return None
     if config.compile.bucketing == "block":
         graph_pass = BucketingPass(BLOCK_BUCKETS if parallel_dims.dp_enabled else None)
@@ -147,7 +147,7 @@ def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: Jo
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward=_reshard_after_forward(parallel_dims, config),
         blocks=list(model.layers.values()),
-        compiled=config.compile.enable,
+        compiled=config.compile.compiles_model,
     )
 
 
@@ -294,7 +294,13 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     # only, checks its own when it is built).
     c = config.compile
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp" and parallel_dims.dp_enabled
-    if c.enable and c.bucketing == "manual" and c.manual_buckets and simple_fsdp and not parallel_dims.pp_enabled:
+    if (
+        c.compiles_model
+        and c.bucketing == "manual"
+        and c.manual_buckets
+        and simple_fsdp
+        and not parallel_dims.pp_enabled
+    ):
         with torch.device("meta"):
             units = plan_units(Transformer(model_args), tokens=1, param_dtype=torch.float32)
         with user_input("compile.manual_buckets"):

@@ -35,7 +35,7 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
     if schedule in ZERO_BUBBLE_SCHEDULES:
         # These schedules split backward into input- and weight-gradient passes, which a compiled
         # backward does not support and FSDP's reshard/re-gather breaks (None or wrong gradients).
-        if config.compile.enable:
+        if config.compile.compiles_model:
             raise ConfigError(f"compile.enable: not supported with the {schedule} pipeline schedule")
         if p.fsdp_reshard_after_forward == "always":
             raise ConfigError(
