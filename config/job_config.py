@@ -271,6 +271,17 @@ class ActivationCheckpoint:
     """Recompute activations in backward: none, full (every block) or selective."""
     selective_ac_option: str = "op"
     """For selective mode: 'op' (save compute-heavy ops) or N (checkpoint every N-th block)."""
+    early_stop: bool = True
+    """Stop recomputing a block in backward once every tensor backward needs from it is back
+    (torch's default; torchtitan's is false). The numbers are the same either way."""
+    preserve_rng_state: bool = False
+    """Restore the random number generator's state before recomputing a block, so that random
+    ops draw the same numbers again (torchtitan's default is true; Llama's blocks draw none)."""
+    determinism_check: Literal["default", "none"] = "default"
+    """Check that recomputed tensors have the shapes, dtypes and devices of the first forward's
+    ('default') or not ('none')."""
+    debug: bool = False
+    """Record the ops a block runs and recomputes, shown when the check above fails (slower)."""
 
 
 @dataclass

@@ -333,13 +333,7 @@ def validate(config: JobConfig) -> None:
     if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
     _validate_degrees(config.parallelism)
-    ac = config.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
-            raise ConfigError(
-                f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
-                "is neither 'op' nor a positive integer"
-            )
+    _validate_activation_checkpoint(config)
     _validate_checkpoint(config)
     _validate_validation(config)
     if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
@@ -358,6 +352,23 @@ def _validate_degrees(p: Parallelism) -> None:
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
             f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}"
+        )
+
+
+def _validate_activation_checkpoint(config: JobConfig) -> None:
+    ac = config.activation_checkpoint
+    op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
+    if ac.mode == "selective" and not op_level:
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
+                "is neither 'op' nor a positive integer"
+            )
+    if ac.debug and ac.mode != "none" and (op_level or config.compile.compiles_model):
+        # torch's checkpoint refuses debug beside a selective policy, which compile also gives it.
+        raise ConfigError(
+            "activation_checkpoint.debug: torch records a checkpoint's ops only eagerly and without "
+            "an op-level policy (not with compile.enable or selective_ac_option op)"
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch._inductor.custom_graph_pass import get_hash_for_files
@@ -37,21 +39,38 @@ def _op_policy_context():
 _op_policy_context.cache_hash = get_hash_for_files((__file__,), "op-level policy")
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str = "op") -> None:
+def apply_ac(
+    blocks: nn.ModuleDict,
+    mode: str,
+    selective_option: str = "op",
+    *,
+    early_stop: bool = True,
+    preserve_rng_state: bool = False,
+    determinism_check: str = "default",
+    debug: bool = False,
+) -> None:
     """Wraps the blocks of ``blocks`` for activation checkpointing, in place.
 
     mode: ``full`` checkpoints every block; ``selective`` with option ``op`` saves matmul and
     attention outputs (every other matmul recomputed), with option ``N`` checkpoints every N-th block.
+    The keyword arguments are ``torch.utils.checkpoint.checkpoint``'s.
     """
     if mode == "none":
         return
+    wrap = functools.partial(
+        checkpoint_wrapper,
+        early_stop=early_stop,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+    )
     for index, (name, block) in enumerate(list(blocks.items())):
         if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = wrap(block)
         elif selective_option == "op":
-            wrapped = checkpoint_wrapper(block, context_fn=_op_policy_context, preserve_rng_state=False)
+            wrapped = wrap(block, context_fn=_op_policy_context)
         elif (index + 1) % int(selective_option) == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = wrap(block)
         else:
             continue
         blocks[name] = wrapped

@@ -78,7 +78,16 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
                 loss_parallel=config.parallelism.enable_loss_parallel,
                 enable_async_tp=_async_tp(config, parallel_dims.tp_mesh.device_type),
             )
-    apply_ac(model.layers, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    ac = config.activation_checkpoint
+    apply_ac(
+        model.layers,
+        ac.mode,
+        ac.selective_ac_option,
+        early_stop=ac.early_stop,
+        preserve_rng_state=ac.preserve_rng_state,
+        determinism_check=ac.determinism_check,
+        debug=ac.debug,
+    )
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"
     if config.compile.compiles_model and not simple_fsdp:

@@ -131,6 +131,11 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
         "selective_ac_option: 'x' is neither 'op' nor a positive integer",
     ),
+    (
+        "choice",
+        ["--activation_checkpoint.mode", "full", "--activation_checkpoint.debug", "--compile.enable"],
+        "activation_checkpoint.debug: torch records a checkpoint's ops only eagerly",
+    ),
     # Layouts that cannot be built.
     ("layout", ["--parallelism.data_parallel_shard_degree", "4"], "multiply to 4"),
     ("layout", ["--parallelism.tensor_parallel_degree", "3"], "world size 2 is not divisible"),

@@ -75,3 +75,71 @@ def test_every_nth_layer_is_wrapped(option):
     else:
         n = int(option)
         assert wrapped == [str(i) for i in range(ARGS.n_layers) if (i + 1) % n == 0]
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_ends_a_blocks_recomputation_once_backward_has_what_it_needs(early_stop):
+    model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    apply_ac(model.layers, "full", early_stop=early_stop)
+    calls = []
+    for block in model.layers.values():
+        # The last projection's output is saved by nothing: early stop never runs it again.
+        block._checkpoint_wrapped_module.feed_forward.w2.register_forward_hook(lambda *args: calls.append(1))
+    logits = model(torch.randint(0, ARGS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)))
+    forward_calls = len(calls)
+    logits.sum().backward()
+    recomputed = 0 if early_stop else len(model.layers)
+    assert (forward_calls, len(calls) - forward_calls) == (len(model.layers), recomputed)
+
+
+class Dropout(torch.nn.Module):
+    """A block that draws random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x * self.weight, p=0.5).exp()
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_preserve_rng_state_makes_the_recomputation_draw_the_same_numbers(preserve_rng_state):
+    def gradient(checkpointed: bool) -> torch.Tensor:
+        blocks = torch.nn.ModuleDict({"0": Dropout()})
+        if checkpointed:
+            apply_ac(blocks, "full", preserve_rng_state=preserve_rng_state)
+        torch.manual_seed(0)
+        blocks["0"](torch.ones(64, 8)).sum().backward()
+        return blocks["0"].weight.grad
+
+    assert torch.equal(gradient(True), gradient(False)) == preserve_rng_state
+
+
+class ShapeShifter(torch.nn.Module):
+    """A block whose recomputation saves a tensor of another shape than its forward did."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * self.weight * torch.full((4 if self.calls == 1 else 1,), 2.0)
+
+
+@pytest.mark.parametrize(
+    "determinism_check, debug, error",
+    [("default", False, "different metadata"), ("default", True, "dumping logs"), ("none", False, None)],
+)
+def test_determinism_check_and_debug_reach_the_checkpoint(determinism_check, debug, error):
+    blocks = torch.nn.ModuleDict({"0": ShapeShifter()})
+    apply_ac(blocks, "full", determinism_check=determinism_check, debug=debug)
+    output = blocks["0"](torch.randn(2, 4, requires_grad=True)).sum()
+    if error is None:
+        output.backward()
+    else:
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match=error):
+            output.backward()
