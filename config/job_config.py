@@ -46,6 +46,9 @@ class Job:
     """Free text describing the job, logged at start."""
     print_config: bool = False
     """Log the resolved config at start (it is always written to <dump_folder>/config.toml)."""
+    save_config_file: str = ""
+    """Also write the resolved config as JSON to this file in the dump folder, as torchtitan does;
+    empty = not."""
     run_name: str = ""
     """TensorBoard run sub-folder under <dump_folder>/tb; empty = a timestamp."""
     cache_dir: str = field(default_factory=_default_cache_dir)

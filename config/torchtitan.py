@@ -25,7 +25,6 @@ ANY = object()
 """Any value leaves the feature off (or only tunes how a missing feature would run)."""
 
 FOREIGN: dict[str, object] = {
-    "job.save_config_file": None,
     "job.custom_config_module": "",
     "profiling.enable_memory_snapshot": False,
     "profiling.save_memory_snapshot_folder": ANY,

@@ -129,6 +129,8 @@ def check_output_folders(config: JobConfig) -> None:
         folders.append(("metrics.save_tb_folder", os.path.join(dump, config.metrics.save_tb_folder)))
     if config.profiling.enable_profiling:
         folders.append(("profiling.save_traces_folder", os.path.join(dump, config.profiling.save_traces_folder)))
+    if config.job.save_config_file:
+        folders.append(("job.save_config_file", os.path.dirname(os.path.join(dump, config.job.save_config_file))))
     for option, folder in folders:
         if problem := _unwritable(folder):
             raise ConfigError(f"{option}: {problem}")

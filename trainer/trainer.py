@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import logging
 import math
 import os
@@ -94,6 +96,11 @@ class Trainer:
         if self.rank == 0:
             with open(os.path.join(self.config.job.dump_folder, "config.toml"), "w") as f:
                 f.write(to_toml(self.config))
+            if self.config.job.save_config_file:
+                path = os.path.join(self.config.job.dump_folder, self.config.job.save_config_file)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(dataclasses.asdict(self.config), f, indent=2)
         if self.config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(self.config))
 

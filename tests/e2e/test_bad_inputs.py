@@ -239,6 +239,7 @@ CASES: list[tuple[str, list[str], str]] = [
         "profiling.save_traces_folder: cannot create /proc/tessera_traces",
     ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
+    ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
     ("memory", ["--model.flavor", "405B"], "fp32 weights, gradients and Adam moments alone take 2993.0 GiB per rank"),

@@ -1,5 +1,6 @@
 """run_train.sh end to end: 2 CPU ranks, the default corpus and tokenizer, real output files."""
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +25,10 @@ TIMEOUT = 1500
 def test_run_train_30_steps(tmp_path):
     dump = str(tmp_path / "run")
     result = run_script(
-        dump, "--training.steps", "30", "--training.seq_len", "128", "--job.run_name", "e2e", timeout=TIMEOUT
+        dump,
+        *("--training.steps", "30", "--training.seq_len", "128", "--job.run_name", "e2e"),
+        *("--job.save_config_file", "saved/job_config.json"),
+        timeout=TIMEOUT,
     )
 
     records = read_metrics(dump)
@@ -42,6 +46,13 @@ def test_run_train_30_steps(tmp_path):
     assert [e.value for e in loss_events] == [float(np.float32(r["loss"])) for r in records]
 
     assert os.path.isfile(os.path.join(dump, "config.toml"))
+    with open(os.path.join(dump, "saved", "job_config.json")) as f:
+        saved = json.load(f)  # torchtitan's job.save_config_file: the resolved config as JSON
+    assert (saved["training"]["steps"], saved["job"]["run_name"], saved["compile"]["components"]) == (
+        30,
+        "e2e",
+        ["model", "loss"],
+    )
     # Rank 0's console line carries the step's metrics, then the run's summary says where things went.
     output = result.stdout + result.stderr
     assert "step 30/30 (100%) | loss " in output
