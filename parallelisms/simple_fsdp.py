@@ -10,19 +10,20 @@ parameter, and the property runs one traceable expression (redistribute to ``Rep
 
 Reshard after forward. Each gather runs under an ``fx.traceback`` annotation saying whether it
 reshards. Under ``torch.compile`` the partitioner tags the annotated all-gather, its wait and the
-dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` when not resharding; ``mark_gathers_for_partitioner``)
-and the min-cut partitioner re-gathers in backward. (Until 2026-11-28 each gather ran in a
-selective-checkpoint region with those tags as its policy: the same graphs, traced one region per
-parameter.) In eager the annotation does nothing, and the matmul that consumes a gathered weight
-saves it for backward. So each resharded block also runs its forward in a block-level region that replays only
-the gathers (and the views aliasing them) and saves everything else: backward re-runs the block's
-forward from those saved outputs, issuing the all-gathers again. Given the model's ``blocks``, only
-they reshard: backward starts with the parameters outside them (the output projection, the final
-norm), so gathering those again would only add an exposed all-gather at its start; FSDP2 keeps
-its root's gathered the same way. (The embedding's backward needs no weight: nothing to keep.)
-Unlike FSDP2 in ``apply_fsdp2``, the last block reshards too: its gathered weights would sit
-beside the loss's backward, at the step's peak (tried on the wide benchmark model: 747 MiB tracked
-in each of 3 rounds, against 656 in 2 of 3 without, for 1.10x tokens/s; 0.95x on the debug model).
+dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` when not resharding;
+``mark_gathers_for_partitioner``) and the min-cut partitioner re-gathers in backward. (Until
+2026-11-28 each gather ran in a selective-checkpoint region with those tags as its policy: the
+same graphs, traced one region per parameter.) In eager the annotation does nothing, and the
+matmul that consumes a gathered weight saves it for backward. So each resharded block also runs
+its forward in a block-level region that replays only the gathers (and the views aliasing them)
+and saves everything else: backward re-runs the block's forward from those saved outputs, issuing
+the all-gathers again. Given the model's ``blocks``, only they reshard: backward starts with the
+parameters outside them (the output projection, the final norm), so gathering those again would
+only add an exposed all-gather at its start; FSDP2 keeps its root's gathered the same way. (The
+embedding's backward needs no weight: nothing to keep.) Unlike FSDP2 in ``apply_fsdp2``, the last
+block reshards too: its gathered weights would sit beside the loss's backward, at the step's peak
+(tried on the wide benchmark model: 747 MiB tracked in each of 3 rounds, against 656 in 2 of 3
+without, for 1.10x tokens/s; 0.95x on the debug model).
 
 Activation checkpointing. A block already wrapped by ``checkpoint_wrapper`` (full AC, op-level
 SAC, or the checkpointed blocks of every-N-th AC) gets no block-level region: its checkpoint
