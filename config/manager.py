@@ -330,6 +330,11 @@ def validate(config: JobConfig) -> None:
             f"profiling.profiler_active {c.profiling.profiler_active} is more steps than a window of "
             f"profiling.profile_freq {c.profiling.profile_freq}"
         )
+    if c.training.dtype == "bfloat16" and c.training.mixed_precision_param == "float32":
+        raise ConfigError(
+            "training.mixed_precision_param: float32 compute of the bfloat16 weights of training.dtype bfloat16; "
+            "leave it auto or set bfloat16"
+        )
     if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
     _validate_degrees(config.parallelism)

@@ -34,7 +34,6 @@ FOREIGN: dict[str, object] = {
     "model.print_after_conversion": False,
     "optimizer.early_step_in_backward": False,
     "training.enable_cpu_offload": False,
-    "training.dtype": "float32",
     "training.gc_debug": False,
     "training.dataloader.persistent_workers": ANY,
     "training.dataloader.pin_memory": ANY,

@@ -98,8 +98,12 @@ def _describe(config: JobConfig, args: Any) -> str:
 
 def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
     """``config`` with ``training.mixed_precision_param = "auto"`` decided for ``device_type``:
-    bfloat16 where the device multiplies it fast, else float32; the decision is logged."""
+    bfloat16 where the device multiplies it fast, else float32; the decision is logged. Weights
+    in bfloat16 (``training.dtype``) compute in bfloat16."""
     training = config.training
+    if training.dtype == "bfloat16":
+        logger.info("training.dtype bfloat16: weights, gradients and optimizer state in bfloat16, no float32 copy")
+        return dataclasses.replace(config, training=dataclasses.replace(training, mixed_precision_param="bfloat16"))
     if training.mixed_precision_param != "auto":
         return config
     fast, device = fast_bfloat16(device_type)
@@ -116,9 +120,9 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
 def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
     """One line when mixed precision is on: what casts, and what stays float32."""
     param, reduce = config.training.mixed_precision_param, config.training.mixed_precision_reduce
-    if parallel_dims.dp_enabled and (param, reduce) != ("float32", "float32"):
+    if parallel_dims.dp_enabled and (param, reduce) != (config.training.dtype, "float32"):
         logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", param, reduce)
-    elif not parallel_dims.dp_enabled and param != "float32":
+    elif not parallel_dims.dp_enabled and param != config.training.dtype:
         logger.info("mixed precision: forward under %s autocast, float32 weights and gradients", param)
 
 
@@ -136,7 +140,7 @@ def build_model(
     config = resolve_precision(config, device.type)
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.model_cls(args).to(getattr(torch, config.training.dtype))
     logger.info(
         "%s %s: %.2fM parameters", spec.name, _describe(config, args), sum(p.numel() for p in model.parameters()) / 1e6
     )
@@ -158,8 +162,9 @@ def build_model(
     built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
     # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the
-    # forward's matmuls (backward follows the forward's dtypes).
-    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
+    # forward's matmuls (backward follows the forward's dtypes). Weights already in the compute
+    # dtype need neither.
+    autocast = not parallel_dims.dp_enabled and compute_dtype != getattr(torch, config.training.dtype)
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)

@@ -61,8 +61,8 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
-    """Refuses a job whose fp32 weights, gradients and Adam moments (16 bytes a parameter over the
-    degrees that shard them; a seed checkpoint's weights, 4 bytes a parameter) and the logits of
+    """Refuses a job whose weights, gradients and Adam moments (16 bytes a parameter in float32, 8 in
+    bfloat16, over the degrees that shard them; a seed checkpoint's weights, a quarter of that) and the logits of
     one microbatch (2 bytes a token and vocabulary entry) alone exceed what a rank has: started, its
     ranks would run out of memory, on a CPU be killed, and be restarted to be killed again. The
     rest of the activations is not counted, so a job refused here cannot fit."""
@@ -75,15 +75,17 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
         parameters = sum(p.numel() for p in get_model_spec(config.model.name).model_cls(args).parameters())
     available, source = memory_per_rank(ranks_per_node)
     size = f"model: {parameters / 1e9:.2f}B parameters"
+    weight_bytes = getattr(torch, config.training.dtype).itemsize
     if config.checkpoint.create_seed_checkpoint:
-        if 4 * parameters > available:
+        if weight_bytes * parameters > available:
             raise ConfigError(
-                f"{size}: a seed checkpoint holds all the weights in one process, {4 * parameters / 2**30:.1f} GiB, "
+                f"{size}: a seed checkpoint holds all the weights in one process, "
+                f"{weight_bytes * parameters / 2**30:.1f} GiB, "
                 f"more than the {available / 2**30:.1f} GiB it has ({source})"
             )
         return
     sharded_over = dims.dp_shard * dims.tp * dims.pp
-    state = 16 * parameters / sharded_over
+    state = 4 * weight_bytes * parameters / sharded_over
     option, sequences = (
         ("parallelism.pipeline_parallel_microbatch_size", config.parallelism.pipeline_parallel_microbatch_size)
         if dims.pp > 1
@@ -94,7 +96,7 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
         return
     if state >= logits:
         raise ConfigError(
-            f"{size}: fp32 weights, gradients and Adam moments alone take {state / 2**30:.1f} GiB per rank "
+            f"{size}: {config.training.dtype} weights, gradients and Adam moments alone take {state / 2**30:.1f} GiB per rank "
             f"(sharded over dp_shard {dims.dp_shard} x tp {dims.tp} x pp {dims.pp}), more than the "
             f"{available / 2**30:.1f} GiB a rank has ({source}); shard over more ranks or pick a smaller model "
             "(python -m trainer.plan finds a layout that fits)"

@@ -359,17 +359,22 @@ def _init_param_(
     """Fills ``param`` with ``init`` drawn from a generator keyed by (seed, name).
 
     A sharded parameter (DTensor) is drawn whole on every rank, one parameter at a time, and
-    each rank keeps its own shard: the values equal those of an unsharded model.
+    each rank keeps its own shard: the values equal those of an unsharded model. Values are drawn
+    in float32 whatever the parameter's dtype: a bfloat16 model starts from the float32 model's
+    weights, rounded.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
     if is_fake(local):  # a dry run's tensors hold no values (and rejection sampling would need them)
         return
     generator = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) and param.dtype == torch.float32:
         init(param, generator)
         return
-    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
     init(full, generator)
+    if not isinstance(param, DTensor):
+        param.copy_(full)
+        return
     # Every rank holds the same full tensor, so no broadcast is needed: each slices its shard.
     shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     local.copy_(shard.to_local())

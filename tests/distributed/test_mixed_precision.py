@@ -1,6 +1,8 @@
 """bf16 mixed precision (fp32 weights, gradients, reduction and optimizer state) through train.py:
 every layout gives the losses of one process in bf16 on the same global batch, and FSDP2 with
-Inductor per-block compile (the GPU default) gives eager FSDP2's.
+Inductor per-block compile (the GPU default) gives eager FSDP2's. Pure bf16 (training.dtype
+bfloat16: bf16 weights, gradients and optimizer state) on FSDP2 and SimpleFSDP gives one process's
+pure bf16 losses.
 
 Two ways of casting meet here. One process, TP alone and PP alone run the forward under autocast
 (tests/unit/test_mixed_precision.py checks the dtypes), as torchtitan does on one device; the
@@ -9,7 +11,7 @@ with TP or PP), so their activations stay bf16 where autocast keeps some float32
 
 Launches (about 10-40 s each on 2 CPU cores): the reference, FSDP2, SimpleFSDP eager and compiled
 with aot_eager, TP 2 and PP 2 alone on 2 ranks, HSDP 2 x 2, FSDP2 x TP 2 and PP 2 x FSDP2 on 4
-ranks, FSDP2 with Inductor on 2 ranks.
+ranks, FSDP2 with Inductor on 2 ranks; pure bf16 on 1 and 2 ranks.
 """
 
 from __future__ import annotations
@@ -111,3 +113,34 @@ def test_bf16_losses_match_one_process(layout, bf16_run):
 def test_inductor_per_block_compile_matches_eager_in_bf16(bf16_run):
     assert bf16_run("fsdp2_inductor") == pytest.approx(bf16_run("fsdp2"), rel=TOLERANCE, abs=0)
     assert bf16_run("fsdp2_inductor") == pytest.approx(bf16_run("reference"), rel=TOLERANCE, abs=0)
+
+
+PURE_LINE = "training.dtype bfloat16: weights, gradients and optimizer state in bfloat16, no float32 copy"
+
+
+@pytest.fixture(scope="module")
+def pure_bf16_run(tmp_path_factory):
+    """Pure bf16 (``training.dtype bfloat16``, torchtitan's): one process, FSDP2 and SimpleFSDP."""
+    runs = {
+        "reference": (1, ["--training.local_batch_size", "8"]),
+        "fsdp2": LAYOUTS["fsdp2"],
+        "simple_fsdp": LAYOUTS["simple_fsdp"],
+    }
+    pure = ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
+    batch = RunBatch(
+        str(tmp_path_factory.mktemp("pure_bf16")),
+        {name: (nproc, [*overrides, *pure, *SHORT]) for name, (nproc, overrides) in runs.items()},
+    )
+
+    def get(name: str) -> list[float]:
+        assert PURE_LINE in batch.log(name)
+        got = losses(batch.records(name))
+        assert len(got) == 6 and got[-1] < got[0]
+        return got
+
+    return get
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "simple_fsdp"])
+def test_pure_bf16_losses_match_one_process(layout, pure_bf16_run):
+    assert pure_bf16_run(layout) == pytest.approx(pure_bf16_run("reference"), rel=TOLERANCE, abs=0)

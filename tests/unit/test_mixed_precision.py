@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from config.manager import load_config
+from config.job_config import ConfigError
+from config.manager import load_config, validate
 from models.builder import _log_precision, build_model, resolve_precision
 from models.llama3 import llama3_flavors
 from parallelisms.device import causal_query_chunk
 from parallelisms.parallel_dims import ParallelDims
+from trainer.optim import build_optimizer_and_schedule
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256, max_seq_len=32, n_layers=2)
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
@@ -70,6 +72,32 @@ def test_float32_is_left_alone():
     logits, matmul_dtype = forward_backward(model)
     assert compute_dtype == matmul_dtype == logits.dtype == torch.float32
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_pure_bfloat16_keeps_weights_gradients_and_optimizer_state_in_bfloat16():
+    """training.dtype bfloat16 (torchtitan's): the float32 model's initial weights rounded, and
+    the forward of that rounded model as plain torch runs it (no autocast); bitwise."""
+    model, compute_dtype = one_process("--training.dtype", "bfloat16")
+    reference, _ = one_process("--training.mixed_precision_param", "float32")
+    reference.to(torch.bfloat16)
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        assert param.dtype == torch.bfloat16 and torch.equal(param, expected), name
+    assert model.rope_cache.dtype == torch.float32  # the rotation runs in float32 either way
+    reference.rope_cache = model.rope_cache
+    attention = model.layers["0"].attention  # narrow heads attend in float32 under bfloat16
+    reference.configure_attention(attention.attention_dtype, attention.query_chunk)
+    logits, matmul_dtype = forward_backward(model)
+    assert compute_dtype == matmul_dtype == torch.bfloat16
+    assert torch.equal(logits, forward_backward(reference)[0])
+    assert {param.grad.dtype for param in model.parameters()} == {torch.bfloat16}
+    optimizer, _ = build_optimizer_and_schedule(load_config(["--training.dtype", "bfloat16"]), [model])
+    optimizer.step()
+    assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
+
+
+def test_pure_bfloat16_does_not_compute_in_float32():
+    with pytest.raises(ConfigError, match="training.mixed_precision_param: float32 compute of the bfloat16 weights"):
+        validate(load_config(["--training.dtype", "bfloat16", "--training.mixed_precision_param", "float32"]))
 
 
 def _cpu_has_bf16_instructions() -> bool:
