@@ -188,10 +188,11 @@ def _weighted_stage_starts(
     blocks[0] -= first_less
     blocks[-1] -= last_less
     if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
+        fewer_stages = "lower them" if source.startswith(LAYERS_PER_STAGE_OPTION) else f"set {LAYERS_PER_STAGE_OPTION}"
         raise ValueError(
             f"{source}: {n_layers} layers are too few for {num_stages} stages of {schedule} "
             f"(the first and last count as {first_less} and {last_less} more, "
-            f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); set {LAYERS_PER_STAGE_OPTION} or {SPLIT_POINTS_OPTION}"
+            f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); {fewer_stages} or set {SPLIT_POINTS_OPTION}"
         )
     return [sum(blocks[:s]) for s in range(num_stages)]
 

@@ -124,7 +124,18 @@ def _layout_error(*overrides: str) -> str:
             "parallelism.pipeline_parallel_degree 4: 6 layers are too few for 4 stages of 1F1B (the first and last "
             "count as 4 and 1 more, parallelism.pipeline_parallel_first_stage_less_layers and "
             "parallelism.pipeline_parallel_last_stage_less_layers); set "
-            "parallelism.pipeline_parallel_layers_per_stage or parallelism.pipeline_parallel_split_points",
+            "parallelism.pipeline_parallel_layers_per_stage or set parallelism.pipeline_parallel_split_points",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+                "--parallelism.pipeline_parallel_first_stage_less_layers=4",
+            ],
+            "parallelism.pipeline_parallel_layers_per_stage 1: 6 layers are too few for 11 stages of 1F1B (the "
+            "first and last count as 4 and 1 more, parallelism.pipeline_parallel_first_stage_less_layers and "
+            "parallelism.pipeline_parallel_last_stage_less_layers); lower them or set "
+            "parallelism.pipeline_parallel_split_points",
         ),
         (
             ["--parallelism.pipeline_parallel_split_points", "layers.3,layers.6"],
