@@ -274,10 +274,15 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective, or memory_budget
+    (under compile: the compiler picks what to recompute to fit activation_checkpoint.memory_budget)."""
     selective_ac_option: str = "op"
     """For selective mode: 'op' (save compute-heavy ops) or N (checkpoint every N-th block)."""
+    memory_budget: float = 0.5
+    """For memory_budget mode, from 0 to 1: the activations kept for backward, as a fraction
+    between what full checkpointing keeps (0) and what compiling without checkpointing keeps (1);
+    torch's partitioner recomputes as little as fits."""
     early_stop: bool = True
     """Stop recomputing a block in backward once every tensor backward needs from it is back
     (torch's default; torchtitan's is false). The numbers are the same either way."""

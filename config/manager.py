@@ -369,7 +369,13 @@ def _validate_activation_checkpoint(config: JobConfig) -> None:
                 f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
                 "is neither 'op' nor a positive integer"
             )
-    if ac.debug and ac.mode != "none" and (op_level or config.compile.compiles_model):
+    if ac.mode == "memory_budget" and not config.compile.compiles_model:
+        raise ConfigError(
+            "activation_checkpoint.mode memory_budget: the compiler picks what to recompute; set compile.enable"
+        )
+    if ac.mode == "memory_budget" and not 0.0 <= ac.memory_budget <= 1.0:
+        raise ConfigError(f"activation_checkpoint.memory_budget must be in [0, 1], got {ac.memory_budget}")
+    if ac.debug and ac.mode in ("full", "selective") and (op_level or config.compile.compiles_model):
         # torch's checkpoint refuses debug beside a selective policy, which compile also gives it.
         raise ConfigError(
             "activation_checkpoint.debug: torch records a checkpoint's ops only eagerly and without "

@@ -53,9 +53,10 @@ def apply_ac(
 
     mode: ``full`` checkpoints every block; ``selective`` with option ``op`` saves matmul and
     attention outputs (every other matmul recomputed), with option ``N`` checkpoints every N-th block.
-    The keyword arguments are ``torch.utils.checkpoint.checkpoint``'s.
+    ``none`` and ``memory_budget`` (the compiler's partitioner chooses) wrap nothing. The keyword
+    arguments are ``torch.utils.checkpoint.checkpoint``'s.
     """
-    if mode == "none":
+    if mode in ("none", "memory_budget"):
         return
     wrap = functools.partial(
         checkpoint_wrapper,

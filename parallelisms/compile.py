@@ -29,6 +29,7 @@ import torch.nn as nn
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._functorch.partitioners import is_sym_node
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
@@ -114,28 +115,39 @@ def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
 
 
 class SavedValuesOrderPartitioner(CustomPartitionerFn):
-    """torch's min-cut partitioner, with nested compile regions' inputs read outside them first,
-    then the saved non-tensor objects moved behind the saved tensors (see the module docstring).
-    Usable as AOT autograd's ``partition_fn`` and as inductor's ``custom_partitioner_fn``."""
+    """torch's min-cut partitioner, with SimpleFSDP's gathers tagged and nested compile regions'
+    inputs read outside them first, then the saved non-tensor objects moved behind the saved
+    tensors (see the module docstring). ``memory_budget`` is torch's activation memory budget: 1
+    keeps what runs fastest, 0 the least (as if every op ran under activation checkpointing),
+    between, the least recomputation that fits. Usable as AOT autograd's ``partition_fn`` and as
+    inductor's ``custom_partitioner_fn``."""
+
+    def __init__(self, memory_budget: float = 1.0):
+        self.memory_budget = memory_budget
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         mark_gathers_for_partitioner(gm)
         _read_region_inputs_outside(gm)
-        fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # Under a budget the partitioner sizes every saved value; the graphs' script objects are the
+        # process groups and meshes of DTensor parameters, which hold no activations.
+        budget = {"activation_memory_budget": self.memory_budget, "unsafe_treat_script_objects_as_zero_size": True}
+        with functorch_config.patch(budget):
+            fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         _order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         return fw_module, bw_module
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,), repr(self.memory_budget))
 
 
-PARTITIONER = SavedValuesOrderPartitioner()
-_SHARED_AOT_EAGER = None
+@functools.cache
+def _partitioner(memory_budget: float) -> SavedValuesOrderPartitioner:
+    return SavedValuesOrderPartitioner(memory_budget)
 
 
-def _aot_eager(graph_pass: BucketingPass | None = None):
+def _aot_eager(graph_pass: BucketingPass | None = None, memory_budget: float = 1.0):
     """AOT autograd without code generation (torch's ``aot_eager``) with our partitioner, running
     ``graph_pass`` on the forward and backward graphs when given."""
 
@@ -148,18 +160,16 @@ def _aot_eager(graph_pass: BucketingPass | None = None):
     return aot_autograd(
         fw_compiler=compile_graph,
         bw_compiler=compile_graph,
-        partition_fn=PARTITIONER,
+        partition_fn=_partitioner(memory_budget),
         keep_inference_input_mutations=True,
     )
 
 
-def _shared_aot_eager():
+@functools.cache
+def _shared_aot_eager(memory_budget: float):
     """One backend object for all blocks: dynamo reuses a block's graph for the others only when
     they were compiled with the same backend."""
-    global _SHARED_AOT_EAGER
-    if _SHARED_AOT_EAGER is None:
-        _SHARED_AOT_EAGER = _aot_eager()
-    return _SHARED_AOT_EAGER
+    return _aot_eager(memory_budget=memory_budget)
 
 
 # ---------------------------------------------------------------------------
@@ -167,26 +177,29 @@ def _shared_aot_eager():
 # ---------------------------------------------------------------------------
 
 
-def _inductor_options(graph_pass: BucketingPass | None) -> dict[str, Any]:
+def _inductor_options(graph_pass: BucketingPass | None, memory_budget: float) -> dict[str, Any]:
     """Inductor's options: our partitioner, and ``graph_pass`` when given. Inductor's reordering
     for peak memory would undo the pass's order: it issues each collective right before its wait,
     leaving no communication overlapped, so it is off where the pass sets the order."""
-    options: dict[str, Any] = {"custom_partitioner_fn": PARTITIONER}
+    options: dict[str, Any] = {"custom_partitioner_fn": _partitioner(memory_budget)}
     if graph_pass is not None:
         options.update(post_grad_custom_post_pass=graph_pass, reorder_for_peak_memory=False)
     return options
 
 
-def apply_compile_per_block(blocks: nn.ModuleDict, backend: str, graph_pass: BucketingPass | None = None) -> None:
+def apply_compile_per_block(
+    blocks: nn.ModuleDict, backend: str, graph_pass: BucketingPass | None = None, memory_budget: float = 1.0
+) -> None:
     """Compiles each block in place (parameter names unchanged), as one graph per block that dynamo
     compiles once and reuses for every block of the same shape; ``graph_pass`` (SimpleFSDP's, when
-    its gathers are traced with the block) runs on the forward and backward graphs."""
+    its gathers are traced with the block) runs on the forward and backward graphs. For
+    ``memory_budget`` see ``SavedValuesOrderPartitioner``."""
     if backend == "inductor":
-        options = _inductor_options(graph_pass)
+        options = _inductor_options(graph_pass, memory_budget)
         for block in blocks.values():
             block.compile(backend="inductor", fullgraph=True, options=options)
         return
-    shared = _shared_aot_eager() if graph_pass is None else _aot_eager(graph_pass)
+    shared = _shared_aot_eager(memory_budget) if graph_pass is None else _aot_eager(graph_pass, memory_budget)
     for block in blocks.values():
         block.compile(backend=shared, fullgraph=True)
 
@@ -197,20 +210,19 @@ def apply_compile_loss(loss_fn: Callable[..., torch.Tensor], backend: str) -> Ca
     return torch.compile(loss_fn, backend=backend, fullgraph=True)
 
 
-def apply_compile_whole_model(model: nn.Module, backend: str, graph_pass: BucketingPass) -> None:
+def apply_compile_whole_model(
+    model: nn.Module, backend: str, graph_pass: BucketingPass, memory_budget: float = 1.0
+) -> None:
     """Compiles ``model`` as one graph (``fullgraph=True``) so compute and SimpleFSDP's collectives
     are traced together, and runs ``graph_pass`` on the forward and backward graphs.
 
     The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers (the default
-    partitioner would save the gathered weights)."""
+    partitioner would save the gathered weights). For ``memory_budget`` see
+    ``SavedValuesOrderPartitioner``."""
     if backend == "inductor":
-        model.compile(
-            backend="inductor",
-            fullgraph=True,
-            options=_inductor_options(graph_pass),
-        )
+        model.compile(backend="inductor", fullgraph=True, options=_inductor_options(graph_pass, memory_budget))
     else:
-        model.compile(backend=_aot_eager(graph_pass), fullgraph=True)
+        model.compile(backend=_aot_eager(graph_pass, memory_budget), fullgraph=True)
 
 
 def apply_compile_regions(modules: Iterable[nn.Module], template: nn.Module) -> None:

@@ -90,8 +90,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     )
 
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp"
+    budget = ac.memory_budget if ac.mode == "memory_budget" else 1.0
     if config.compile.compiles_model and not simple_fsdp:
-        apply_compile_per_block(model.layers, config.compile.backend)
+        apply_compile_per_block(model.layers, config.compile.backend, memory_budget=budget)
 
     if parallel_dims.dp_enabled:
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
@@ -100,7 +101,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         return None
     if config.compile.bucketing == "block":
         graph_pass = BucketingPass(BLOCK_BUCKETS if parallel_dims.dp_enabled else None)
-        apply_compile_per_block(model.layers, config.compile.backend, graph_pass)
+        apply_compile_per_block(model.layers, config.compile.backend, graph_pass, budget)
         return graph_pass
     plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
@@ -108,7 +109,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
     for name, template in templates.items():
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
-    apply_compile_whole_model(model, config.compile.backend, graph_pass)
+    apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
     return graph_pass
 
 

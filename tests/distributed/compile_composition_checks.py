@@ -50,6 +50,8 @@ AC = {
     "full": ["--activation_checkpoint.mode", "full"],
     "selective_op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
     "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    # No checkpoint regions: the partitioner recomputes as much as it can.
+    "memory_budget_0": ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0"],
 }
 # (layout, compiled, ac)
 CASES = [

@@ -133,6 +133,22 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     (
         "choice",
+        ["--activation_checkpoint.mode", "memory_budget"],
+        "activation_checkpoint.mode memory_budget: the compiler picks what to recompute; set compile.enable",
+    ),
+    (
+        "range",
+        [
+            "--activation_checkpoint.mode",
+            "memory_budget",
+            "--compile.enable",
+            "--activation_checkpoint.memory_budget",
+            "2",
+        ],
+        "activation_checkpoint.memory_budget must be in [0, 1], got 2.0",
+    ),
+    (
+        "choice",
         ["--activation_checkpoint.mode", "full", "--activation_checkpoint.debug", "--compile.enable"],
         "activation_checkpoint.debug: torch records a checkpoint's ops only eagerly",
     ),
