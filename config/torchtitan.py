@@ -51,7 +51,6 @@ FOREIGN: dict[str, object] = {
     "checkpoint.initial_load_in_hf_quantized": False,
     "checkpoint.last_save_model_only": ANY,  # Tessera's last checkpoint holds everything
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": ANY,
-    "activation_checkpoint.memory_budget": ANY,
     "activation_checkpoint.visualize_memory_budget_pareto": False,
     "quantize.linear.float8.enable_fsdp_float8_all_gather": ANY,
     "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": ANY,

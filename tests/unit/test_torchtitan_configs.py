@@ -189,3 +189,13 @@ def test_torchtitans_own_files_pass_the_pre_launch_check(name, world_size, corpu
     with pytest.raises(ConfigError, match="tokenizer path not found") as error:
         check(load_config(["--job.config_file", path]), world_size=world_size)
     assert "training.dataset" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_no_torchtitan_name_shadows_an_option_of_tessera():
+    """An option Tessera has is set as Tessera's; the same name left among torchtitan's foreign or
+    renamed options would be dead (and its note of an ignored feature wrong)."""
+    from config import torchtitan
+    from config.manager import _all_keys
+
+    tessera = set(_all_keys())
+    assert tessera & (set(torchtitan.FOREIGN) | set(torchtitan.ALIASES) | set(torchtitan.NEGATED)) == set()
