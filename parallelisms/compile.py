@@ -4,14 +4,14 @@ once for all blocks), with our collective passes for SimpleFSDP, and the graph b
 ran into.
 
 Partitioner. Every compiled graph is split into forward and backward by torch's min-cut
-partitioner, followed by one fix-up (``SavedValuesOrderPartitioner``): when a graph saves a
-non-tensor object for backward (the ``DeviceMesh`` of DTensor parameters: SimpleFSDP, tensor
-parallel) and also recomputes a random op in backward (scaled-dot-product attention under full or
-every-N-th-block activation checkpointing), torch 2.13 appends the random op's saved RNG state
-*after* the saved mesh, while its runtime expects all saved tensors first, and the first forward
-fails ("expected all tensors_saved_with_vc_check to be Tensors"). The fix-up moves such objects
-behind the tensors in the forward outputs and the backward inputs alike; graphs already in order
-are left untouched.
+partitioner (``MinCutPartitioner``), given SimpleFSDP's recompute tags and an activation memory
+budget first and followed by one fix-up: when a graph saves a non-tensor object for backward (the
+``DeviceMesh`` of DTensor parameters: SimpleFSDP, tensor parallel) and also recomputes a random op
+in backward (scaled-dot-product attention under full or every-N-th-block activation
+checkpointing), torch 2.13 appends the random op's saved RNG state *after* the saved mesh, while
+its runtime expects all saved tensors first, and the first forward fails ("expected all
+tensors_saved_with_vc_check to be Tensors"). The fix-up moves such objects behind the tensors in
+the forward outputs and the backward inputs alike; graphs already in order are left untouched.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
     joint.recompile()
 
 
-class SavedValuesOrderPartitioner(CustomPartitionerFn):
+class MinCutPartitioner(CustomPartitionerFn):
     """torch's min-cut partitioner, with SimpleFSDP's gathers tagged and nested compile regions'
     inputs read outside them first, then the saved non-tensor objects moved behind the saved
     tensors (see the module docstring). ``memory_budget`` is torch's activation memory budget: 1
@@ -143,8 +143,8 @@ class SavedValuesOrderPartitioner(CustomPartitionerFn):
 
 
 @functools.cache
-def _partitioner(memory_budget: float) -> SavedValuesOrderPartitioner:
-    return SavedValuesOrderPartitioner(memory_budget)
+def _partitioner(memory_budget: float) -> MinCutPartitioner:
+    return MinCutPartitioner(memory_budget)
 
 
 def _aot_eager(graph_pass: BucketingPass | None = None, memory_budget: float = 1.0):
@@ -193,7 +193,7 @@ def apply_compile_per_block(
     """Compiles each block in place (parameter names unchanged), as one graph per block that dynamo
     compiles once and reuses for every block of the same shape; ``graph_pass`` (SimpleFSDP's, when
     its gathers are traced with the block) runs on the forward and backward graphs. For
-    ``memory_budget`` see ``SavedValuesOrderPartitioner``."""
+    ``memory_budget`` see ``MinCutPartitioner``."""
     if backend == "inductor":
         options = _inductor_options(graph_pass, memory_budget)
         for block in blocks.values():
@@ -218,7 +218,7 @@ def apply_compile_whole_model(
 
     The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers (the default
     partitioner would save the gathered weights). For ``memory_budget`` see
-    ``SavedValuesOrderPartitioner``."""
+    ``MinCutPartitioner``."""
     if backend == "inductor":
         model.compile(backend="inductor", fullgraph=True, options=_inductor_options(graph_pass, memory_budget))
     else:
