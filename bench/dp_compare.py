@@ -2,7 +2,7 @@
 
     python bench/dp_compare.py [--models debugmodel,debugmodel_wide] [--variants v1,v2,...]
                                [--manual-plan NAME=BUCKETS ...]
-                               [--precisions fp32,bf16] [--ranks 1,2] [--rounds N]
+                               [--precisions fp32,bf16,bf16_pure] [--ranks 1,2] [--rounds N]
                                [--steps N] [--warmup N] [--seq-len N] [--batch-size N] [--quick]
     python bench/dp_compare.py --interleave [--models ...] [--variants ...] [--precisions ...] [--ranks ...]
     python bench/dp_compare.py --compile-depths 6,16,32
@@ -83,7 +83,12 @@ VARIANTS: dict[str, list[str]] = {
 }
 BASELINE = "fsdp2_eager"
 ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto", "simplefsdp_block")
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+# Name -> the run's flags: float32, bf16 mixed precision (float32 weights), pure bf16 (training.dtype).
+PRECISIONS = {
+    "fp32": ["--training.mixed_precision_param", "float32"],
+    "bf16": ["--training.mixed_precision_param", "bfloat16"],
+    "bf16_pure": ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"],
+}
 DEPTH_VARIANTS = ("fsdp2_compile", "simplefsdp_block", "simplefsdp_manual", "simplefsdp_auto")
 
 
@@ -155,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(explicit options still win)",
     )
     parser.add_argument(
-        "--precisions", help="comma-separated, from: fp32, bf16 (default: both; the compile-time table: fp32 only)"
+        "--precisions",
+        help="comma-separated, from: fp32, bf16, bf16_pure (default: fp32,bf16; the compile-time table: fp32 only)",
     )
     parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1: ONE_RANK_VARIANTS only)")
     parser.add_argument(
@@ -285,8 +291,8 @@ def run_variant(spec: RunSpec, shape: Shape, args: argparse.Namespace, log_path:
     # The warm-up stays within the shortest run's step count (the base config warms up over 6 steps).
     overrides = [
         *f"--model.flavor {spec.model} --training.seq_len {shape.seq_len} --training.local_batch_size {shape.batch_size}"
-        f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}"
-        f" --training.mixed_precision_param {PRECISIONS[spec.precision]}".split(),
+        f" --lr_scheduler.warmup_steps {min(6, args.warmup + args.steps)}".split(),
+        *PRECISIONS[spec.precision],
         *(["--model.n_layers", str(spec.n_layers)] if spec.n_layers else []),
         *([] if spec.interleaved else args.variant_flags[spec.variant]),
     ]
@@ -478,12 +484,12 @@ def summarize_interleaved(results: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def format_interleaved_table(rows: list[dict[str, Any]]) -> str:
     header = (
-        f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
+        f"{'model':<16} {'prec':<9} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
         f"{'x tps [min-max]':>19} {'x step [q1-q3]':>19} {'steps':>5} {'scale':>5} {'loss':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
-        name = f"{r['model']:<16} {r['precision']:<4} {r['nproc']:>5} {r['variant']:<18}"
+        name = f"{r['model']:<16} {r['precision']:<9} {r['nproc']:>5} {r['variant']:<18}"
         if not r["ok"]:
             lines.append(f"{name} FAILED: {r['error']}")
             continue
@@ -546,7 +552,7 @@ def _with_spread(spread: dict[str, float] | None, fmt: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
-        f"{'model':<16} {'prec':<4} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
+        f"{'model':<16} {'prec':<9} {'ranks':>5} {'variant':<18} {'tok/s/rank [min-max]':>22} "
         f"{'x tps [min-max]':>19} {'scale':>5} {'step s':>6} {'CPU s':>6} {'mem MiB':>8} {'x mem':>5} {'AG':>4} {'BC':>4} {'RS':>4} {'AR':>4} "
         f"{'A2A':>4} "
         f"{'wire MiB':>8} {'theory':>9} {'compile s':>9} {'loss':>7}"
@@ -554,7 +560,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         ranks = f"{r['nproc']}x{r['side_by_side']}" if r["side_by_side"] > 1 else str(r["nproc"])
-        name = f"{r['model']:<16} {r['precision']:<4} {ranks:>5} {r['variant']:<18}"
+        name = f"{r['model']:<16} {r['precision']:<9} {ranks:>5} {r['variant']:<18}"
         if not r["ok"]:
             lines.append(f"{name} FAILED: {r['error']}")
             continue
@@ -596,7 +602,7 @@ def format_depth_table(results: list[dict[str, Any]]) -> str:
 
 
 LEGEND = f"""\
-prec: fp32, or bf16 mixed precision (fp32 weights and reduction). ranks: 1 (no data parallelism), 2, 1x2 (--ceiling).
+prec: fp32, bf16 mixed precision (fp32 weights and reduction), or bf16_pure (training.dtype bfloat16). ranks: 1 (no data parallelism), 2, 1x2 (--ceiling).
 tok/s/rank: tokens per rank per second of the timed steps (the slowest rank's step time each step; data
   loading excluded), median over the rounds [min-max]. x tps: ratio to the same round's {BASELINE}
   (same model, precision and ranks), median [min-max]; x mem: the same for tracked memory (median).
