@@ -38,6 +38,9 @@ class BuiltModel:
     """Training FLOPs per token of the whole model, for MFU."""
     compute_dtype: torch.dtype
     """The dtype the matmuls run in (``training.mixed_precision_param``, decided)."""
+    autocast: bool
+    """The parts' forwards run under ``torch.autocast`` (no data parallelism to cast the weights,
+    which are not in the compute dtype): the activations between blocks stay in the weights' dtype."""
     graph_passes: list[BucketingPass] = field(default_factory=list)
     """SimpleFSDP's compile passes, one per compiled part: what each compiled graph holds."""
     schedule: Schedule | None = None
@@ -159,12 +162,13 @@ def build_model(
             device.type,
         )
     model.configure_attention(upcast, query_chunk)
-    built = BuiltModel([], args, spec.flops_per_token_fn(args, model, config.training.seq_len), compute_dtype)
     _log_precision(config, parallel_dims)
     # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the
     # forward's matmuls (backward follows the forward's dtypes). Weights already in the compute
     # dtype need neither.
     autocast = not parallel_dims.dp_enabled and compute_dtype != getattr(torch, config.training.dtype)
+    flops = spec.flops_per_token_fn(args, model, config.training.seq_len)
+    built = BuiltModel([], args, flops, compute_dtype, autocast)
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)

@@ -192,9 +192,9 @@ def _pipeline_step(
     micro_inputs = inputs.tensor_split(schedule._n_microbatches)
     micro_labels = labels.tensor_split(schedule._n_microbatches)
     # What a stage receives: the hidden state, a plain tensor (split on the sequence under tensor
-    # parallelism) in the blocks' dtype; autocast, without data parallelism, keeps it in float32.
+    # parallelism) in the compute dtype; autocast keeps it in the weights' float32.
     microbatch, seq_len = micro_inputs[0].shape
-    dtype = built.compute_dtype if dims.dp_enabled else torch.float32
+    dtype = torch.float32 if built.autocast else built.compute_dtype
     template = torch.empty(microbatch, seq_len // dims.tp, built.args.dim, dtype=dtype)
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     for s, kind, mb in _rank_actions(schedule, dims.pp_mesh.get_local_rank()):

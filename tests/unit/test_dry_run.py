@@ -177,8 +177,17 @@ PP2_1F1B = [
         # The last stage's first rank: the output layer, the logits and the loss (until 2026-11-28
         # the dry run played rank 0 alone).
         (4, ["--training.mixed_precision_param", "bfloat16", *PP2_1F1B], 0.02, 2),
+        # Pure bf16 without data parallelism: no autocast, the stages hand on bf16 hidden states
+        # (the dry run received float32 ones until 2026-11-28).
+        (2, ["--training.dtype", "bfloat16", *PP2_1F1B], 0.02, 1),
     ],
-    ids=["1rank_bf16_full_ac", "wide_fsdp2_2_fp32", "pp2_fsdp2_4_bf16", "pp2_fsdp2_4_bf16_last_stage"],
+    ids=[
+        "1rank_bf16_full_ac",
+        "wide_fsdp2_2_fp32",
+        "pp2_fsdp2_4_bf16",
+        "pp2_fsdp2_4_bf16_last_stage",
+        "pp2_pure_bf16_last_stage",
+    ],
 )
 def test_estimate_matches_a_real_runs_tracked_peak(tmp_path, world, argv, tolerance, rank):
     """The issue asks for 10%; where the dry run runs the same code as the real run the fake
