@@ -62,10 +62,10 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
     """Refuses a job whose weights, gradients and Adam moments (16 bytes a parameter in float32, 8 in
-    bfloat16, over the degrees that shard them; a seed checkpoint's weights, a quarter of that) and the logits of
-    one microbatch (2 bytes a token and vocabulary entry) alone exceed what a rank has: started, its
-    ranks would run out of memory, on a CPU be killed, and be restarted to be killed again. The
-    rest of the activations is not counted, so a job refused here cannot fit."""
+    bfloat16, over the degrees that shard them; a seed checkpoint's weights, a quarter of that) and
+    the logits of one microbatch (2 bytes a token and vocabulary entry) alone exceed what a rank
+    has: started, its ranks would run out of memory, on a CPU be killed, and be restarted to be
+    killed again. The rest of the activations is not counted, so a job refused here cannot fit."""
     import torch
 
     from models.registry import get_model_spec
@@ -96,7 +96,8 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
         return
     if state >= logits:
         raise ConfigError(
-            f"{size}: {config.training.dtype} weights, gradients and Adam moments alone take {state / 2**30:.1f} GiB per rank "
+            f"{size}: {config.training.dtype} weights, gradients and Adam moments alone take "
+            f"{state / 2**30:.1f} GiB per rank "
             f"(sharded over dp_shard {dims.dp_shard} x tp {dims.tp} x pp {dims.pp}), more than the "
             f"{available / 2**30:.1f} GiB a rank has ({source}); shard over more ranks or pick a smaller model "
             "(python -m trainer.plan finds a layout that fits)"

@@ -258,11 +258,15 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
-    ("memory", ["--model.flavor", "405B"], "float32 weights, gradients and Adam moments alone take 2993.0 GiB"),
+    (
+        "memory",
+        ["--model.flavor", "405B"],
+        "float32 weights, gradients and Adam moments alone take 2993.0 GiB per rank",
+    ),
     (
         "memory",
         ["--model.flavor", "405B", "--training.dtype", "bfloat16"],
-        "bfloat16 weights, gradients and Adam moments alone take 1496.5 GiB",
+        "bfloat16 weights, gradients and Adam moments alone take 1496.5 GiB per rank",
     ),
     (
         "memory",
