@@ -176,6 +176,11 @@ class Optimizer:
     implementation: Literal["foreach", "fused", "for-loop"] = "fused"
     """Kernel choice: fused (one pass over each tensor, where the device has the kernel: CUDA and
     CPU do), foreach or for-loop."""
+    early_step_in_backward: bool = False
+    """Update each parameter as soon as backward has its gradient, then free that gradient, so the
+    model's gradients are never all held at once. Gradients are not clipped (training.max_norm
+    does not apply; the norm is still logged), and a non-finite loss no longer skips the update.
+    Not with pipeline parallelism."""
 
 
 @dataclass

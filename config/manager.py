@@ -338,6 +338,7 @@ def validate(config: JobConfig) -> None:
     if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
     _validate_degrees(config.parallelism)
+    _validate_early_step(config)
     _validate_activation_checkpoint(config)
     _validate_checkpoint(config)
     _validate_validation(config)
@@ -357,6 +358,21 @@ def _validate_degrees(p: Parallelism) -> None:
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError(
             f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}"
+        )
+
+
+def _validate_early_step(config: JobConfig) -> None:
+    if not config.optimizer.early_step_in_backward:
+        return
+    if config.parallelism.pipeline_parallel_degree > 1:
+        # The schedule runs several microbatches' backwards within one call: no step can wait for the last.
+        raise ConfigError(
+            "optimizer.early_step_in_backward: not with pipeline parallelism (pipeline_parallel_degree > 1)"
+        )
+    if config.debug.failure == "nan" and config.debug.fail_at_step >= 0:
+        raise ConfigError(
+            "debug.failure nan: it poisons the gradients before the update, which "
+            "optimizer.early_step_in_backward makes in backward"
         )
 
 

@@ -32,7 +32,6 @@ FOREIGN: dict[str, object] = {
     "metrics.enable_wandb": False,
     "model.converters": [],
     "model.print_after_conversion": False,
-    "optimizer.early_step_in_backward": False,
     "training.enable_cpu_offload": False,
     "training.gc_debug": False,
     "training.dataloader.persistent_workers": ANY,

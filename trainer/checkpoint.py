@@ -66,6 +66,7 @@ from torch.futures import Future
 from config.job_config import CHECKPOINT_PARTS, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
+from trainer.optim import optimizers_holding_state
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +121,13 @@ class OptimizerState(Stateful):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = optimizers_holding_state(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
+        return get_optimizer_state_dict(self.model, self.optimizers, options=self._OPTIONS)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizers, state_dict, options=self._OPTIONS)
 
 
 class TrainState(Stateful):

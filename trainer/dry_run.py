@@ -48,7 +48,7 @@ from trainer.checkpoint import ModelState, OptimizerState, whole_model
 from trainer.distributed import parallel_dims_from_config
 from trainer.hf_checkpoint import job_model_args
 from trainer.loss import Loss
-from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
+from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_, optimizers_holding_state
 from trainer.preflight import check
 from trainer.tokenizer import build_tokenizer
 
@@ -71,6 +71,11 @@ class _PeakTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+        # A parameter stepped in backward (optimizer.early_step_in_backward) has freed its
+        # gradient before MemTracker's own hook comes to count it.
+        return set() if t is None else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
         # MemTracker refuses a root module's second forward (it keeps one call's stats per module):
@@ -260,17 +265,19 @@ def measure_steps(
     def mark() -> None:
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
 
-    for group in optimizer.param_groups:
-        # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
-        # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
-        group.update(foreach=False, fused=False)
+    # The optimizer the schedule drives and those holding state: one, unless parameters step in backward.
+    for stepping in {optimizer, *optimizers_holding_state(optimizer)}:
+        for group in stepping.param_groups:
+            # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
+            # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
+            group.update(foreach=False, fused=False)
     for step in range(STEPS):
         batches = [make_batch() for _ in range(accumulation)]
         if step < STEPS - 1:
             # Warm-up: the optimizer state and the wrappers' lazily built buffers come to be.
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims, lambda: None)
             continue
-        tracker.track_external(*built.parts, optimizer)
+        tracker.track_external(*built.parts, *optimizers_holding_state(optimizer))
         with tracker:
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims, mark)
     return tracker.get_tracker_snapshot("peak").get(device, {}), after_forward

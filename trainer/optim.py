@@ -49,6 +49,75 @@ def _supports_fused(params: list[nn.Parameter]) -> bool:
     return all(p.device.type in supported_devices and torch.is_floating_point(p) for p in params)
 
 
+class OptimizerInBackward(torch.optim.Optimizer):
+    """Steps each parameter as soon as backward has finished its gradient, and frees that gradient:
+    the whole model's gradients are never held at once. One optimizer per parameter updates it;
+    this one holds the shared settings (the LR schedule sets its ``lr``), and its ``step()`` does
+    nothing. Nothing is clipped (the gradient norm is known only after every parameter has
+    stepped), but the norm is measured on the way, for the log. ``stepping`` False lets gradients
+    accumulate (microbatches before a step's last)."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **settings):
+        super().__init__(params, settings)
+        self.per_parameter = {p: optimizer_class([p], **settings) for p in params}
+        self.stepping = True
+        # This rank's part of the squared gradient norm, by the mesh and placements its reduction
+        # takes (DTensor gradients) or None (plain ones).
+        self._squares: dict[tuple | None, torch.Tensor] = {}
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._step_parameter)
+        for optimizer in self.per_parameter.values():
+            # The LR schedule sets this optimizer's settings (lr, initial_lr): each per-parameter
+            # one saved carries them, and a loaded one brings them back, so that a checkpoint holds
+            # what one optimizer's would.
+            optimizer.register_state_dict_pre_hook(self._lend_settings)
+            optimizer.register_load_state_dict_post_hook(self._take_settings)
+
+    def _lend_settings(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.param_groups[0].update(_settings(self.param_groups[0]))
+
+    def _take_settings(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups[0].update(_settings(optimizer.param_groups[0]))
+
+    def _step_parameter(self, param: nn.Parameter) -> None:
+        if not self.stepping:
+            return
+        norm = torch.nn.utils.get_total_norm([param.grad])
+        key = (norm.device_mesh, norm.placements) if isinstance(norm, DTensor) else None
+        local = norm.to_local() if isinstance(norm, DTensor) else norm
+        self._squares[key] = self._squares.get(key, 0.0) + local.float() ** 2
+        optimizer = self.per_parameter[param]
+        self._lend_settings(optimizer)
+        optimizer.step()
+        param.grad = None
+
+    def step(self, closure=None) -> None:
+        """Nothing left to do: every parameter stepped in backward."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the gradients stepped since the last call (every rank calls it)."""
+        norms = []
+        for key, squares in self._squares.items():
+            norm = squares.sqrt()
+            if key is not None:  # reduced over the mesh as torch's norm of a DTensor would be
+                norm = DTensor.from_local(norm, key[0], key[1], run_check=False).full_tensor()
+            norms.append(norm)
+        self._squares.clear()
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def _settings(param_group: dict) -> dict:
+    return {key: value for key, value in param_group.items() if key != "params"}
+
+
+def optimizers_holding_state(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state a checkpoint saves: those of each parameter when they step in
+    backward (their state under the parameters' names is the same as one optimizer's)."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return list(optimizer.per_parameter.values())
+    return [optimizer]
+
+
 def build_optimizer(
     model_parts: list[nn.Module],
     *,
@@ -58,10 +127,12 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
     implementation: str = "fused",
+    early_step_in_backward: bool = False,
 ) -> torch.optim.Optimizer:
     """One optimizer over the trainable parameters of all model parts (e.g. this rank's pipeline
-    stages; DTensors welcome). ``fused`` falls back to ``foreach`` with a warning where the
-    parameters' device or dtype has no fused kernel. ValueError names a bad ``optimizer.*`` value."""
+    stages; DTensors welcome), or with ``early_step_in_backward`` an ``OptimizerInBackward``.
+    ``fused`` falls back to ``foreach`` with a warning where the parameters' device or dtype has no
+    fused kernel. ValueError names a bad ``optimizer.*`` value."""
     if not lr > 0:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
     if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
@@ -86,12 +157,15 @@ def build_optimizer(
         use_fused = False
     use_foreach = implementation != "for-loop" and not use_fused
 
-    optimizer = _OPTIMIZERS[name](
-        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=use_foreach, fused=use_fused
-    )
+    settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=use_foreach, fused=use_fused)
+    if early_step_in_backward:
+        optimizer = OptimizerInBackward(params, _OPTIMIZERS[name], **settings)
+    else:
+        optimizer = _OPTIMIZERS[name](params, **settings)
     kernel = "fused" if use_fused else "foreach" if use_foreach else "for-loop"
-    settings = f"lr={lr:g}, betas={betas}, eps={eps:g}, weight_decay={weight_decay:g}"
-    logger.info("Built %s (%s) over %d parameter tensors, %s", name, kernel, len(params), settings)
+    when = ", each parameter stepped in backward" if early_step_in_backward else ""
+    described = f"lr={lr:g}, betas={betas}, eps={eps:g}, weight_decay={weight_decay:g}{when}"
+    logger.info("Built %s (%s) over %d parameter tensors, %s", name, kernel, len(params), described)
     return optimizer
 
 
@@ -251,6 +325,12 @@ def build_optimizer_and_schedule(
     """The configured optimizer over the parts' parameters and its LR schedule; a one-line
     ConfigError naming the option for a bad value."""
     optim, schedule = config.optimizer, config.lr_scheduler
+    if optim.early_step_in_backward and config.training.max_norm > 0:
+        logger.warning(
+            "optimizer.early_step_in_backward: gradients are not clipped (training.max_norm %g does not apply); "
+            "their norm is logged",
+            config.training.max_norm,
+        )
     with user_input():
         optimizer = build_optimizer(
             model_parts,
@@ -260,6 +340,7 @@ def build_optimizer_and_schedule(
             eps=optim.eps,
             weight_decay=optim.weight_decay,
             implementation=optim.implementation,
+            early_step_in_backward=optim.early_step_in_backward,
         )
         lr_scheduler = build_lr_scheduler(
             optimizer,

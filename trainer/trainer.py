@@ -26,7 +26,7 @@ from trainer.fault_injection import FailureInjector
 from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
-from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_
+from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.preflight import check_output_folders, claim_dump_folder
 from trainer.profiling import maybe_profile
 from trainer.tokenizer import build_tokenizer
@@ -161,6 +161,8 @@ class Trainer:
         A non-finite loss or gradient norm leaves the model and optimizer untouched."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
+        if isinstance(self.optimizer, OptimizerInBackward):
+            return self._train_step_updating_in_backward(microbatches, lr)
         loss = sum(self.forward_backward(x.to(self.device), y.to(self.device)) for x, y in microbatches)
         params = [p for part in self.model.parts for p in part.parameters() if p.grad is not None]
         self.failures.poison(params)
@@ -174,6 +176,20 @@ class Trainer:
             self.optimizer.step()
             self.lr_scheduler.step()
         return step_metrics
+
+    def _train_step_updating_in_backward(self, microbatches: Microbatches, lr: float) -> dict[str, float]:
+        """train_step with optimizer.early_step_in_backward: the last microbatch's backward updates
+        each parameter as its gradient completes; nothing is clipped or skipped."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_staging()  # the updates start in this step's backward
+        losses = []
+        for i, (inputs, labels) in enumerate(microbatches):
+            self.optimizer.stepping = i == len(microbatches) - 1
+            losses.append(self.forward_backward(inputs.to(self.device), labels.to(self.device)))
+        grad_norm = self.optimizer.grad_norm()
+        self.optimizer.step()  # nothing left to update; the schedule counts it
+        self.lr_scheduler.step()
+        return {"loss": self._sum_over_ranks(sum(losses)).item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Completes a per-rank share of a global mean: sums it over the data-parallel ranks, and

@@ -190,6 +190,16 @@ CASES: list[tuple[str, list[str], str]] = [
     ("layout", ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"], "run it on 1 rank"),
     (
         "layout",
+        ["--optimizer.early_step_in_backward", "--parallelism.pipeline_parallel_degree", "2"],
+        "optimizer.early_step_in_backward: not with pipeline parallelism",
+    ),
+    (
+        "choice",
+        ["--optimizer.early_step_in_backward", "--debug.fail_at_step", "2", "--debug.failure", "nan"],
+        "debug.failure nan: it poisons the gradients before the update",
+    ),
+    (
+        "layout",
         ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],
         "compile.manual_buckets: Bucket pattern 'layers.9' (in spec 'layers.9') matches no module of",
     ),

@@ -119,6 +119,49 @@ def test_build_optimizer_rejects_bad_options(kwargs: dict, option: str) -> None:
         build_optimizer([nn.Linear(2, 2)], **options)
 
 
+def _updates_in_backward(microbatches: int) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """A model stepped in backward (early_step_in_backward) and one stepped after it, over two
+    steps of ``microbatches`` each under a warmup schedule; and the last step's gradient norm as
+    measured in backward and as clipping measures it."""
+    model, reference = _tiny_model(), _tiny_model()
+    early = build_optimizer([model], lr=0.01, weight_decay=0.1, early_step_in_backward=True)
+    after = build_optimizer([reference], lr=0.01, weight_decay=0.1)
+    schedules = [build_lr_scheduler(o, warmup_steps=2, total_steps=4) for o in (early, after)]
+    for step in range(2):
+        batches = [torch.full((2, 4), float(step + i + 1)) for i in range(microbatches)]
+        for i, batch in enumerate(batches):
+            early.stepping = i == microbatches - 1
+            model(batch).square().sum().backward()
+            reference(batch).square().sum().backward()
+        assert all(p.grad is None for p in model.parameters())  # stepped and freed in backward
+        norm = early.grad_norm()
+        expected_norm = clip_grad_norm_(list(reference.parameters()), float("inf"))
+        after.step()
+        after.zero_grad()
+        early.step()
+        for schedule in schedules:
+            schedule.step()
+    return model, reference, norm, expected_norm
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_stepping_in_backward_equals_stepping_after_it_bitwise(microbatches: int) -> None:
+    model, reference, norm, expected_norm = _updates_in_backward(microbatches)
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, expected)
+    assert norm.item() == pytest.approx(expected_norm.item(), rel=1e-6)
+
+
+def test_stepping_in_backward_keeps_the_gradients_of_microbatches_before_the_last() -> None:
+    model = _tiny_model()
+    optimizer = build_optimizer([model], lr=0.01, early_step_in_backward=True)
+    optimizer.stepping = False
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 # ---------------------------------------------------------------------------
 # LR schedule
 # ---------------------------------------------------------------------------
