@@ -350,6 +350,11 @@ class Metrics:
     TFLOPs; the loss, gradient norm and learning rate are the job's); else rank 0 alone."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; unset = known GPU table or a CPU matmul benchmark."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package): a run named as TensorBoard's (per
+    rank with save_for_all_ranks) in project WANDB_PROJECT (default tessera), its files under
+    <dump_folder>/wandb. WANDB_MODE=offline keeps it on disk for `wandb sync`. A run that cannot
+    start on W&B's side is a warning, and training goes on."""
 
 
 @dataclass

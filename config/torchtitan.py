@@ -29,7 +29,6 @@ FOREIGN: dict[str, object] = {
     "profiling.enable_memory_snapshot": False,
     "profiling.save_memory_snapshot_folder": ANY,
     "metrics.disable_color_printing": ANY,
-    "metrics.enable_wandb": False,
     "model.converters": [],
     "model.print_after_conversion": False,
     "training.enable_cpu_offload": False,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from config.job_config import ConfigError
 from parallelisms.device import PeakFlops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,49 @@ _TENSORBOARD_TAGS = {
 }
 
 
+def check_wandb() -> None:
+    """ConfigError naming metrics.enable_wandb when this host cannot start W&B runs: no wandb
+    package, or no API key where runs go to W&B's servers (WANDB_MODE neither offline nor disabled)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("metrics.enable_wandb: the wandb package is not installed here (pip install wandb)") from None
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return
+    silent = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"  # else the login looks the user up over the network
+    try:
+        wandb.login(verify=False)
+    except wandb.errors.UsageError as e:
+        raise ConfigError(f"metrics.enable_wandb: {e} (or set WANDB_MODE=offline to keep the run on disk)") from None
+    finally:
+        if silent is None:
+            del os.environ["WANDB_SILENT"]
+        else:
+            os.environ["WANDB_SILENT"] = silent
+
+
+def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
+    """A W&B run with its files under ``folder``/wandb; None, with a warning, when W&B's side
+    (network, server, account) keeps it from starting: the other logs go on."""
+    import wandb
+
+    os.makedirs(folder, exist_ok=True)
+    try:
+        # WANDB_TEAM is torchtitan's name for the entity; wandb reads its other WANDB_* itself.
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "tessera"),
+            entity=os.environ.get("WANDB_TEAM"),
+            dir=folder,
+            **settings,
+        )
+    except Exception as e:  # noqa: BLE001 - whatever W&B raises, training must not stop for it
+        logger.warning("metrics.enable_wandb: no W&B run (%s); the metrics go to the other logs", e)
+        return None
+    logger.info("W&B run %s", run.url or os.path.dirname(run.dir))
+    return run
+
+
 def _json_number(value: float) -> float | None:
     # Strict JSON has no NaN/Infinity; null keeps each line parseable by any tool.
     return value if math.isfinite(value) else None
@@ -231,7 +275,8 @@ class MetricsLogger:
 
     Construct it on every rank with ``enable`` true only on the logging rank (console, JSON lines,
     summary), and ``enable_tensorboard`` on the ranks that write TensorBoard (the logging rank, or
-    every rank in a folder of its own); the other instances do nothing.
+    every rank in a folder of its own); the other instances do nothing. ``wandb_run`` (the
+    ``wandb.init`` settings: name, group, config) also logs the TensorBoard scalars to W&B.
 
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
     data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
@@ -246,6 +291,7 @@ class MetricsLogger:
         enable: bool,
         enable_tensorboard: bool,
         tensorboard_dir: str,
+        wandb_run: dict[str, Any] | None = None,
         total_steps: int | None = None,
         tokens_per_step: int = 0,
         clock: Callable[[], float] = time.perf_counter,
@@ -265,6 +311,7 @@ class MetricsLogger:
 
             self._tensorboard = SummaryWriter(tensorboard_dir)
             logger.info("TensorBoard logs in %s", tensorboard_dir)
+        self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
     def start(self, step: int) -> None:
         """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``."""
@@ -276,7 +323,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (see the class docstring for the keys)."""
-        if not self.enabled and self._tensorboard is None:
+        if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
         if missing:
@@ -290,10 +337,15 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
             self._jsonl.flush()  # a crash must not lose the lines before it
 
+        # No MFU point when the peak is unknown.
+        scalars = {
+            tag: values[key] for key, tag in _TENSORBOARD_TAGS.items() if math.isfinite(values[key]) or key != "mfu"
+        }
         if self._tensorboard is not None:
-            for key, tag in _TENSORBOARD_TAGS.items():
-                if math.isfinite(values[key]) or key != "mfu":  # no MFU point when the peak is unknown
-                    self._tensorboard.add_scalar(tag, values[key], step)
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def summary(self, *, checkpoint_folder: str | None = None, hf_folder: str | None = None) -> None:
         """Log the end-of-run summary (see ``format_summary``)."""
@@ -302,6 +354,7 @@ class MetricsLogger:
         folders = {
             "metrics": self.jsonl_path,
             "tensorboard": self.tensorboard_dir,
+            "wandb": self._wandb and (self._wandb.url or os.path.dirname(self._wandb.dir)),
             "checkpoints": checkpoint_folder,
             "hf export": hf_folder,
         }
@@ -315,6 +368,8 @@ class MetricsLogger:
                 f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("validation/loss", loss, step)
+        if self._wandb is not None:
+            self._wandb.log({"validation/loss": loss}, step=step)
 
     def close(self) -> None:
         """Flush and close the files; further ``log`` calls are no-ops."""
@@ -324,4 +379,7 @@ class MetricsLogger:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         self.enabled = False

@@ -37,6 +37,7 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     from trainer.checkpoint import complete_checkpoint_at
     from trainer.distributed import parallel_dims_from_config
     from trainer.hf_checkpoint import job_model_args
+    from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
 
     dims = parallel_dims_from_config(config.parallelism, world_size)
@@ -51,6 +52,8 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_output_folders(config)
+    if config.metrics.enable_wandb and ranks_per_node is not None:  # a dry run logs nothing
+        check_wandb()
     args = check_files(config, simulated=ranks_per_node is None)
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)

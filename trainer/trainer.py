@@ -79,6 +79,7 @@ class Trainer:
             enable=self.rank == 0,
             enable_tensorboard=config.metrics.enable_tensorboard and (self.rank == 0 or every_rank),
             tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{self.rank}") if every_rank else tensorboard_dir,
+            wandb_run=self._wandb_run(run_name[0]),
             total_steps=config.training.steps,
             tokens_per_step=self.global_batch_size * config.training.seq_len,
         )
@@ -90,6 +91,17 @@ class Trainer:
         self.checkpointer = self._build_checkpointer()
 
     # ------------------------------------------------------------------ set-up
+
+    def _wandb_run(self, run_name: str) -> dict | None:
+        """This rank's W&B run settings (metrics.enable_wandb), or None: rank 0's run, or with
+        metrics.save_for_all_ranks one per rank, grouped under the run's name."""
+        metrics = self.config.metrics
+        if not metrics.enable_wandb or not (self.rank == 0 or metrics.save_for_all_ranks):
+            return None
+        config = dataclasses.asdict(self.config)
+        if metrics.save_for_all_ranks:
+            return {"name": f"{run_name}-rank_{self.rank}", "group": run_name, "config": config}
+        return {"name": run_name, "config": config}
 
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)

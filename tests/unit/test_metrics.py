@@ -359,6 +359,26 @@ def test_metrics_logger_jsonl_is_flushed_per_line_and_nan_is_null(tmp_path: Path
     assert list(tmp_path.iterdir()) == [tmp_path / "metrics.jsonl"]  # no TensorBoard files
 
 
+def test_a_wandb_run_that_cannot_start_is_a_warning_and_logging_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def unreachable(**settings):
+        raise RuntimeError("Timed out while retrying: no such host")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+        metrics_logger = MetricsLogger(
+            str(tmp_path), enable=True, enable_tensorboard=False, tensorboard_dir="", wandb_run={"name": "x"}
+        )
+    metrics_logger.log(1, _step_metrics(1))
+    metrics_logger.log_validation(1, 2.5)
+    metrics_logger.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "metrics.enable_wandb: no W&B run (Timed out while retrying: no such host); the metrics go to the other logs"
+    ]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
 def test_non_logging_rank_writes_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     dump_folder, tensorboard_dir = tmp_path / "dump", tmp_path / "tb"
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):

@@ -109,7 +109,11 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
     assert (config.activation_checkpoint.mode, config.lr_scheduler.decay_ratio) == ("selective", 0.8)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
-    for name in ("quantize.linear.float8.filter_fqns", "metrics.enable_wandb", "parallelism.context_parallel_degree"):
+    for name in (
+        "quantize.linear.float8.filter_fqns",
+        "profiling.enable_memory_snapshot",
+        "parallelism.context_parallel_degree",
+    ):
         assert name in warnings[0]
 
 
