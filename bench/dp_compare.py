@@ -73,6 +73,8 @@ VARIANTS: dict[str, list[str]] = {
     name: flags.split()
     for name, flags in {
         "fsdp2_eager": "--parallelism.data_parallel_impl fsdp2",
+        # Each parameter updated in backward, its gradient freed there (nothing clipped).
+        "fsdp2_early_step": "--parallelism.data_parallel_impl fsdp2 --optimizer.early_step_in_backward",
         "fsdp2_compile": "--parallelism.data_parallel_impl fsdp2 --compile.enable --compile.backend inductor",
         "simplefsdp_eager": "--parallelism.data_parallel_impl simple_fsdp",
         "simplefsdp_none": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing none",
@@ -82,7 +84,7 @@ VARIANTS: dict[str, list[str]] = {
     }.items()
 }
 BASELINE = "fsdp2_eager"
-ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_compile", "simplefsdp_auto", "simplefsdp_block")
+ONE_RANK_VARIANTS = ("fsdp2_eager", "fsdp2_early_step", "fsdp2_compile", "simplefsdp_auto", "simplefsdp_block")
 # Name -> the run's flags: float32, bf16 mixed precision (float32 weights), pure bf16 (training.dtype).
 PRECISIONS = {
     "fp32": ["--training.mixed_precision_param", "float32"],

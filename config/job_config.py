@@ -179,8 +179,8 @@ class Optimizer:
     early_step_in_backward: bool = False
     """Update each parameter as soon as backward has its gradient, then free that gradient, so the
     model's gradients are never all held at once. Gradients are not clipped (training.max_norm
-    does not apply; the norm is still logged), and a non-finite loss no longer skips the update.
-    Not with pipeline parallelism."""
+    does not apply; the norm is still logged), and no update can be skipped (not with
+    training.nonfinite_policy skip_step). Not with pipeline parallelism."""
 
 
 @dataclass

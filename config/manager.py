@@ -369,6 +369,11 @@ def _validate_early_step(config: JobConfig) -> None:
         raise ConfigError(
             "optimizer.early_step_in_backward: not with pipeline parallelism (pipeline_parallel_degree > 1)"
         )
+    if config.training.nonfinite_policy == "skip_step":
+        raise ConfigError(
+            "training.nonfinite_policy skip_step: the update it would skip has happened in backward under "
+            "optimizer.early_step_in_backward; use error or rollback"
+        )
     if config.debug.failure == "nan" and config.debug.fail_at_step >= 0:
         raise ConfigError(
             "debug.failure nan: it poisons the gradients before the update, which "

@@ -82,7 +82,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _step_parameter(self, param: nn.Parameter) -> None:
         if not self.stepping:
             return
-        norm = torch.nn.utils.get_total_norm([param.grad])
+        # One tensor's norm: a DTensor's stays partial here (get_total_norm's stack of norms would
+        # all-reduce for every parameter).
+        norm = torch.linalg.vector_norm(param.grad)
         key = (norm.device_mesh, norm.placements) if isinstance(norm, DTensor) else None
         local = norm.to_local() if isinstance(norm, DTensor) else norm
         self._squares[key] = self._squares.get(key, 0.0) + local.float() ** 2

@@ -199,6 +199,11 @@ CASES: list[tuple[str, list[str], str]] = [
         "debug.failure nan: it poisons the gradients before the update",
     ),
     (
+        "choice",
+        ["--optimizer.early_step_in_backward", "--training.nonfinite_policy", "skip_step"],
+        "training.nonfinite_policy skip_step: the update it would skip has happened in backward",
+    ),
+    (
         "layout",
         ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],
         "compile.manual_buckets: Bucket pattern 'layers.9' (in spec 'layers.9') matches no module of",
