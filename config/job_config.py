@@ -383,6 +383,12 @@ class Profiling:
     profiler_warmup: int = 3
     """Steps the profiler runs unrecorded before them, so that its start-up stays out of the trace
     (cut to fit the window when profile_freq is smaller)."""
+    enable_memory_snapshot: bool = False
+    """Record the GPU allocator's history and save a snapshot (for pytorch.org/memory_viz) every
+    profile_freq steps, and when a step runs out of memory (iteration_<last step>_exit). CUDA and
+    XPU only: a CPU rank's allocator keeps no history (a warning, and training goes on)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder inside the dump folder: iteration_<step>/rank<rank>_memory_snapshot.pickle."""
 
 
 @dataclass

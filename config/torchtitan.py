@@ -26,8 +26,6 @@ ANY = object()
 
 FOREIGN: dict[str, object] = {
     "job.custom_config_module": "",
-    "profiling.enable_memory_snapshot": False,
-    "profiling.save_memory_snapshot_folder": ANY,
     "metrics.disable_color_printing": ANY,
     "model.converters": [],
     "model.print_after_conversion": False,

@@ -135,6 +135,9 @@ def check_output_folders(config: JobConfig) -> None:
         folders.append(("metrics.save_tb_folder", os.path.join(dump, config.metrics.save_tb_folder)))
     if config.profiling.enable_profiling:
         folders.append(("profiling.save_traces_folder", os.path.join(dump, config.profiling.save_traces_folder)))
+    if config.profiling.enable_memory_snapshot:
+        snapshots = os.path.join(dump, config.profiling.save_memory_snapshot_folder)
+        folders.append(("profiling.save_memory_snapshot_folder", snapshots))
     if config.job.save_config_file:
         folders.append(("job.save_config_file", os.path.dirname(os.path.join(dump, config.job.save_config_file))))
     for option, folder in folders:

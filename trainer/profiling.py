@@ -1,11 +1,13 @@
-"""torch.profiler traces every few steps, written under the dump folder."""
+"""torch.profiler traces and GPU memory snapshots every few steps, written under the dump folder."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import pickle
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
@@ -44,3 +46,57 @@ def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[to
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=config.profiler_active)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
         yield prof
+
+
+# Allocator events kept in the history (torchtitan's number): a few steps of a large model.
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+class MemorySnapshots:
+    """Saves the allocator's recorded history, ``<folder>/<name>/rank<rank>_memory_snapshot.pickle``."""
+
+    def __init__(self, memory: ModuleType, folder: str, rank: int, freq: int, last_step: int):
+        self.memory, self.folder, self.rank, self.freq = memory, folder, rank, freq
+        self.last_step = last_step
+
+    def step_done(self, step: int) -> None:
+        self.last_step = step
+        if step % self.freq == 0:
+            self.save(f"iteration_{step}")
+
+    def save(self, name: str) -> None:
+        path = os.path.join(self.folder, name, f"rank{self.rank}_memory_snapshot.pickle")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump(self.memory._snapshot(), f)
+        logger.info("memory snapshot saved to %s", path)
+
+
+@contextlib.contextmanager
+def maybe_snapshot_memory(
+    config: Profiling, dump_folder: str, rank: int, device: torch.device, last_step: int
+) -> Iterator[MemorySnapshots | None]:
+    """Yields the memory snapshots the loop reports each step to (``step_done``), or None when
+    disabled or on a device whose allocator keeps no history; a step that runs out of memory
+    saves one more, named after the last step done (``last_step`` at the start)."""
+    if not config.enable_memory_snapshot:
+        yield None
+        return
+    if device.type not in ("cuda", "xpu"):
+        logger.warning(
+            "profiling.enable_memory_snapshot: a %s rank's allocator keeps no history; training without snapshots",
+            device.type,
+        )
+        yield None
+        return
+    memory = torch.get_device_module(device).memory
+    folder = os.path.join(dump_folder, config.save_memory_snapshot_folder)
+    memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    snapshots = MemorySnapshots(memory, folder, rank, config.profile_freq, last_step)
+    try:
+        yield snapshots
+    except torch.OutOfMemoryError:
+        snapshots.save(f"iteration_{snapshots.last_step}_exit")
+        raise
+    finally:
+        memory._record_memory_history(enabled=None)

@@ -28,7 +28,7 @@ from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.preflight import check_output_folders, claim_dump_folder
-from trainer.profiling import maybe_profile
+from trainer.profiling import maybe_profile, maybe_snapshot_memory
 from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator
 
@@ -237,7 +237,11 @@ class Trainer:
             self.parallel_dims.dp_degree,
         )
         first_step = self.step + 1
-        with maybe_profile(config.profiling, config.job.dump_folder, self.rank) as profiler:
+        profiling, dump = config.profiling, config.job.dump_folder
+        with (
+            maybe_profile(profiling, dump, self.rank) as profiler,
+            maybe_snapshot_memory(profiling, dump, self.rank, self.device, self.step) as snapshots,
+        ):
             while self.step < config.training.steps:
                 step = self.step + 1
                 if config.debug.gc_freq > 0 and step % config.debug.gc_freq == 0:
@@ -257,6 +261,8 @@ class Trainer:
                 self._after_step(step_metrics, microbatches, log=step == first_step)
                 if profiler is not None:
                     profiler.step()
+                if snapshots is not None:
+                    snapshots.step_done(step)
         hf_folder = None
         if config.checkpoint.export_hf:
             assets = job_export_assets(config, self.tokenizer.bos_id, self.tokenizer.eos_id)

@@ -1,12 +1,13 @@
 """The branches only a CUDA machine takes (listed in parallelisms/device.py and the README), run
 where there is a GPU, with no edit: the device and NCCL, the peak FLOPs lookup, async TP's
 condition, pinned-memory staging, memory statistics and CUDA profiling, train.py on one GPU with a
-pinned asynchronous checkpoint, and FSDP2 on two GPUs against one. Skipped without CUDA; the CPU
-side of the same functions is tests/unit/test_device.py."""
+pinned asynchronous checkpoint and memory snapshots, and FSDP2 on two GPUs against one. Skipped
+without CUDA; the CPU side of the same functions is tests/unit/test_device.py."""
 
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -80,19 +81,26 @@ def _one_gpu_run(dump: str) -> tuple[list[dict], str]:
         "async_with_pinned_mem",
         "--checkpoint.interval",
         "5",
+        "--profiling.enable_memory_snapshot",
+        "--profiling.profile_freq",
+        "5",
     )
     return read_metrics(dump), result.stdout + result.stderr
 
 
 @pytest.mark.slow  # launches train.py
 def test_train_py_on_gpus(tmp_path):
-    """One GPU: an NCCL group of one, GPU memory in the metrics, and an asynchronous checkpoint
-    staged in pinned memory. Two GPUs when there are: FSDP2 gives the one-GPU losses."""
+    """One GPU: an NCCL group of one, GPU memory in the metrics, an asynchronous checkpoint staged
+    in pinned memory, and the allocator's memory snapshots. Two GPUs when there are: FSDP2 gives
+    the one-GPU losses."""
     one_gpu, output = _one_gpu_run(str(tmp_path / "one"))
     assert "process group: nccl backend, world size 1, device type cuda" in output
     assert "staging in ordinary memory" not in output  # pinned staging was not turned off
     for step in (5, 10):
         assert os.path.isfile(tmp_path / "one" / "checkpoint" / f"step-{step}" / "checkpoint_complete.json")
+        snapshot = tmp_path / "one" / "memory_snapshot" / f"iteration_{step}" / "rank0_memory_snapshot.pickle"
+        with open(snapshot, "rb") as f:
+            assert pickle.load(f)["segments"]  # the allocator's memory, as pytorch.org/memory_viz reads it
     assert len(one_gpu) == 10 and losses(one_gpu)[-1] < losses(one_gpu)[0]
     assert all(0 < r["memory_gib"] < 0.9 * torch.cuda.get_device_properties(0).total_memory / 2**30 for r in one_gpu)
     if torch.cuda.device_count() < 2:

@@ -269,6 +269,11 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--profiling.enable_profiling", "--profiling.save_traces_folder", "/proc/tessera_traces"],
         "profiling.save_traces_folder: cannot create /proc/tessera_traces",
     ),
+    (
+        "folders",
+        ["--profiling.enable_memory_snapshot", "--profiling.save_memory_snapshot_folder", "/proc/tessera_snapshots"],
+        "profiling.save_memory_snapshot_folder: cannot create /proc/tessera_snapshots",
+    ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),

@@ -1,15 +1,19 @@
-"""trainer/profiling.py: which steps the traces record."""
+"""trainer/profiling.py: which steps the traces record, and when memory snapshots are saved."""
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
+import pickle
+import types
 
+import pytest
 import torch
 
 from config.job_config import Profiling
-from trainer.profiling import maybe_profile
+from trainer.profiling import maybe_profile, maybe_snapshot_memory
 
 
 def _recorded_steps(tmp_path, steps: int, **options) -> dict[str, list[int]]:
@@ -37,3 +41,40 @@ def test_each_window_records_its_last_active_steps(tmp_path):
     }
     # The defaults: one step a window; a warm-up longer than the window leaves is cut to fit.
     assert _recorded_steps(tmp_path / "one", 4, profile_freq=2) == {"iteration_2": [2], "iteration_4": [4]}
+
+
+class _RecordingAllocator:
+    """Stands for torch.cuda.memory: the history switch and what a snapshot holds."""
+
+    def __init__(self):
+        self.history: list = []
+
+    def _record_memory_history(self, enabled="all", max_entries=1):
+        self.history.append(enabled)
+
+    def _snapshot(self):
+        return {"segments": [], "recording": self.history[-1]}
+
+
+def test_memory_snapshots_every_profile_freq_steps_and_at_out_of_memory(tmp_path, monkeypatch):
+    allocator = _RecordingAllocator()
+    monkeypatch.setattr(torch, "get_device_module", lambda device: types.SimpleNamespace(memory=allocator))
+    config = Profiling(enable_memory_snapshot=True, profile_freq=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        with maybe_snapshot_memory(config, str(tmp_path), 3, torch.device("cuda"), last_step=10) as snapshots:
+            for step in range(11, 16):
+                snapshots.step_done(step)
+            raise torch.OutOfMemoryError("step 16")
+    folder = tmp_path / "memory_snapshot"
+    assert sorted(os.listdir(folder)) == ["iteration_12", "iteration_14", "iteration_15_exit"]
+    with open(folder / "iteration_15_exit" / "rank3_memory_snapshot.pickle", "rb") as f:
+        assert pickle.load(f) == {"segments": [], "recording": "all"}
+    assert allocator.history == ["all", None]  # recording stops with the loop
+
+
+def test_a_cpu_rank_trains_without_memory_snapshots_and_says_so(tmp_path, caplog):
+    config = Profiling(enable_memory_snapshot=True)
+    with caplog.at_level(logging.WARNING), maybe_snapshot_memory(config, str(tmp_path), 0, torch.device("cpu"), 0) as s:
+        assert s is None
+    assert "profiling.enable_memory_snapshot: a cpu rank's allocator keeps no history" in caplog.text
+    assert os.listdir(tmp_path) == []

@@ -111,7 +111,7 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
     assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
     for name in (
         "quantize.linear.float8.filter_fqns",
-        "profiling.enable_memory_snapshot",
+        "metrics.disable_color_printing",
         "parallelism.context_parallel_degree",
     ):
         assert name in warnings[0]
