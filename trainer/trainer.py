@@ -170,7 +170,8 @@ class Trainer:
 
     def train_step(self, microbatches: Microbatches) -> dict[str, float]:
         """Forward/backward over the step's microbatches, clip, update; returns loss, grad norm, lr.
-        A non-finite loss or gradient norm leaves the model and optimizer untouched."""
+        A non-finite loss or gradient norm leaves the model and optimizer untouched, unless the
+        parameters stepped in backward (optimizer.early_step_in_backward)."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
         if isinstance(self.optimizer, OptimizerInBackward):
