@@ -476,11 +476,40 @@ def _check_optimizer_on_dtensors() -> None:
             torch.testing.assert_close(param.full_tensor(), expected.detach())
 
 
+def _check_gradient_norm_in_backward() -> None:
+    """FSDP2's sharded gradients stepped in backward: the norm logged is clipping's, and it costs
+    one all-reduce a step, not one a parameter."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    models = []
+    for _ in range(2):
+        model = _tiny_model()
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        models.append(fully_shard(model, mesh=mesh))
+    early = build_optimizer([models[0]], lr=0.01, early_step_in_backward=True)
+    batch = torch.full((2, 4), 1.0 + dist.get_rank())
+    with CommDebugMode() as backward_comms:
+        models[0](batch).square().sum().backward()
+    with CommDebugMode() as norm_comms:
+        norm = early.grad_norm()
+    models[1](batch).square().sum().backward()
+    expected = clip_grad_norm_(list(models[1].parameters()), float("inf"))
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    all_reduce = torch.ops.c10d_functional.all_reduce
+    assert backward_comms.get_comm_counts()[all_reduce] == 0, backward_comms.get_comm_counts()
+    assert norm_comms.get_comm_counts()[all_reduce] == 1, norm_comms.get_comm_counts()
+
+
 def _distributed_worker(rank: int, init_method: str, passed: Any) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
     _check_mixed_mesh_clipping()
     _check_pipeline_clipping(rank)
     _check_optimizer_on_dtensors()
+    _check_gradient_norm_in_backward()
     # Report before teardown: gloo can abort a process while it exits, after all
     # checks ran, which says nothing about the code under test.
     passed[rank] = 1  # shared memory: visible at once, unlike a Queue's feeder thread
@@ -489,7 +518,7 @@ def _distributed_worker(rank: int, init_method: str, passed: Any) -> None:
 
 
 @pytest.mark.slow  # spawns gloo ranks
-def test_distributed_clipping_and_optimizer_on_dtensors() -> None:
+def test_distributed_clipping_and_optimizers_on_dtensors() -> None:
     passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)  # 1 once a rank's checks passed
     exit_codes = spawn_ranks(_distributed_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
     assert list(passed) == [1] * _WORLD_SIZE, (
