@@ -423,6 +423,9 @@ class Debug:
     """With deterministic: warn about an operation without a deterministic kernel instead of failing."""
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic collection is off); 0 = leave gc alone."""
+    gc_debug: bool = False
+    """Collect garbage fully at every step instead, and warn of the tensors reference cycles were
+    holding (their number and bytes): memory only a collection frees. Slows every step."""
     fail_at_step: int = -1
     """Failure injection for tests, on the first attempt only (before any torchrun restart): at this
     step the last rank does what debug.failure says; -1 = never."""

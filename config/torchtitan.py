@@ -13,6 +13,7 @@ ALIASES = {
     "training.dataset_path": "training.dataset",
     "validation.dataset_path": "validation.dataset",
     "training.gc_freq": "debug.gc_freq",
+    "training.gc_debug": "debug.gc_debug",
     "training.dataloader.num_workers": "training.dataloader_num_workers",
     "checkpoint.last_save_in_hf": "checkpoint.export_hf",
 }
@@ -30,7 +31,6 @@ FOREIGN: dict[str, object] = {
     "model.converters": [],
     "model.print_after_conversion": False,
     "training.enable_cpu_offload": False,
-    "training.gc_debug": False,
     "training.dataloader.persistent_workers": ANY,
     "training.dataloader.pin_memory": ANY,
     "training.dataloader.prefetch_factor": ANY,

@@ -1,8 +1,10 @@
-"""torch.profiler traces and GPU memory snapshots every few steps, written under the dump folder."""
+"""torch.profiler traces and GPU memory snapshots every few steps, written under the dump folder, and
+the tensors reference cycles hold, found by a collection."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -100,3 +102,28 @@ def maybe_snapshot_memory(
         raise
     finally:
         memory._record_memory_history(enabled=None)
+
+
+def collect_garbage_held_by_cycles() -> None:
+    """A full collection that warns of the tensors reference cycles held (debug.gc_debug): their
+    memory waited for this collection to be freed."""
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept in gc.garbage
+    try:
+        gc.collect()
+        # Bytes from the plain tensors (a DTensor's are its local tensor's), each storage once.
+        storages = {
+            obj.untyped_storage().data_ptr(): obj.untyped_storage().nbytes()
+            for obj in gc.garbage
+            if type(obj) in (torch.Tensor, torch.nn.Parameter)
+        }
+        tensors = sum(isinstance(obj, torch.Tensor) for obj in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    gc.collect()  # now frees them
+    if tensors:
+        logger.warning(
+            "debug.gc_debug: reference cycles held %d tensors (%.1f MiB), freed by this collection only",
+            tensors,
+            sum(storages.values()) / 2**20,
+        )

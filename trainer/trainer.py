@@ -28,7 +28,7 @@ from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.preflight import check_output_folders, claim_dump_folder
-from trainer.profiling import maybe_profile, maybe_snapshot_memory
+from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator
 
@@ -227,7 +227,7 @@ class Trainer:
             )
         self.metrics.start(self.step)
         data_iter = self._start_data(resumed)
-        if config.debug.gc_freq > 0:
+        if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()
         logger.info(
             "training %d steps: global batch %d sequences (%d microbatches of %d per rank x %d dp ranks)",
@@ -245,8 +245,7 @@ class Trainer:
         ):
             while self.step < config.training.steps:
                 step = self.step + 1
-                if config.debug.gc_freq > 0 and step % config.debug.gc_freq == 0:
-                    gc.collect(1)
+                self._collect_garbage(step)
                 with self.throughput.data_loading():
                     microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 self.failures.before_step(step)
@@ -264,6 +263,20 @@ class Trainer:
                     profiler.step()
                 if snapshots is not None:
                     snapshots.step_done(step)
+        self._finish()
+
+    def _collect_garbage(self, step: int) -> None:
+        """Python's collector runs between steps, when debug.gc_freq or gc_debug says (automatic
+        collection is then off), not in the middle of one."""
+        debug = self.config.debug
+        if debug.gc_debug:
+            collect_garbage_held_by_cycles()
+        elif debug.gc_freq > 0 and step % debug.gc_freq == 0:
+            gc.collect(1)
+
+    def _finish(self) -> None:
+        """The Hugging Face export if asked for, the run's summary, and the metrics files closed."""
+        config = self.config
         hf_folder = None
         if config.checkpoint.export_hf:
             assets = job_export_assets(config, self.tokenizer.bos_id, self.tokenizer.eos_id)

@@ -479,9 +479,9 @@ def _check_optimizer_on_dtensors() -> None:
 def _check_gradient_norm_in_backward() -> None:
     """FSDP2's sharded gradients stepped in backward: the norm logged is clipping's, and it costs
     one all-reduce a step, not one a parameter."""
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     models = []
