@@ -265,12 +265,11 @@ def measure_steps(
     def mark() -> None:
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
 
-    # The optimizer the schedule drives and those holding state: one, unless parameters step in backward.
-    for stepping in {optimizer, *optimizers_holding_state(optimizer)}:
-        for group in stepping.param_groups:
-            # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
-            # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
-            group.update(foreach=False, fused=False)
+    for group in optimizer.param_groups:
+        # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
+        # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
+        # (Parameters stepping in backward take their optimizer's settings at each step.)
+        group.update(foreach=False, fused=False)
     for step in range(STEPS):
         batches = [make_batch() for _ in range(accumulation)]
         if step < STEPS - 1:

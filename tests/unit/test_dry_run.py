@@ -180,6 +180,8 @@ PP2_1F1B = [
         # Pure bf16 without data parallelism: no autocast, the stages hand on bf16 hidden states
         # (the dry run received float32 ones until 2026-11-28).
         (2, ["--training.dtype", "bfloat16", *PP2_1F1B], 0.02, 1),
+        # Parameters stepped in backward: their gradients freed there, their optimizers' state.
+        (1, ["--optimizer.early_step_in_backward", *FLOAT32], 0, 0),
     ],
     ids=[
         "1rank_bf16_full_ac",
@@ -187,6 +189,7 @@ PP2_1F1B = [
         "pp2_fsdp2_4_bf16",
         "pp2_fsdp2_4_bf16_last_stage",
         "pp2_pure_bf16_last_stage",
+        "1rank_fp32_early_step",
     ],
 )
 def test_estimate_matches_a_real_runs_tracked_peak(tmp_path, world, argv, tolerance, rank):
