@@ -20,6 +20,7 @@ accelerator (or only CUDA) takes is a function here, and the README lists them:
 - ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
 - ``memory_per_rank``: an accelerator's own memory, or a share of the host's;
 - ``profiler_activities``: CUDA kernels in profiler traces;
+- ``allocator_history``: the GPU allocator's recorded history, for memory snapshots;
 - ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
 - ``synchronize``: waiting for the accelerator before reading a clock.
 """
@@ -34,6 +35,7 @@ import re
 import resource
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -260,6 +262,14 @@ def profiler_activities() -> list[torch.profiler.ProfilerActivity]:
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return activities
+
+
+def allocator_history(device: torch.device) -> types.ModuleType | None:
+    """The module that records the device allocator's history and takes its snapshots
+    (``torch.cuda.memory``, ``torch.xpu.memory``); None on a CPU, whose allocator keeps none."""
+    if device.type not in ("cuda", "xpu"):
+        return None
+    return torch.get_device_module(device).memory
 
 
 @dataclass(frozen=True)

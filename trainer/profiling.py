@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from config.job_config import Profiling
-from parallelisms.device import profiler_activities
+from parallelisms.device import allocator_history, profiler_activities
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +84,14 @@ def maybe_snapshot_memory(
     if not config.enable_memory_snapshot:
         yield None
         return
-    if device.type not in ("cuda", "xpu"):
+    memory = allocator_history(device)
+    if memory is None:
         logger.warning(
             "profiling.enable_memory_snapshot: a %s rank's allocator keeps no history; training without snapshots",
             device.type,
         )
         yield None
         return
-    memory = torch.get_device_module(device).memory
     folder = os.path.join(dump_folder, config.save_memory_snapshot_folder)
     memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
     snapshots = MemorySnapshots(memory, folder, rank, config.profile_freq, last_step)

@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import pickle
-import types
 
 import pytest
 import torch
 
 from config.job_config import Profiling
+from trainer import profiling
 from trainer.profiling import maybe_profile, maybe_snapshot_memory
 
 
@@ -58,7 +58,7 @@ class _RecordingAllocator:
 
 def test_memory_snapshots_every_profile_freq_steps_and_at_out_of_memory(tmp_path, monkeypatch):
     allocator = _RecordingAllocator()
-    monkeypatch.setattr(torch, "get_device_module", lambda device: types.SimpleNamespace(memory=allocator))
+    monkeypatch.setattr(profiling, "allocator_history", lambda device: allocator)
     config = Profiling(enable_memory_snapshot=True, profile_freq=2)
     with pytest.raises(torch.OutOfMemoryError):
         with maybe_snapshot_memory(config, str(tmp_path), 3, torch.device("cuda"), last_step=10) as snapshots:
