@@ -260,8 +260,13 @@ def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
     except Exception as e:  # noqa: BLE001 - whatever W&B raises, training must not stop for it
         logger.warning("metrics.enable_wandb: no W&B run (%s); the metrics go to the other logs", e)
         return None
-    logger.info("W&B run %s", run.url or os.path.dirname(run.dir))
+    logger.info("W&B run %s", _wandb_location(run))
     return run
+
+
+def _wandb_location(run: Any) -> str:
+    """Where to find a W&B run: its page, or offline its folder (``run.dir`` is its files/)."""
+    return run.url or os.path.dirname(run.dir)
 
 
 def _json_number(value: float) -> float | None:
@@ -354,7 +359,7 @@ class MetricsLogger:
         folders = {
             "metrics": self.jsonl_path,
             "tensorboard": self.tensorboard_dir,
-            "wandb": self._wandb and (self._wandb.url or os.path.dirname(self._wandb.dir)),
+            "wandb": self._wandb and _wandb_location(self._wandb),
             "checkpoints": checkpoint_folder,
             "hf export": hf_folder,
         }
