@@ -110,6 +110,11 @@ class Model:
     a tokenizer trained on the default corpus."""
     default_tokenizer_vocab_size: int = 2048
     """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty."""
+    converters: list[Literal["float8"]] = field(default_factory=list)
+    """Conversions of the model before it is parallelized: float8 trains its nn.Linear layers with
+    float8 matmuls (torchao's Float8Linear; needs the torchao package), as [float8] sets."""
+    print_after_conversion: bool = False
+    """Log the model's modules after the conversions (rank 0)."""
 
 
 # The [model] fields that, when set, override the architecture's model args field of the same name
@@ -338,6 +343,26 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """Float8 training (model.converters = ["float8"]), torchtitan's [quantize.linear.float8]."""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """How values are scaled into float8: one scale per tensor, one per row, or per row with the
+    weight gradient's matmul in high precision."""
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP2 gathers the weights already cast to float8 (half the bytes of bf16); tensorwise only."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With the float8 all-gather: the weights' scales computed once after each optimizer step,
+    for all weights together, instead of in each gather."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear layers left in high precision: those whose name contains one of these (e.g.
+    'output'). Layers with a dim not divisible by 16 always are (float8 matmuls need it)."""
+    emulate: bool = False
+    """Run the float8 matmuls in high precision on the float8-rounded values: for GPUs without
+    float8 units (compute capability below 8.9). CPUs multiply float8 themselves."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log metrics every this many steps (and at the first and last step)."""
@@ -477,6 +502,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)

@@ -339,6 +339,7 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
     _validate_degrees(config.parallelism)
     _validate_early_step(config)
+    _validate_float8(config)
     _validate_activation_checkpoint(config)
     _validate_checkpoint(config)
     _validate_validation(config)
@@ -378,6 +379,27 @@ def _validate_early_step(config: JobConfig) -> None:
         raise ConfigError(
             "debug.failure nan: it poisons the gradients before the update, which "
             "optimizer.early_step_in_backward makes in backward"
+        )
+
+
+def _validate_float8(config: JobConfig) -> None:
+    # torchtitan's files carry [quantize.linear.float8] whether or not model.converters asks for it.
+    f8 = config.float8
+    if "float8" not in config.model.converters:
+        return
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather: a gather casts with one scale per weight (recipe_name "
+            f"tensorwise), not with float8.recipe_name {f8.recipe_name}"
+        )
+    if f8.enable_fsdp_float8_all_gather and config.parallelism.data_parallel_impl != "fsdp2":
+        raise ConfigError(
+            "float8.enable_fsdp_float8_all_gather: FSDP2's (parallelism.data_parallel_impl fsdp2); "
+            f"{config.parallelism.data_parallel_impl} gathers the weights in the compute dtype"
+        )
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        logger.warning(
+            "float8.precompute_float8_dynamic_scale_for_fsdp: no effect without float8.enable_fsdp_float8_all_gather"
         )
 
 

@@ -16,6 +16,11 @@ ALIASES = {
     "training.gc_debug": "debug.gc_debug",
     "training.dataloader.num_workers": "training.dataloader_num_workers",
     "checkpoint.last_save_in_hf": "checkpoint.export_hf",
+    "quantize.linear.float8.recipe_name": "float8.recipe_name",
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather",
+    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": "float8.precompute_float8_dynamic_scale_for_fsdp",
+    "quantize.linear.float8.filter_fqns": "float8.filter_fqns",
+    "quantize.linear.float8.emulate": "float8.emulate",
 }
 """torchtitan name -> the Tessera option it sets."""
 
@@ -28,8 +33,6 @@ ANY = object()
 FOREIGN: dict[str, object] = {
     "job.custom_config_module": "",
     "metrics.disable_color_printing": ANY,
-    "model.converters": [],
-    "model.print_after_conversion": False,
     "training.enable_cpu_offload": False,
     "training.dataloader.persistent_workers": ANY,
     "training.dataloader.pin_memory": ANY,
@@ -48,11 +51,6 @@ FOREIGN: dict[str, object] = {
     "checkpoint.last_save_model_only": ANY,  # Tessera's last checkpoint holds everything
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": ANY,
     "activation_checkpoint.visualize_memory_budget_pareto": False,
-    "quantize.linear.float8.enable_fsdp_float8_all_gather": ANY,
-    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": ANY,
-    "quantize.linear.float8.recipe_name": ANY,
-    "quantize.linear.float8.filter_fqns": ANY,
-    "quantize.linear.float8.emulate": ANY,
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": ANY,
     "quantize.linear.mx.recipe_name": ANY,
     "quantize.linear.mx.filter_fqns": ANY,

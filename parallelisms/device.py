@@ -154,6 +154,15 @@ def supports_async_tp(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def float8_matmuls(device_type: str) -> bool:
+    """Whether this device multiplies float8 matrices (torch._scaled_mm): GPUs of compute
+    capability 8.9 and up (Ada, Hopper, and later; AMD's float8 GPUs report 9.4), and CPUs, where
+    torch 2.13 has a kernel for it (correct, not fast)."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_capability() >= (8, 9)
+    return device_type == "cpu"
+
+
 def fast_bfloat16(device_type: str) -> tuple[bool, str]:
     """Whether this device multiplies bfloat16 matrices faster than float32, and why: GPUs that
     support bf16 do (tensor cores); a CPU does when it has bf16 instructions (AVX512-BF16 or AMX

@@ -51,8 +51,9 @@ class AllToAllReduceScatter(_PlainBuffers, ReduceScatter):
 
 class BroadcastAllGather(_PlainBuffers, AllGather):
     """An all-gather as one broadcast per rank, each into its slot of the output, issued together,
-    where ``all_gather_as_broadcasts`` says so (gloo); NCCL keeps FSDP2's default. Synchronous
-    (FSDP2 gathers so on a CPU); an asynchronous one, which must return one Work, is gloo's own."""
+    where ``all_gather_as_broadcasts`` says so (gloo, which has no float8 types: those travel as
+    bytes); NCCL keeps FSDP2's default. Synchronous (FSDP2 gathers so on a CPU); an asynchronous
+    one, which must return one Work, is gloo's own."""
 
     def __call__(
         self,
@@ -61,6 +62,8 @@ class BroadcastAllGather(_PlainBuffers, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if output_tensor.dtype.itemsize == 1:  # float8 weights (float8.enable_fsdp_float8_all_gather)
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
         if async_op:  # a prefetch (pipeline schedules unshard ahead): one Work to wait for
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
         all_gather_into(output_tensor, input_tensor, group)

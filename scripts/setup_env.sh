@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenizers matplotlib datasets pyarrow"
-[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest xdist ruff transformers wandb"
+[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest xdist ruff transformers wandb torchao"
 
 has_deps() {
   # Finds the modules without importing them: this runs before every launch.

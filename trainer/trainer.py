@@ -18,6 +18,7 @@ from config.manager import batch_layout, to_toml
 from models.builder import build_model
 from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
+from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
@@ -68,6 +69,11 @@ class Trainer:
         args = job_model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
+        self._precompute_float8 = (
+            "float8" in config.model.converters and config.float8.precompute_float8_dynamic_scale_for_fsdp
+        )
+        if self._precompute_float8:
+            self.optimizer.register_step_post_hook(lambda *_: self._refresh_float8_scales())
 
         run_name = [config.job.run_name or time.strftime("%Y%m%d-%H%M%S")]
         every_rank = config.metrics.save_for_all_ranks
@@ -218,6 +224,7 @@ class Trainer:
             self.checkpointer.write_seed_checkpoint()
             return
         resumed = self.checkpointer.load_at_start() if self.checkpointer is not None else None
+        self._refresh_float8_scales()  # loading the optimizer's state steps it once, before the weights load
         if self.step >= config.training.steps:
             logger.warning(
                 "resumed at step %d, the run's end (training.steps %d): nothing left to train; raise "
@@ -265,6 +272,13 @@ class Trainer:
                     snapshots.step_done(step)
         self._finish()
 
+    def _refresh_float8_scales(self) -> None:
+        """Computes the scales of the weights FSDP2 gathers in float8, for all at once, which their
+        next gathers use (float8.precompute_float8_dynamic_scale_for_fsdp): after every change of
+        the weights."""
+        if self._precompute_float8:
+            precompute_float8_scales(self.model.parts)
+
     def _collect_garbage(self, step: int) -> None:
         """Python's collector runs between steps, when debug.gc_freq or gc_debug says (automatic
         collection is then off), not in the middle of one."""
@@ -310,6 +324,7 @@ class Trainer:
             logger.warning("%s: update skipped, batch dropped (training.nonfinite_policy=skip_step)", what)
             return
         self.step = self.checkpointer.rollback()
+        self._refresh_float8_scales()
         logger.warning(
             "%s: rolled back to step %d, going on with the next batches (training.nonfinite_policy=rollback)",
             what,

@@ -1,6 +1,6 @@
-"""Maps a job config to the parallelisms applied to a Llama 3 model, in a fixed order:
-tensor parallel, activation checkpointing, compile, data parallel (SimpleFSDP is compiled after
-data parallel, so that its gathers are traced with the compute)."""
+"""Maps a job config to the parallelisms applied to a Llama 3 model, in a fixed order: float8
+conversion, tensor parallel, activation checkpointing, compile, data parallel (SimpleFSDP is
+compiled after data parallel, so that its gathers are traced with the compute)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from parallelisms.bucket_plan import (
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.device import device_type, supports_async_tp
+from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
@@ -58,6 +59,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
     reports tell what each compiled graph holds), else None."""
     _check_tied(model.args, parallel_dims)
+    _convert(model, parallel_dims, config)
     # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
     # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
     first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
@@ -111,6 +113,35 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
     return graph_pass
+
+
+def _convert(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    """model.converters, then model.print_after_conversion."""
+    if "float8" in config.model.converters:
+        _apply_float8(model, parallel_dims, config)
+    if config.model.print_after_conversion:
+        logger.info("model after conversion:\n%s", model)
+
+
+def _apply_float8(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    f8 = config.float8
+    # Without sharding there is no gather to make in float8.
+    all_gather = f8.enable_fsdp_float8_all_gather and parallel_dims.fsdp_enabled
+    with user_input("model.converters"):
+        check_float8(device_type(), f8.emulate)
+        swapped = apply_float8(
+            model,
+            recipe_name=f8.recipe_name,
+            filter_fqns=f8.filter_fqns,
+            emulate=f8.emulate,
+            fsdp_float8_all_gather=all_gather,
+        )
+    logger.info(
+        "float8 %s: %d linear layers converted%s",
+        f8.recipe_name,
+        len(swapped),
+        ", gathered in float8 by FSDP2" if all_gather else "",
+    )
 
 
 def _async_tp(config: JobConfig, device_type: str) -> bool:
@@ -292,6 +323,9 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     with user_input("model"):
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
+    if "float8" in config.model.converters:
+        with user_input("model.converters"):
+            check_float8(device_type(), config.float8.emulate)
     if parallel_dims.tp_enabled:
         with torch.device("meta"):
             model = Transformer(model_args)

@@ -203,6 +203,21 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--optimizer.early_step_in_backward", "--training.nonfinite_policy", "skip_step"],
         "training.nonfinite_policy skip_step: the update it would skip has happened in backward",
     ),
+    ("choice", ["--model.converters", "mx"], "model.converters: 'mx' is not one of float8"),
+    ("choice", ["--float8.recipe_name", "blockwise"], "float8.recipe_name: 'blockwise' is not one of"),
+    (
+        "choice",
+        ["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+        "float8.enable_fsdp_float8_all_gather: a gather casts with one scale per weight",
+    ),
+    (
+        "choice",
+        [
+            *("--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather"),
+            *("--parallelism.data_parallel_impl", "simple_fsdp"),
+        ],
+        "float8.enable_fsdp_float8_all_gather: FSDP2's",
+    ),
     (
         "layout",
         ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],

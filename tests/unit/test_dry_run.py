@@ -158,6 +158,7 @@ def _real_peak(world: int, argv: list[str], out: str, rank: int = 0) -> dict:
 FLOAT32 = ["--training.mixed_precision_param", "float32"]
 
 
+FLOAT8 = ["--model.converters", "float8", "--float8.filter_fqns", "output"]
 PP2_1F1B = [
     *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
     *("--parallelism.pipeline_parallel_microbatch_size", "1", "--training.local_batch_size", "2"),
@@ -182,6 +183,19 @@ PP2_1F1B = [
         (2, ["--training.dtype", "bfloat16", *PP2_1F1B], 0.02, 1),
         # Parameters stepped in backward: their gradients freed there, their optimizers' state.
         (1, ["--optimizer.early_step_in_backward", *FLOAT32], 0, 0),
+        # Float8 linear layers, their weights gathered in float8 (a byte a value) with scales
+        # computed after the optimizer step.
+        (
+            2,
+            [
+                *FLOAT8,
+                "--float8.enable_fsdp_float8_all_gather",
+                "--float8.precompute_float8_dynamic_scale_for_fsdp",
+                *FLOAT32,
+            ],
+            0,
+            0,
+        ),
     ],
     ids=[
         "1rank_bf16_full_ac",
@@ -190,6 +204,7 @@ PP2_1F1B = [
         "pp2_fsdp2_4_bf16_last_stage",
         "pp2_pure_bf16_last_stage",
         "1rank_fp32_early_step",
+        "fsdp2_2_fp32_float8_all_gather",
     ],
 )
 def test_estimate_matches_a_real_runs_tracked_peak(tmp_path, world, argv, tolerance, rank):

@@ -109,12 +109,10 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
     assert (config.activation_checkpoint.mode, config.lr_scheduler.decay_ratio) == ("selective", 0.8)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
-    for name in (
-        "quantize.linear.float8.filter_fqns",
-        "metrics.disable_color_printing",
-        "parallelism.context_parallel_degree",
-    ):
+    for name in ("metrics.disable_color_printing", "parallelism.context_parallel_degree"):
         assert name in warnings[0]
+    # Float8's options are Tessera's own, under [float8].
+    assert "quantize" not in warnings[0] and config.float8.filter_fqns == ["output"]
 
 
 def test_command_line_spellings(tmp_path):
@@ -132,18 +130,18 @@ def test_command_line_spellings(tmp_path):
 
 
 def test_missing_features_are_named_in_one_line(tmp_path, caplog):
-    converters = write(tmp_path, TITAN_DEBUG.replace('name = "llama3"', 'name = "llama3"\nconverters = ["float8"]'))
+    offload = write(tmp_path, TITAN_DEBUG.replace("[training]\n", "[training]\nenable_cpu_offload = true\n"))
     with caplog.at_level(logging.WARNING):
-        load_config(["--job.config_file", converters, "--parallelism.tensor_parallel_degree", "1"])
-    assert any("training without them: model.converters=['float8']" in r.getMessage() for r in caplog.records)
-    both = converters.replace("titan.toml", "both.toml")
+        load_config(["--job.config_file", offload, "--parallelism.tensor_parallel_degree", "1"])
+    assert any("training without them: training.enable_cpu_offload=True" in r.getMessage() for r in caplog.records)
+    both = offload.replace("titan.toml", "both.toml")
     with open(both, "w") as f:
-        f.write(open(converters).read().replace("context_parallel_degree = 1", "context_parallel_degree = 2"))
+        f.write(open(offload).read().replace("context_parallel_degree = 1", "context_parallel_degree = 2"))
     with pytest.raises(ConfigError) as error:
         load_config(["--job.config_file", both, "--fault_tolerance.enable"])
     message = str(error.value)
     assert message.startswith("not available in Tessera:") and "\n" not in message
-    for name in ("model.converters", "parallelism.context_parallel_degree=2", "fault_tolerance.enable"):
+    for name in ("training.enable_cpu_offload", "parallelism.context_parallel_degree=2", "fault_tolerance.enable"):
         assert name in message
 
 

@@ -1,0 +1,102 @@
+"""Float8 training with torchao: nn.Linear layers become ``Float8Linear``, whose matmuls cast
+their inputs, weights and output gradients to float8 with dynamic scales (one per tensor, or one
+per row) and multiply in float8, accumulating in high precision. Weights, gradients and optimizer
+state keep their dtype, so checkpoints are those of the unconverted model.
+
+With FSDP2, tensorwise scaling can also gather the weights in float8: each rank casts its shard
+with the scale of the whole weight (a max over the shards), so the gather moves a byte per value.
+The scales can be computed after the optimizer step for all weights at once
+(``precompute_float8_scales``) instead of in every gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch.nn as nn
+
+from parallelisms.device import float8_matmuls
+
+# Float8 matmuls need every dim of the weight divisible by this (torch._scaled_mm's constraint).
+_DIM_MULTIPLE = 16
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    # torchao warns on import about its CUDA kernels (not loadable without CUDA) and registers an
+    # enum with torch's pytree in a way torch 2.13 deprecates; neither concerns float8 training.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def torchao_float8():
+    """torchao's float8 module; ValueError when torchao is not installed."""
+    try:
+        with _quiet_import():
+            import torchao.float8
+    except ImportError:
+        raise ValueError(
+            "float8 training needs the torchao package, not installed here (pip install torchao)"
+        ) from None
+    return torchao.float8
+
+
+def check_float8(device_type: str, emulate: bool) -> None:
+    """ValueError when float8 training cannot run here: no torchao, or a device without float8
+    matmuls (unless ``emulate``)."""
+    torchao_float8()
+    if not emulate and not float8_matmuls(device_type):
+        raise ValueError(
+            f"this {device_type} device has no float8 matmuls (GPUs need compute capability 8.9 or more); "
+            "float8.emulate multiplies the float8-rounded values in high precision instead"
+        )
+
+
+def apply_float8(
+    model: nn.Module, *, recipe_name: str, filter_fqns: Iterable[str], emulate: bool, fsdp_float8_all_gather: bool
+) -> list[str]:
+    """Swaps ``model``'s nn.Linear layers for torchao's Float8Linear in place (the model can be on
+    the meta device), except those whose name contains one of ``filter_fqns`` and those with a dim
+    not divisible by 16. Returns the names of the layers swapped.
+
+    Call it before tensor parallelism and data parallelism. ``fsdp_float8_all_gather`` (tensorwise
+    only) makes the weights gather in float8 under FSDP2; ``emulate`` multiplies in high precision."""
+    float8 = torchao_float8()
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe_name),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
+    )
+    filter_fqns = list(filter_fqns)
+    swapped = []
+
+    def wanted(module: nn.Module, name: str) -> bool:
+        keep = (
+            isinstance(module, nn.Linear)
+            and all(size % _DIM_MULTIPLE == 0 for size in module.weight.shape)
+            and not any(pattern in name for pattern in filter_fqns)
+        )
+        if keep:
+            swapped.append(name)
+        return keep
+
+    float8.convert_to_float8_training(model, module_filter_fn=wanted, config=config)
+    return swapped
+
+
+def precompute_float8_scales(modules: Iterable[nn.Module]) -> None:
+    """Computes the float8 scales of all float8-gathered weights in ``modules`` at once (one
+    all-reduce), for their next gathers: call it after each optimizer step."""
+    float8 = torchao_float8()
+    for module in modules:
+        float8.precompute_float8_dynamic_scale_for_fsdp(module)
