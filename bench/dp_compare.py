@@ -76,6 +76,9 @@ VARIANTS: dict[str, list[str]] = {
         # Each parameter updated in backward, its gradient freed there (nothing clipped).
         "fsdp2_early_step": "--parallelism.data_parallel_impl fsdp2 --optimizer.early_step_in_backward",
         "fsdp2_compile": "--parallelism.data_parallel_impl fsdp2 --compile.enable --compile.backend inductor",
+        # torchao's float8 linear layers (the output's left out), weights gathered in float8.
+        "fsdp2_float8": "--parallelism.data_parallel_impl fsdp2 --model.converters float8 --float8.filter_fqns output "
+        "--float8.enable_fsdp_float8_all_gather --float8.precompute_float8_dynamic_scale_for_fsdp",
         "simplefsdp_eager": "--parallelism.data_parallel_impl simple_fsdp",
         "simplefsdp_none": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing none",
         "simplefsdp_manual": f"{SIMPLE_FSDP_COMPILED} --compile.bucketing manual",
