@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 
 def spawn_ranks(target: Callable[..., None], world_size: int, *args: Any, timeout_s: float) -> list[int | None]:
     """Starts ``target(rank, init_method, *args)`` for each rank, kills any still running after
@@ -34,3 +36,23 @@ def spawn_ranks(target: Callable[..., None], world_size: int, *args: Any, timeou
         shutil.rmtree(folder, ignore_errors=True)
     assert not hung, f"workers did not finish within {timeout_s} s"
     return [worker.exitcode for worker in workers]
+
+
+def _gloo_rank(rank: int, init_method: str, world_size: int, check: Callable[[int], None], passed: Any) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    check(rank)
+    # Report before teardown: gloo can abort a process while it exits, after all checks ran,
+    # which says nothing about the code under test.
+    passed[rank] = 1  # shared memory: visible at once, unlike a Queue's feeder thread
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_on_gloo_ranks(check: Callable[[int], None], world_size: int, *, timeout_s: float) -> None:
+    """Runs ``check(rank)`` (a module-level function) on ``world_size`` spawned ranks of one gloo
+    process group; fails unless every rank got through it."""
+    passed = multiprocessing.get_context("spawn").Array("i", world_size)
+    exit_codes = spawn_ranks(_gloo_rank, world_size, world_size, check, passed, timeout_s=timeout_s)
+    assert list(passed) == [1] * world_size, (
+        f"passed per rank {list(passed)}, exit codes {exit_codes}; see the worker tracebacks above"
+    )

@@ -5,7 +5,6 @@ Training through train.py on every layout: tests/distributed/test_float8.py."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import sys
 from typing import Any
 
@@ -20,7 +19,7 @@ from models.llama3.model import Transformer
 from parallelisms import device
 from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp2 import BroadcastAllGather, apply_fsdp2
-from tests.spawn import spawn_ranks
+from tests.spawn import check_on_gloo_ranks
 from trainer import preflight
 
 # Two blocks; the output's 100 columns are not divisible by 16.
@@ -137,16 +136,6 @@ def _check_float8_gathers(rank: int) -> None:
     assert norms > 0
 
 
-def _worker(rank: int, init_method: str, passed: Any) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
-    _check_float8_gathers(rank)
-    passed[rank] = 1  # before teardown: gloo can abort a process while it exits
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow  # spawns gloo ranks
 def test_fsdp2_gathers_converted_weights_as_one_byte_a_value() -> None:
-    passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)
-    exit_codes = spawn_ranks(_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
-    assert list(passed) == [1] * _WORLD_SIZE, f"passed per rank {list(passed)}, exit codes {exit_codes}"
+    check_on_gloo_ranks(_check_float8_gathers, _WORLD_SIZE, timeout_s=_TIMEOUT_S)

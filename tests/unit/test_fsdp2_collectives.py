@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from parallelisms.fsdp2 import AllToAllReduceScatter, BroadcastAllGather
-from tests.spawn import spawn_ranks
+from tests.spawn import check_on_gloo_ranks
 
 _WORLD_SIZE = 3  # more than 2: a slot swapped between two ranks would still pass on 2
 _TIMEOUT_S = 120
@@ -49,18 +46,8 @@ def _check_collectives(rank: int) -> None:
     torch.testing.assert_close(part, expected_part, rtol=1e-6, atol=1e-6)
 
 
-def _worker(rank: int, init_method: str, passed: Any) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
-    _check_collectives(rank)
-    passed[rank] = 1  # before teardown: gloo can abort a process while it exits
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow  # spawns gloo ranks
 def test_broadcast_all_gather_and_all_to_all_reduce_scatter_match_gloo() -> None:
     """The broadcast all-gather equals gloo's all-gather bitwise; the all-to-all reduce-scatter
     equals gloo's reduce-scatter to rounding, on 3 ranks."""
-    passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)
-    exit_codes = spawn_ranks(_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
-    assert list(passed) == [1] * _WORLD_SIZE, f"passed per rank {list(passed)}, exit codes {exit_codes}"
+    check_on_gloo_ranks(_check_collectives, _WORLD_SIZE, timeout_s=_TIMEOUT_S)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import multiprocessing
-from typing import Any
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from config.manager import load_config
-from tests.spawn import spawn_ranks
+from tests.spawn import check_on_gloo_ranks
 from trainer.optim import build_lr_scheduler, build_optimizer, build_optimizer_and_schedule, clip_grad_norm_
 
 # ---------------------------------------------------------------------------
@@ -504,23 +502,13 @@ def _check_gradient_norm_in_backward() -> None:
     assert norm_comms.get_comm_counts()[all_reduce] == 1, norm_comms.get_comm_counts()
 
 
-def _distributed_worker(rank: int, init_method: str, passed: Any) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=_WORLD_SIZE)
+def _distributed_checks(rank: int) -> None:
     _check_mixed_mesh_clipping()
     _check_pipeline_clipping(rank)
     _check_optimizer_on_dtensors()
     _check_gradient_norm_in_backward()
-    # Report before teardown: gloo can abort a process while it exits, after all
-    # checks ran, which says nothing about the code under test.
-    passed[rank] = 1  # shared memory: visible at once, unlike a Queue's feeder thread
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns gloo ranks
 def test_distributed_clipping_and_optimizers_on_dtensors() -> None:
-    passed = multiprocessing.get_context("spawn").Array("i", _WORLD_SIZE)  # 1 once a rank's checks passed
-    exit_codes = spawn_ranks(_distributed_worker, _WORLD_SIZE, passed, timeout_s=_TIMEOUT_S)
-    assert list(passed) == [1] * _WORLD_SIZE, (
-        f"passed per rank {list(passed)}, exit codes {exit_codes}; see the worker tracebacks above"
-    )
+    check_on_gloo_ranks(_distributed_checks, _WORLD_SIZE, timeout_s=_TIMEOUT_S)
