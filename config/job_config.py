@@ -356,7 +356,9 @@ class Float8:
     for all weights together, instead of in each gather."""
     filter_fqns: list[str] = field(default_factory=list)
     """Linear layers left in high precision: those whose name contains one of these (e.g.
-    'output'). Layers with a dim not divisible by 16 always are (float8 matmuls need it)."""
+    'output'); with 'auto_filter_small_kn' among them also those torchao finds too small to gain
+    from float8 on H100s (tensorwise and rowwise). Layers with a dim not divisible by 16 always are
+    (float8 matmuls need it)."""
     emulate: bool = False
     """Run the float8 matmuls in high precision on the float8-rounded values: for GPUs without
     float8 units (compute capability below 8.9). CPUs multiply float8 themselves."""

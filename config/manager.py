@@ -397,6 +397,11 @@ def _validate_float8(config: JobConfig) -> None:
             "float8.enable_fsdp_float8_all_gather: FSDP2's (parallelism.data_parallel_impl fsdp2); "
             f"{config.parallelism.data_parallel_impl} gathers the weights in the compute dtype"
         )
+    if "auto_filter_small_kn" in f8.filter_fqns and f8.recipe_name == "rowwise_with_gw_hp":
+        raise ConfigError(
+            "float8.filter_fqns: torchao's auto_filter_small_kn has thresholds for the tensorwise and rowwise "
+            "recipes, not for float8.recipe_name rowwise_with_gw_hp"
+        )
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         logger.warning(
             "float8.precompute_float8_dynamic_scale_for_fsdp: no effect without float8.enable_fsdp_float8_all_gather"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -22,6 +23,9 @@ from parallelisms.device import float8_matmuls
 
 # Float8 matmuls need every dim of the weight divisible by this (torch._scaled_mm's constraint).
 _DIM_MULTIPLE = 16
+
+AUTO_FILTER = "auto_filter_small_kn"
+"""In filter_fqns (torchtitan's spelling): also leave the layers too small to gain from float8."""
 
 
 @contextlib.contextmanager
@@ -62,12 +66,22 @@ def check_float8(device_type: str, emulate: bool) -> None:
         )
 
 
+def _converts(module: nn.Module, name: str, patterns: list[str]) -> bool:
+    return (
+        isinstance(module, nn.Linear)
+        and all(size % _DIM_MULTIPLE == 0 for size in module.weight.shape)
+        and not any(pattern in name for pattern in patterns)
+    )
+
+
 def apply_float8(
-    model: nn.Module, *, recipe_name: str, filter_fqns: Iterable[str], emulate: bool, fsdp_float8_all_gather: bool
+    model: nn.Module, *, recipe_name: str, filter_fqns: list[str], emulate: bool, fsdp_float8_all_gather: bool
 ) -> list[str]:
     """Swaps ``model``'s nn.Linear layers for torchao's Float8Linear in place (the model can be on
     the meta device), except those whose name contains one of ``filter_fqns`` and those with a dim
-    not divisible by 16. Returns the names of the layers swapped.
+    not divisible by 16; with ``AUTO_FILTER`` among ``filter_fqns``, also those torchao deems too
+    small for float8 to pay off (its thresholds, measured on H100s). Returns the names of the
+    layers swapped.
 
     Call it before tensor parallelism and data parallelism. ``fsdp_float8_all_gather`` (tensorwise
     only) makes the weights gather in float8 under FSDP2; ``emulate`` multiplies in high precision."""
@@ -77,15 +91,15 @@ def apply_float8(
         emulate=emulate,
         enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
     )
-    filter_fqns = list(filter_fqns)
+    patterns = [pattern for pattern in filter_fqns if pattern != AUTO_FILTER]
+    if AUTO_FILTER in filter_fqns:  # torchao's thresholds, with the same two checks as _converts
+        converts = float8._auto_filter_for_recipe(recipe_name, filter_fqns=patterns)
+    else:
+        converts = functools.partial(_converts, patterns=patterns)
     swapped = []
 
     def wanted(module: nn.Module, name: str) -> bool:
-        keep = (
-            isinstance(module, nn.Linear)
-            and all(size % _DIM_MULTIPLE == 0 for size in module.weight.shape)
-            and not any(pattern in name for pattern in filter_fqns)
-        )
+        keep = converts(module, name)
         if keep:
             swapped.append(name)
         return keep

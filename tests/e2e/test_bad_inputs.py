@@ -207,6 +207,14 @@ CASES: list[tuple[str, list[str], str]] = [
     ("choice", ["--float8.recipe_name", "blockwise"], "float8.recipe_name: 'blockwise' is not one of"),
     (
         "choice",
+        [
+            *("--model.converters", "float8", "--float8.recipe_name", "rowwise_with_gw_hp"),
+            *("--float8.filter_fqns", "auto_filter_small_kn"),
+        ],
+        "float8.filter_fqns: torchao's auto_filter_small_kn has thresholds for the tensorwise and rowwise",
+    ),
+    (
+        "choice",
         ["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
         "float8.enable_fsdp_float8_all_gather: a gather casts with one scale per weight",
     ),

@@ -54,6 +54,18 @@ def test_every_linear_layer_of_the_blocks_converts_and_the_filtered_and_uneven_o
     assert swapped == [*blocks, "output"] and type(model.output).__name__ == "Float8Linear"
 
 
+def test_auto_filter_leaves_the_layers_torchao_finds_too_small():
+    """torchao's tensorwise thresholds (from H100 timings): a layer converts unless in_features <=
+    4096 and out_features <= 1024, so only the 2048-wide w1 and w3 do."""
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(ARGS, ffn_dim=2048))
+    filters = ["auto_filter_small_kn", "layers.1"]
+    swapped = apply_float8(
+        model, recipe_name="tensorwise", filter_fqns=filters, emulate=False, fsdp_float8_all_gather=False
+    )
+    assert swapped == ["layers.0.feed_forward.w1", "layers.0.feed_forward.w3"]
+
+
 def test_without_torchao_float8_is_one_line_before_launch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
     monkeypatch.delitem(sys.modules, "torchao.float8", raising=False)
