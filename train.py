@@ -52,9 +52,13 @@ def main(argv: list[str]) -> int:
         if _peer_refused():
             return 0  # a peer met a mistake no restart can mend: run_train.sh prints its line
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
+        from trainer.distributed import dump_collective_trace
+
+        traces = dump_collective_trace(config.comm, config.job.dump_folder)
         print_error(
             f"a collective failed at step {step} (a rank died or hung longer than "
             f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}"
+            + (f"; the ranks' last collectives are in {traces}" if traces else "")
         )
         return 1
     return 0

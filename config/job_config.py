@@ -395,6 +395,14 @@ class Comm:
     """Timeout of collectives during initialization (first step included)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives once training runs; a hung rank ends the job with an error."""
+    trace_buf_size: int = 20000
+    """Collectives torch's flight recorder keeps per rank, the latest (0: none). A rank whose
+    collective fails or times out writes them to <dump_folder>/<save_traces_folder>, for
+    torch.distributed.flight_recorder.fr_trace to tell which collective each rank was in."""
+    save_traces_folder: str = "comm_traces"
+    """Folder in the dump folder for the flight recorder's files."""
+    save_traces_file_prefix: str = "rank_"
+    """The flight recorder's file of a rank is this prefix and the rank."""
 
 
 @dataclass

@@ -311,8 +311,8 @@ def validate(config: JobConfig) -> None:
         "profiling.profiler_warmup": (c.profiling.profiler_warmup, 0),
         "debug.gc_freq": (c.debug.gc_freq, 0),
         **{f"parallelism.{name}": (getattr(c.parallelism, name), 0) for name in PIPELINE_END_WEIGHTS},
-        "comm.init_timeout_seconds": (c.comm.init_timeout_seconds, 1),
-        "comm.train_timeout_seconds": (c.comm.train_timeout_seconds, 1),
+        **{f"comm.{name}": (getattr(c.comm, name), 1) for name in ("init_timeout_seconds", "train_timeout_seconds")},
+        "comm.trace_buf_size": (c.comm.trace_buf_size, 0),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
         **_validation_counts(c.validation),
     }

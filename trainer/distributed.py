@@ -5,33 +5,66 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from config.job_config import Parallelism, user_input
+from config.job_config import Comm, Parallelism, user_input
 from parallelisms.device import backend_for, cache_freed_host_memory, rank_device
 from parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(init_timeout_seconds: int) -> torch.device:
+def init_distributed(comm: Comm, dump_folder: str) -> torch.device:
     """Joins the job's process group (a group of one without torchrun) and returns this rank's device."""
     device = rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     if cache_freed_host_memory(device):
         logger.info("CPU: freed memory is kept for reuse (glibc malloc without mmap or trimming)")
     if dist.is_initialized():  # a second Trainer in the same process (benchmarks, tests)
         return device
+    _record_collectives(comm, dump_folder)
     backend = backend_for(device)
-    timeout = datetime.timedelta(seconds=init_timeout_seconds)
+    timeout = datetime.timedelta(seconds=comm.init_timeout_seconds)
     if "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         _join_torchrun_group(backend, timeout)
     logger.info("process group: %s backend, world size %d, device type %s", backend, dist.get_world_size(), device.type)
     return device
+
+
+def _record_collectives(comm: Comm, dump_folder: str) -> None:
+    """Turns torch's flight recorder on for the groups to come: each rank keeps its last
+    comm.trace_buf_size collectives, which NCCL's watchdog writes to the traces folder itself when
+    one times out (other backends: ``dump_collective_trace``)."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(comm.trace_buf_size)
+    if comm.trace_buf_size > 0:
+        folder = os.path.join(dump_folder, comm.save_traces_folder)
+        os.makedirs(folder, exist_ok=True)
+        os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, comm.save_traces_file_prefix)
+
+
+def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
+    """Writes this rank's flight recorder (its last collectives, the failed one among them) to the
+    traces folder, over an earlier failure's (NCCL's watchdog may have written the same record).
+    Returns what the error line says of it: the folder and this rank's last collective; None when
+    recording is off."""
+    if comm.trace_buf_size <= 0 or not dist.is_initialized():
+        return None
+    folder = os.path.join(dump_folder, comm.save_traces_folder)
+    os.makedirs(folder, exist_ok=True)
+    record = torch._C._distributed_c10d._dump_fr_trace()
+    with open(os.path.join(folder, f"{comm.save_traces_file_prefix}{dist.get_rank()}"), "wb") as f:
+        f.write(record)
+    entries = pickle.loads(record)["entries"]
+    if not entries:
+        return folder
+    last = entries[-1]
+    return f"{folder} (this rank's last: {last['profiling_name']} #{last['collective_seq_id']} of {last['process_group'][1]})"
 
 
 def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:

@@ -138,6 +138,8 @@ def check_output_folders(config: JobConfig) -> None:
     if config.profiling.enable_memory_snapshot:
         snapshots = os.path.join(dump, config.profiling.save_memory_snapshot_folder)
         folders.append(("profiling.save_memory_snapshot_folder", snapshots))
+    if config.comm.trace_buf_size > 0:
+        folders.append(("comm.save_traces_folder", os.path.join(dump, config.comm.save_traces_folder)))
     if config.job.save_config_file:
         folders.append(("job.save_config_file", os.path.dirname(os.path.join(dump, config.job.save_config_file))))
     for option, folder in folders:

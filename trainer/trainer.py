@@ -50,7 +50,7 @@ class Trainer:
         self._dump_folder_claim = (
             claim_dump_folder(config.job.dump_folder) if os.environ.get("RANK", "0") == "0" else None
         )
-        self.device = init_distributed(config.comm.init_timeout_seconds)
+        self.device = init_distributed(config.comm, config.job.dump_folder)
         self.rank = dist.get_rank()
         _set_determinism(config)
         self.parallel_dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())

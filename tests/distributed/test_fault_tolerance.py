@@ -6,6 +6,7 @@ reproduce the uninterrupted run's losses bitwise (``debug.deterministic``, fp32,
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -134,7 +135,18 @@ def test_hung_rank_times_out_and_restarts(tmp_path, reference):
         timeout=900,
     )
     output = result.stdout + result.stderr
-    assert "error: a collective failed at step 6" in output
+    traces = os.path.join(str(tmp_path), "comm_traces")
+    line = next(line for line in output.splitlines() if "error: a collective failed at step 6" in line)
+    # Rank 0 timed out in a gather, waiting for rank 1 (which hung): its flight recorder's last
+    # collective is one of FSDP2's gathers (broadcasts on gloo), which the line names.
+    with open(os.path.join(traces, "rank_0"), "rb") as f:
+        last = pickle.load(f)["entries"][-1]
+    assert last["profiling_name"] == "gloo:broadcast"
+    assert any(frame["name"] == "foreach_all_gather" for frame in last["frames"])
+    assert (
+        f"the ranks' last collectives are in {traces} (this rank's last: gloo:broadcast #{last['collective_seq_id']} of default_pg)"
+        in line
+    )
     assert_resumed(str(tmp_path), output, reference[1], [4])
 
 

@@ -96,6 +96,7 @@ CASES: list[tuple[str, list[str], str]] = [
         "validation.seq_len: a pipeline validates with training's microbatches",
     ),
     ("range", ["--comm.train_timeout_seconds", "0"], "comm.train_timeout_seconds must be positive"),
+    ("range", ["--comm.trace_buf_size", "-1"], "comm.trace_buf_size must be >= 0, got -1"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
     (
@@ -298,6 +299,7 @@ CASES: list[tuple[str, list[str], str]] = [
         "profiling.save_memory_snapshot_folder: cannot create /proc/tessera_snapshots",
     ),
     ("folders", ["--job.cache_dir", "/proc/tessera_cache"], "job.cache_dir: cannot create /proc/tessera_cache"),
+    ("folders", ["--comm.save_traces_folder", "/proc/tessera_fr"], "comm.save_traces_folder: cannot create /proc/"),
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
