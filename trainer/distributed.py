@@ -52,14 +52,18 @@ def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
     """Writes this rank's flight recorder (its last collectives, the failed one among them) to the
     traces folder, over an earlier failure's (NCCL's watchdog may have written the same record).
     Returns what the error line says of it: the folder and this rank's last collective; None when
-    recording is off."""
+    recording is off or the folder cannot be written."""
     if comm.trace_buf_size <= 0 or not dist.is_initialized():
         return None
     folder = os.path.join(dump_folder, comm.save_traces_folder)
-    os.makedirs(folder, exist_ok=True)
     record = torch._C._distributed_c10d._dump_fr_trace()
-    with open(os.path.join(folder, f"{comm.save_traces_file_prefix}{dist.get_rank()}"), "wb") as f:
-        f.write(record)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{comm.save_traces_file_prefix}{dist.get_rank()}"), "wb") as f:
+            f.write(record)
+    except OSError as e:  # a full disk, say: the error line goes out without it
+        logger.warning("comm.save_traces_folder: cannot write the flight recorder to %s (%s)", folder, e.strerror)
+        return None
     entries = pickle.loads(record)["entries"]
     if not entries:
         return folder
