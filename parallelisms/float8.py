@@ -1,12 +1,13 @@
 """Float8 training with torchao: nn.Linear layers become ``Float8Linear``, whose matmuls cast
 their inputs, weights and output gradients to float8 with dynamic scales (one per tensor, or one
 per row) and multiply in float8, accumulating in high precision. Weights, gradients and optimizer
-state keep their dtype, so checkpoints are those of the unconverted model.
+state keep their dtype.
 
 With FSDP2, tensorwise scaling can also gather the weights in float8: each rank casts its shard
 with the scale of the whole weight (a max over the shards), so the gather moves a byte per value.
 The scales can be computed after the optimizer step for all weights at once
-(``precompute_float8_scales``) instead of in every gather.
+(``precompute_float8_scales``) instead of in every gather. Such weights, and the optimizer state
+made from them, are torchao's subclass around the weight: ``plain_tensor`` gives the weight itself.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from parallelisms.device import float8_matmuls
 
@@ -114,3 +118,26 @@ def precompute_float8_scales(modules: Iterable[nn.Module]) -> None:
     float8 = torchao_float8()
     for module in modules:
         float8.precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor inside a weight FSDP2 gathers in float8 (torchao's subclass, also of the optimizer
+    state made from it, in or out of a DTensor), sharing its storage; any other tensor as it is. A
+    checkpoint would pickle the subclass, which only a run that imports torchao's float8 can load."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # imported by float8 training only
+    if fsdp_utils is None:
+        return tensor
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    if not isinstance(local, fsdp_utils.WeightWithDynamicFloat8CastTensor):
+        return tensor
+    if not isinstance(tensor, DTensor):
+        return local._tensor
+    with torch.no_grad():
+        return DTensor.from_local(
+            local._tensor,
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )

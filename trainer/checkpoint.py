@@ -65,6 +65,7 @@ from torch.futures import Future
 
 from config.job_config import CHECKPOINT_PARTS, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
+from parallelisms.float8 import plain_tensor
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 from trainer.optim import optimizers_holding_state
 
@@ -103,12 +104,18 @@ def whole_model(model_parts: list[nn.Module]) -> nn.Module:
     return root
 
 
+def _plain_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
+    # Float8-gathered weights and their optimizer state are saved as the tensors they wrap (sharing
+    # their storage, so loads land in them too): checkpoints of float8 runs load without float8.
+    return {key: plain_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
+
+
 class ModelState(Stateful):
     def __init__(self, model: nn.Module):
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return _plain_tensors(get_model_state_dict(self.model))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict)
@@ -124,7 +131,7 @@ class OptimizerState(Stateful):
         self.optimizers = optimizers_holding_state(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizers, options=self._OPTIONS)
+        return _plain_tensors(get_optimizer_state_dict(self.model, self.optimizers, options=self._OPTIONS))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizers, state_dict, options=self._OPTIONS)

@@ -7,7 +7,7 @@ activations (tensorwise scales are per microbatch), so the layouts agree with it
 within float32 summation order. FSDP2's float8 all-gather (casting each shard with the whole
 weight's scale, and with the scales precomputed after the optimizer step) gives the losses of
 gathering in float32 and casting after, bitwise, and resumes from its checkpoint bitwise.
-Launches: 2 runs on 1 process, 5 on 2 ranks, and the resume on 2 ranks.
+Launches: 2 runs on 1 process, 5 on 2 ranks, and two resumes on 2 ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from tests.launch import TWO_BLOCKS, RunBatch, launch_train, losses, read_metrics, resumed_from
+from tests.launch import TWO_BLOCKS, RunBatch, launch_train, losses, read_metrics, resumed_from, unloadable_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun
 
@@ -91,3 +91,15 @@ def test_a_run_gathering_in_float8_resumes_bitwise(batch, tmp_path):
     assert resumed_from(result.stderr) == [3]
     tail = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path))}
     assert tail == {r["step"]: r["loss"] for r in read_metrics(saved) if r["step"] > 3}
+
+
+def test_a_run_without_float8_resumes_from_a_checkpoint_gathering_in_float8(batch, tmp_path):
+    """The checkpoint holds the weights and optimizer state, not torchao's subclass around them: a
+    float32 run loads it (a fresh start's step 4 would be near the first loss, 8.1) and trains on
+    within float8's tolerance of the saving run."""
+    saved = batch.folder("fsdp2_all_gather")
+    shutil.copytree(os.path.join(saved, "checkpoint", "step-3"), str(tmp_path / "checkpoint" / "step-3"))
+    result = launch_train(str(tmp_path), 2, *RUN, *CHECKPOINTS)
+    assert resumed_from(result.stderr) == [3] and unloadable_checkpoints(str(tmp_path)) == []
+    tail = [r["loss"] for r in read_metrics(str(tmp_path))]
+    assert tail == pytest.approx([r["loss"] for r in read_metrics(saved) if r["step"] > 3], rel=1e-3)
