@@ -166,15 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--precisions",
-        help="comma-separated, from: fp32, bf16, bf16_pure (default: fp32,bf16; the compile-time table: fp32 only)",
+        help="comma-separated, from: fp32, bf16, bf16_pure (default: fp32,bf16, with --quick fp32; the compile-time table: fp32 only)",
     )
-    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (1: ONE_RANK_VARIANTS only)")
+    parser.add_argument(
+        "--ranks", help="comma-separated rank counts (1: ONE_RANK_VARIANTS only; default 1,2, with --quick 2)"
+    )
     parser.add_argument(
         "--ceiling",
         action="store_true",
         help="with --ranks 1,N: also N 1-rank runs launched at once, independent: the scaling the machine allows",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="times every run is repeated (default 3)")
+    parser.add_argument("--rounds", type=int, help="times every run is repeated (default 3, with --quick 1)")
     parser.add_argument(
         "--interleave",
         action="store_true",
@@ -210,10 +212,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.compile_depths = [int(n) for n in args.compile_depths.split(",")] if args.compile_depths else None
     if args.compile_depths and args.precisions not in (None, "fp32"):
         parser.error("--precisions: the compile-time table (--compile-depths) is measured in fp32 only")
-    args.precisions = (args.precisions or "fp32,bf16").split(",")
+    args.precisions = (args.precisions or ("fp32" if args.quick else "fp32,bf16")).split(",")
     if any(p not in PRECISIONS for p in args.precisions):
         parser.error(f"--precisions: choose from {', '.join(PRECISIONS)}")
-    args.ranks = [int(n) for n in args.ranks.split(",")]
+    args.ranks = [int(n) for n in (args.ranks or ("2" if args.quick else "1,2")).split(",")]
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     if args.ceiling and (1 not in args.ranks or max(args.ranks) < 2):
         parser.error("--ceiling compares 1-rank runs alone and side by side: give --ranks 1,N")
     if args.interleave and (args.compile_depths or args.ceiling):
@@ -222,8 +225,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if args.interleave and (BASELINE not in variants or len(variants) < 2):
         parser.error(f"--interleave: --variants must hold {BASELINE} and at least one other")
-    if args.quick:
-        args.rounds, args.ranks, args.precisions = 1, [2], ["fp32"]
     name = (
         "dp_compare_depth.json"
         if args.compile_depths

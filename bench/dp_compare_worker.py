@@ -102,7 +102,8 @@ class CollectiveStats:
     other_ops: list[str] = field(default_factory=list)
     unknown_dtype: int = 0
     """Collectives sized as fp32 because the profiler recorded no dtype: tensor lists passed to
-    torch.distributed directly (the trainer's loss all-reduce, which is fp32)."""
+    torch.distributed directly (the trainer's loss all-reduce, which is fp32), other than FSDP2's
+    gathers (sized by the buffer they fill)."""
 
 
 def _numel(dims: list) -> int:
@@ -112,12 +113,20 @@ def _numel(dims: list) -> int:
     return sum(_numel(d) for d in dims)
 
 
+def _gather_buffer_dtype(copy_ins: list[dict[str, Any]], op: dict[str, Any]) -> str | None:
+    """The dtype of the output buffer FSDP2 last filled before ``op`` on its thread: its gather
+    broadcasts slots of that buffer as tensor lists, whose dtype the profiler leaves out."""
+    before = [e for e in copy_ins if e["tid"] == op["tid"] and e["ts"] <= op["ts"]]
+    return max(before, key=lambda e: e["ts"])["args"]["Input type"][1] if before else None
+
+
 def parse_collectives(events: list[dict[str, Any]]) -> CollectiveStats:
     """Counts the c10d ops in a Chrome trace and sums their sizes."""
     stats = CollectiveStats()
     ops = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")]
     # A functional collective wraps its c10d op on the same thread and records a plain dtype.
     functional = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("_c10d_functional::")]
+    copy_ins = [e for e in events if e.get("ph") == "X" and e.get("name") == "fsdp::all_gather_copy_in"]
     for op in ops:
         kind, arg = C10D_OPS.get(op["name"], ("other", -1))
         stats.count[kind] += 1
@@ -132,6 +141,8 @@ def parse_collectives(events: list[dict[str, Any]]) -> CollectiveStats:
                 None,
             )
             dtype = parent["args"]["Input type"][0] if parent is not None else None
+        if dtype not in ITEMSIZE and kind == "broadcast":  # FSDP2's gather on gloo: into its output buffer
+            dtype = _gather_buffer_dtype(copy_ins, op)
         itemsize = ITEMSIZE.get(dtype)
         if itemsize is None:
             stats.unknown_dtype += 1

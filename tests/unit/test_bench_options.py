@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.dp_compare import parse_args, summarize_interleaved, throughput_runs
+from bench.dp_compare_worker import parse_collectives
 
 
 def test_the_compile_time_table_refuses_a_precision_it_would_not_measure(capsys):
@@ -17,6 +18,28 @@ def test_the_compile_time_table_refuses_a_precision_it_would_not_measure(capsys)
 def test_precisions_default_to_both_for_throughput_and_fp32_is_accepted_for_depths():
     assert parse_args([]).precisions == ["fp32", "bf16"]
     assert parse_args(["--compile-depths", "6", "--precisions", "fp32"]).compile_depths == [6]
+
+
+def test_quick_shrinks_only_what_is_not_given():
+    quick = parse_args(["--quick"])
+    assert (quick.precisions, quick.ranks, quick.rounds) == (["fp32"], [2], 1)
+    given = parse_args(["--quick", "--precisions", "bf16", "--ranks", "1,2", "--rounds", "2"])
+    assert (given.precisions, given.ranks, given.rounds) == (["bf16"], [1, 2], 2)
+
+
+def _event(name: str, ts: int, types: list[str], dims: list) -> dict:
+    return {"ph": "X", "name": name, "tid": 1, "ts": ts, "dur": 1, "args": {"Input type": types, "Input Dims": dims}}
+
+
+@pytest.mark.parametrize("buffer_dtype, itemsize", [("c10::BFloat16", 2), ("unsigned char", 1), ("float", 4)])
+def test_fsdp2_gathers_on_gloo_count_the_bytes_of_the_buffer_they_fill(buffer_dtype, itemsize):
+    """FSDP2 gathers on gloo as broadcasts of tensor lists, which the profiler records without a
+    dtype: each counts at the dtype of the output buffer FSDP2 filled before it."""
+    copy_in = _event("fsdp::all_gather_copy_in", 0, ["TensorList", buffer_dtype], [[[6]], [12]])
+    broadcasts = [_event("c10d::broadcast_", ts, ["TensorList", ""], [[[6]], []]) for ts in (2, 3)]
+    stats = parse_collectives([copy_in, *broadcasts])
+    assert stats.count["broadcast"] == 2 and stats.unknown_dtype == 0
+    assert stats.payload_bytes["broadcast"] == 12 * itemsize
 
 
 @pytest.mark.parametrize(
