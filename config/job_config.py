@@ -17,6 +17,12 @@ from typing import Literal
 
 # No torch here: a mistake in the config is reported before anything imports it (seconds). The
 # dtype options take torch's own names (``getattr(torch, name)`` is the dtype).
+RESOLVED_CONFIG_FILE = "config.toml"
+"""In job.dump_folder: the options the run trained with, as TOML, after this first line."""
+RESOLVED_CONFIG_HEADER = "# The options of the run in this folder, written (and rewritten) by the run\n"
+METRICS_FILE = "metrics.jsonl"
+"""In job.dump_folder: one JSON record per logged step."""
+
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
 

@@ -293,11 +293,7 @@ PIPELINE_END_WEIGHTS = ("pipeline_parallel_first_stage_less_layers", "pipeline_p
 def validate(config: JobConfig) -> None:
     """Checks value ranges that do not depend on the world size (choices are checked on loading;
     the optimizer's and the LR schedule's values when they are built)."""
-    for section_name, cls in _sections().items():
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(config, section_name), f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section_name}.{f.name}: {value} is not a finite number")
+    _validate_magnitudes(config)
     c = config
     at_least = {  # option: (value, smallest allowed)
         "training.seq_len": (c.training.seq_len, 1),
@@ -429,6 +425,35 @@ def _validate_activation_checkpoint(config: JobConfig) -> None:
             "activation_checkpoint.debug: torch records a checkpoint's ops only eagerly and without "
             "an op-level policy (not with compile.enable or selective_ac_option op)"
         )
+
+
+def _validate_magnitudes(config: JobConfig) -> None:
+    """Every number finite and within 64 bits, and the sizes within what torch and gloo take."""
+    for section_name, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(config, section_name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section_name}.{f.name}: {value} is not a finite number")
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:  # torch and C++ take 64-bit integers
+                raise ConfigError(f"{section_name}.{f.name}: {value} is too large for a 64-bit integer")
+    for key, (value, largest) in _upper_bounds(config).items():
+        if value is not None and value > largest:
+            raise ConfigError(f"{key}: {value} is more than the largest {largest:,} this run can take")
+
+
+def _upper_bounds(c: JobConfig) -> dict[str, tuple[int | None, int]]:
+    """option: (value, largest allowed), where a larger value would overflow in torch or gloo, or
+    take minutes to be refused for its memory."""
+    sizes = {f"model.{n}": (v, 2**31 - 1) for n in MODEL_SIZE_FIELDS if not isinstance(v := getattr(c.model, n), bool)}
+    timeouts = {f"comm.{n}": (getattr(c.comm, n), 10**9) for n in ("init_timeout_seconds", "train_timeout_seconds")}
+    return {
+        **sizes,
+        "model.n_layers": (c.model.n_layers, 10_000),  # tensor dims are int32 in places; 10,000 blocks build in seconds
+        "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 2**31 - 1),
+        "training.seq_len": (c.training.seq_len, 2**31 - 1),
+        **timeouts,  # gloo keeps timeouts in nanoseconds: 10^10 s overflows
+        "comm.trace_buf_size": (c.comm.trace_buf_size, 10**7),
+    }
 
 
 def _validation_counts(v: Validation) -> dict[str, tuple[int, int]]:

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from config.job_config import CHECKPOINT_PARTS, Checkpoint, ConfigError, user_input
+from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint, ConfigError, user_input
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
@@ -534,7 +534,7 @@ class CheckpointManager:
         try:
             if self.rank == 0:
                 os.makedirs(path, exist_ok=True)
-                with open(os.path.join(path, "config.toml"), "w") as f:
+                with open(os.path.join(path, RESOLVED_CONFIG_FILE), "w") as f:
                     f.write(self.resolved_config)
             if self._stager is None:
                 dcp.save(state, storage_writer=writer, process_group=self.group)

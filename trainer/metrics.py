@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from config.job_config import ConfigError
+from config.job_config import METRICS_FILE, ConfigError
 from parallelisms.device import PeakFlops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class MetricsLogger:
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
         if enable:
             os.makedirs(dump_folder, exist_ok=True)
-            self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+            self.jsonl_path = os.path.join(dump_folder, METRICS_FILE)
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -16,7 +16,14 @@ import sys
 import tempfile
 from typing import IO, TYPE_CHECKING
 
-from config.job_config import ConfigError, JobConfig, print_error
+from config.job_config import (
+    METRICS_FILE,
+    RESOLVED_CONFIG_FILE,
+    RESOLVED_CONFIG_HEADER,
+    ConfigError,
+    JobConfig,
+    print_error,
+)
 from config.manager import batch_layout, load_config
 from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
 from trainer.tokenizer import build_tokenizer
@@ -145,6 +152,37 @@ def check_output_folders(config: JobConfig) -> None:
     for option, folder in folders:
         if problem := _unwritable(folder):
             raise ConfigError(f"{option}: {problem}")
+    _check_written_files(config, folders)
+
+
+def _written_by_a_run(path: str) -> bool:
+    with open(path, errors="replace") as f:
+        return f.readline() == RESOLVED_CONFIG_HEADER
+
+
+def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> None:
+    """A one-line ConfigError when a file the run writes in the dump folder is an input, or two
+    of them are one file: the resolved config would replace the config file it was read from, and
+    job.save_config_file would replace the resolved config or put JSON into the metrics."""
+    dump = config.job.dump_folder
+    resolved = os.path.realpath(os.path.join(dump, RESOLVED_CONFIG_FILE))
+    if (
+        config.job.config_file
+        and os.path.realpath(config.job.config_file) == resolved
+        and not _written_by_a_run(resolved)
+    ):
+        raise ConfigError(
+            f"job.config_file: {config.job.config_file} is the {RESOLVED_CONFIG_FILE} this run writes into "
+            "job.dump_folder, and would be overwritten; copy it elsewhere or pick another job.dump_folder"
+        )
+    if config.job.save_config_file:
+        saved = os.path.realpath(os.path.join(dump, config.job.save_config_file))
+        for name in (RESOLVED_CONFIG_FILE, METRICS_FILE):
+            if saved == os.path.realpath(os.path.join(dump, name)):
+                raise ConfigError(f"job.save_config_file: {config.job.save_config_file} is the {name} the run writes")
+        for option, folder in folders:
+            if saved == os.path.realpath(folder):
+                raise ConfigError(f"job.save_config_file: {config.job.save_config_file} is the folder of {option}")
 
 
 DUMP_FOLDER_LOCK = ".tessera.lock"

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from config.job_config import ConfigError, JobConfig, user_input
+from config.job_config import RESOLVED_CONFIG_FILE, RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model
 from parallelisms.compile import log_graph_breaks
@@ -112,8 +112,8 @@ class Trainer:
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)
         if self.rank == 0:
-            with open(os.path.join(self.config.job.dump_folder, "config.toml"), "w") as f:
-                f.write(to_toml(self.config))
+            with open(os.path.join(self.config.job.dump_folder, RESOLVED_CONFIG_FILE), "w") as f:
+                f.write(RESOLVED_CONFIG_HEADER + to_toml(self.config))
             if self.config.job.save_config_file:
                 path = os.path.join(self.config.job.dump_folder, self.config.job.save_config_file)
                 os.makedirs(os.path.dirname(path), exist_ok=True)

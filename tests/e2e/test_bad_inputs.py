@@ -99,6 +99,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("range", ["--comm.trace_buf_size", "-1"], "comm.trace_buf_size must be >= 0, got -1"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
+    # Too large: each overflowed in torch or gloo (a traceback in a rank, restarted) or took minutes.
+    ("range", ["--debug.seed", "99999999999999999999999"], "debug.seed: 99999999999999999999999 is too large for a"),
+    ("range", ["--training.seq_len", "9223372036854775807"], "training.seq_len: 9223372036854775807 is more than"),
+    ("range", ["--model.vocab_size", "9223372036854775807"], "model.vocab_size: 9223372036854775807 is more than"),
+    ("range", ["--model.n_layers", "99999999999"], "model.n_layers: 99999999999 is more than the largest 10,000"),
+    ("range", ["--comm.train_timeout_seconds", "10000000000"], "comm.train_timeout_seconds: 10000000000 is more"),
+    ("range", ["--comm.trace_buf_size", "99999999999999999999999"], "comm.trace_buf_size: 99999999999999999999999"),
     (
         "range",
         ["--parallelism.pipeline_parallel_first_stage_less_layers", "-1"],
@@ -302,6 +309,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--comm.save_traces_folder", "/proc/tessera_fr"], "comm.save_traces_folder: cannot create /proc/"),
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
+    # Files the run writes that are its input, or each other.
+    ("folders", ["--job.config_file", "{d}/dump/config.toml"], "job.config_file: {d}/dump/config.toml is the config"),
+    ("folders", ["--job.save_config_file", "config.toml"], "job.save_config_file: config.toml is the config.toml"),
+    ("folders", ["--job.save_config_file", "./metrics.jsonl"], "job.save_config_file: ./metrics.jsonl is the metrics"),
+    ("folders", ["--job.save_config_file", "tb"], "job.save_config_file: tb is the folder of metrics.save_tb_folder"),
     # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
     (
         "memory",
@@ -340,6 +352,8 @@ def _prepare(d) -> None:
     for name, text in files.items():
         (d / name).write_text(text)
     (d / "empty_folder").mkdir()
+    (d / "dump").mkdir()
+    (d / "dump" / "config.toml").write_text("# the user's own\n[training]\nsteps = 3\n")
 
 
 def _one_error_line(code: int, stderr: str, expected: str) -> bool:

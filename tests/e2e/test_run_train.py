@@ -12,6 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launch import REPO, TINY_RUN, TWO_BLOCKS, losses, read_metrics, run_script, script_command, script_env
+from trainer import preflight
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -45,7 +46,10 @@ def test_run_train_30_steps(tmp_path):
     # TensorBoard stores float32.
     assert [e.value for e in loss_events] == [float(np.float32(r["loss"])) for r in records]
 
-    assert os.path.isfile(os.path.join(dump, "config.toml"))
+    # The run's own config.toml goes back in as the config of a rerun in the same folder (a
+    # user's file of that name there is refused: the run would overwrite it).
+    resolved = os.path.join(dump, "config.toml")
+    assert preflight.main(["--nnodes", "1", "--nproc-per-node", "2", "--job.config_file", resolved]) == 0
     with open(os.path.join(dump, "saved", "job_config.json")) as f:
         saved = json.load(f)  # torchtitan's job.save_config_file: the resolved config as JSON
     assert (saved["training"]["steps"], saved["job"]["run_name"], saved["compile"]["components"]) == (
