@@ -21,13 +21,30 @@ fail() {
 }
 CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
-[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
-[[ "${NGPU:-auto}" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node"
-[[ "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
+# At most 6 digits: bash's arithmetic below takes 64-bit numbers, and no job has a million nodes.
+[[ "$NNODES" =~ ^[1-9][0-9]{0,5}$ ]] || fail "NNODES: '$NNODES' is not a number of nodes (1 to 999999)"
+[[ "${NGPU:-auto}" =~ ^([1-9][0-9]{0,3}|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node (1 to 9999)"
+[[ "${MAX_RESTARTS:-3}" =~ ^[0-9]{1,6}$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
 LOG_RANK=${LOG_RANK:-0}
-[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
+[[ "$LOG_RANK" =~ ^[0-9]{1,4}(,[0-9]{1,4})*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
 [ "${COMM_MODE:-}" = fake_backend ] && COMM_MODE=fake # torchtitan's name for it
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake (or fake_backend)"
+if [ "${COMM_MODE:-}" = fake ]; then
+  : # a dry run plays one rank of NNODES nodes: no rendezvous
+elif [ "$NNODES" -gt 1 ]; then
+  [ -n "${RDZV_ENDPOINT:-}" ] || fail "RDZV_ENDPOINT: set it to host:port of the first node for a job of $NNODES nodes"
+  # host[:port] (torchrun's default port 29400), the host a name, an IPv4 address or a bracketed
+  # IPv6 one; otherwise torchrun's agent fails with a traceback, and restarts.
+  [[ "$RDZV_ENDPOINT" =~ ^([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(:([0-9]{1,5}))?$ ]] &&
+    ((10#${BASH_REMATCH[3]:-29400} >= 1 && 10#${BASH_REMATCH[3]:-29400} <= 65535)) ||
+    fail "RDZV_ENDPOINT: '$RDZV_ENDPOINT' is not host:port of the first node (e.g. node0:29500)"
+  host=${BASH_REMATCH[1]}
+  if [[ "$host" != \[* ]] && command -v getent >/dev/null && ! getent ahosts "$host" >/dev/null; then
+    fail "RDZV_ENDPOINT: host '$host' is not known here (not in DNS or /etc/hosts)"
+  fi
+elif [ -n "${RDZV_ENDPOINT:-}" ]; then
+  echo "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone (set NNODES for more)" >&2
+fi
 PY=$("$HERE/scripts/setup_env.sh")
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
 for arg in "$@"; do
@@ -58,7 +75,6 @@ if [ "$ON_ACCELERATORS" -eq 0 ]; then
 fi
 
 if [ "$NNODES" -gt 1 ]; then
-  [ -n "${RDZV_ENDPOINT:-}" ] || fail "RDZV_ENDPOINT: set it to host:port of the first node for a job of $NNODES nodes"
   RENDEZVOUS=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-tessera}")
 else
   RENDEZVOUS=(--standalone)

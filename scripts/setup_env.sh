@@ -18,6 +18,8 @@ PY
 
 if [ -n "${PYTHON:-}" ]; then
   py="$PYTHON"
+  [ "$("$py" -c 'import sys; print(sys.version_info >= (3, 10))' 2>/dev/null)" = True ] ||
+    { echo "error: PYTHON: '$py' is not a Python 3.10 or newer interpreter" >&2; exit 2; }
 elif [ -x .venv/bin/python ]; then
   py=$PWD/.venv/bin/python
 else

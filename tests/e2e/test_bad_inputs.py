@@ -407,14 +407,41 @@ def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
 
 
 ENVIRONMENT_CASES = [
-    ({"NGPU": "abc"}, "error: NGPU: 'abc' is not a number of ranks per node"),
-    ({"NGPU": "0"}, "error: NGPU: '0' is not a number of ranks per node"),
-    ({"NNODES": "x"}, "error: NNODES: 'x' is not a number of nodes"),
+    ({"NGPU": "abc"}, "error: NGPU: 'abc' is not a number of ranks per node (1 to 9999)"),
+    ({"NGPU": "0"}, "error: NGPU: '0' is not a number of ranks per node (1 to 9999)"),
+    ({"NNODES": "x"}, "error: NNODES: 'x' is not a number of nodes (1 to 999999)"),
     ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS: '-1' is not a number of restarts"),
     ({"LOG_RANK": "0,x"}, "error: LOG_RANK: '0,x' is not a list of local ranks (e.g. 0,1)"),
     ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
     ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
     ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake (or fake_backend)"),
+    # Past bash's 64-bit arithmetic ("integer expression expected", then a run).
+    (
+        {"NNODES": "99999999999999999999"},
+        "error: NNODES: '99999999999999999999' is not a number of nodes (1 to 999999)",
+    ),
+    (
+        {"LOG_RANK": "99999999999999999999"},
+        "error: LOG_RANK: '99999999999999999999' is not a list of local ranks (e.g. 0,1)",
+    ),
+    # torchrun's agent: a traceback, then restarts.
+    (
+        {"NNODES": "2", "RDZV_ENDPOINT": "a:b"},
+        "error: RDZV_ENDPOINT: 'a:b' is not host:port of the first node (e.g. node0:29500)",
+    ),
+    (
+        {"NNODES": "2", "RDZV_ENDPOINT": "h:70000"},
+        "error: RDZV_ENDPOINT: 'h:70000' is not host:port of the first node (e.g. node0:29500)",
+    ),
+    (
+        {"NNODES": "2", "RDZV_ENDPOINT": "no-such-host.invalid:29500"},
+        "error: RDZV_ENDPOINT: host 'no-such-host.invalid' is not known here (not in DNS or /etc/hosts)",
+    ),
+    # A bash message and exit code 127.
+    (
+        {"PYTHON": "/nonexistent/python"},
+        "error: PYTHON: '/nonexistent/python' is not a Python 3.10 or newer interpreter",
+    ),
 ]
 
 
@@ -427,6 +454,21 @@ def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
     result = subprocess.run(script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True)
     assert (result.returncode, result.stderr.strip().splitlines()) == (2, [line]), result.stderr[-2000:]
     assert "[rank" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_rendezvous_endpoint_for_one_node_is_a_warning(tmp_path):
+    """RDZV_ENDPOINT without NNODES is a job of this node alone: said once, not silently."""
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "RDZV_ENDPOINT": "node0:29500"}
+    command = script_command(str(tmp_path)) + ["--training.stpes", "3"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stderr.strip().splitlines()) == (
+        2,
+        [
+            "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone (set NNODES for more)",
+            "error: unknown option 'training.stpes' (did you mean 'training.steps'?)",
+        ],
+    ), result.stderr[-2000:]
 
 
 def test_the_ranks_check_the_output_folders_themselves(tmp_path):
