@@ -321,6 +321,9 @@ def validate(config: JobConfig) -> None:
     for key, value in {**rates, "compile.bucket_memory_cap_mb": c.compile.bucket_memory_cap_mb}.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    low, high = c.model.rope_low_freq_factor, c.model.rope_high_freq_factor
+    if low is not None and high is not None and low >= high:  # Llama 3.1's RoPE divides by high - low
+        raise ConfigError(f"model.rope_low_freq_factor {low} is not below model.rope_high_freq_factor {high}")
     if c.profiling.profiler_active > c.profiling.profile_freq:
         raise ConfigError(
             f"profiling.profiler_active {c.profiling.profiler_active} is more steps than a window of "

@@ -10,6 +10,7 @@ Meta -> HF conversion. Every other tensor is copied as is.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -171,6 +172,38 @@ def _rope_args(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     return fields
 
 
+def _value_problems(config: dict[str, Any]) -> list[str]:
+    """Sizes that are not positive integers, and rates that are not positive numbers (a size of
+    "4096" or 4096.0 would fail later as a TypeError inside torch)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return [f"rope_scaling={rope!r} is not an object"]
+    sizes = {name: config.get(name) for name in (*_REQUIRED, *_OPTIONAL_SIZES) if name != "rms_norm_eps"}
+    sizes["rope_scaling.original_max_position_embeddings"] = rope.get("original_max_position_embeddings")
+    rates = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
+    rates |= {f"rope_scaling.{n}": rope.get(n) for n in ("factor", "low_freq_factor", "high_freq_factor")}
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+    problems = [
+        f"{name}={value!r} is not a positive integer"
+        for name, value in sizes.items()
+        if value is not None and not (isinstance(value, int) and number(value))
+    ]
+    problems += [
+        f"{name}={value!r} is not a positive number"
+        for name, value in rates.items()
+        if value is not None and not number(value)
+    ]
+    low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+    if number(low) and number(high) and low >= high:
+        problems.append(f"rope_scaling.low_freq_factor={low} is not below high_freq_factor={high}")
+    return problems
+
+
+_OPTIONAL_SIZES = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+
 _REQUIRED = (
     "hidden_size",
     "num_hidden_layers",
@@ -196,7 +229,9 @@ def args_from_hf_config(
     for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(name, expected) != expected:
             problems.append(f"{name}={config[name]!r} is not supported (need {expected!r})")
-    rope = _rope_args(config, problems)
+    wrong_values = _value_problems(config)
+    problems += wrong_values
+    rope = {} if wrong_values else _rope_args(config, problems)
     if problems:
         raise ValueError(f"{source}: {'; '.join(problems)}")
     n_heads = config["num_attention_heads"]

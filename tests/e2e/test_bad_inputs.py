@@ -99,6 +99,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("range", ["--comm.trace_buf_size", "-1"], "comm.trace_buf_size must be >= 0, got -1"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
+    (
+        "range",
+        ["--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1"],
+        "model.rope_low_freq_factor 4.0 is not below model.rope_high_freq_factor 1.0",
+    ),
     # Too large: each overflowed in torch or gloo (a traceback in a rank, restarted) or took minutes.
     ("range", ["--debug.seed", "99999999999999999999999"], "debug.seed: 99999999999999999999999 is too large for a"),
     ("range", ["--training.seq_len", "9223372036854775807"], "training.seq_len: 9223372036854775807 is more than"),
@@ -282,6 +287,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
     ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),
+    (
+        "files",
+        ["--checkpoint.initial_load_path", "{d}/hf_text_sizes"],
+        "{d}/hf_text_sizes/config.json: hidden_size='256' is not a positive integer; rms_norm_eps=-1 is not a positive",
+    ),
     # Folders the run writes to (/proc takes no new folders, whoever runs the tests).
     ("folders", ["--job.dump_folder", "{d}/bad.jsonl"], "job.dump_folder: {d}/bad.jsonl is not a folder"),
     (
@@ -352,6 +362,11 @@ def _prepare(d) -> None:
     for name, text in files.items():
         (d / name).write_text(text)
     (d / "empty_folder").mkdir()
+    hf = d / "hf_text_sizes"  # sizes as text and a negative epsilon: a TypeError in torch otherwise
+    hf.mkdir()
+    sizes = {"hidden_size": "256", "num_hidden_layers": 6, "num_attention_heads": 16, "intermediate_size": 768}
+    (hf / "config.json").write_text(json.dumps({**sizes, "vocab_size": 2048, "rms_norm_eps": -1, "rope_theta": 5e5}))
+    (hf / "model.safetensors").write_bytes(b"")
     (d / "dump").mkdir()
     (d / "dump" / "config.toml").write_text("# the user's own\n[training]\nsteps = 3\n")
 

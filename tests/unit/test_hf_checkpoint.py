@@ -124,6 +124,21 @@ def test_config_json_describes_the_model(exported):
     assert ffn_hidden_dim(args_from_hf_config(scaled)) == 14336
 
 
+def test_a_config_json_with_sizes_of_the_wrong_kind_names_each():
+    config = hf_config(DEBUG_ARGS, torch.float32)
+    config |= {"hidden_size": "256", "num_hidden_layers": 6.0, "num_key_value_heads": True, "rms_norm_eps": 0}
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}
+    config["rope_scaling"]["original_max_position_embeddings"] = -8192
+    with pytest.raises(ValueError) as error:
+        args_from_hf_config(config, source="x/config.json")
+    assert str(error.value) == (
+        "x/config.json: hidden_size='256' is not a positive integer; num_hidden_layers=6.0 is not a positive "
+        "integer; num_key_value_heads=True is not a positive integer; "
+        "rope_scaling.original_max_position_embeddings=-8192 is not a positive integer; "
+        "rms_norm_eps=0 is not a positive number; rope_scaling.low_freq_factor=4.0 is not below high_freq_factor=1.0"
+    )
+
+
 def test_permutation_is_inverted():
     weight = torch.randn(4 * 8, 5)
     permuted = permute_for_hf(weight, n_heads=4)
