@@ -22,6 +22,8 @@ RESOLVED_CONFIG_FILE = "config.toml"
 RESOLVED_CONFIG_HEADER = "# The options of the run in this folder, written (and rewritten) by the run\n"
 METRICS_FILE = "metrics.jsonl"
 """In job.dump_folder: one JSON record per logged step."""
+VALIDATION_FILE = "validation.jsonl"
+"""In job.dump_folder: one JSON record per validation."""
 
 CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from config.job_config import METRICS_FILE, ConfigError
+from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError
 from parallelisms.device import PeakFlops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -274,6 +274,20 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _move_aside(path: str) -> None:
+    """Renames the records of an earlier run at ``path`` (a run from step 0 in the same folder,
+    whose steps would interleave with this one's) after the time of their last write."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    stem, extension = os.path.splitext(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
+    moved, n = f"{stem}.{stamp}{extension}", 1
+    while os.path.exists(moved):  # two runs that ended in the same second
+        moved, n = f"{stem}.{stamp}-{n}{extension}", n + 1
+    os.replace(path, moved)
+    logger.warning("%s holds an earlier run's records; moved to %s (this run starts from step 0)", path, moved)
+
+
 class MetricsLogger:
     """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard, and the summary
     at the end of the run.
@@ -319,8 +333,14 @@ class MetricsLogger:
         self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
     def start(self, step: int) -> None:
-        """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``."""
+        """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``.
+        From step 0, an earlier run's records in the folder move aside first."""
         self.progress.start(step)
+        if self._jsonl is not None and step == 0:
+            self._jsonl.close()
+            for name in (METRICS_FILE, VALIDATION_FILE):
+                _move_aside(os.path.join(os.path.dirname(self.jsonl_path), name))
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
 
     def step_done(self, step: int, loss: float) -> None:
         """Every completed step, logged or not, with its global loss: the ETA and the summary."""
@@ -369,7 +389,7 @@ class MetricsLogger:
         """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""
         if self.enabled:
             logger.info("step %d | validation loss %.4f", step, loss)
-            with open(os.path.join(os.path.dirname(self.jsonl_path), "validation.jsonl"), "a", encoding="utf-8") as f:
+            with open(os.path.join(os.path.dirname(self.jsonl_path), VALIDATION_FILE), "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("validation/loss", loss, step)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -357,6 +359,39 @@ def test_metrics_logger_jsonl_is_flushed_per_line_and_nan_is_null(tmp_path: Path
         metrics_logger.log(8, {key: value for key, value in _step_metrics(8).items() if key != "mfu"})
     metrics_logger.close()
     assert list(tmp_path.iterdir()) == [tmp_path / "metrics.jsonl"]  # no TensorBoard files
+
+
+def test_a_run_from_step_0_moves_an_earlier_runs_records_aside(tmp_path: Path, caplog) -> None:
+    """Rerunning from scratch in a folder: the earlier run's metrics and validation records move to
+    files named after their last write (steps 1, 2, 1, 3 in one file would make step 2 look like
+    the new run's); a resumed run appends."""
+
+    def run(start: int, steps: list[int]) -> None:
+        metrics_logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=False, tensorboard_dir="")
+        metrics_logger.start(start)
+        for step in steps:
+            metrics_logger.log(step, _step_metrics(step))
+        metrics_logger.log_validation(steps[-1], 1.0)
+        metrics_logger.close()
+
+    def steps_in(path: Path) -> list[int]:
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    run(0, [1, 2])
+    earlier = time.strftime("%Y%m%d-%H%M%S", time.localtime((tmp_path / "metrics.jsonl").stat().st_mtime))
+    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+        run(0, [1, 3])
+    assert steps_in(tmp_path / "metrics.jsonl") == [1, 3] and steps_in(tmp_path / "validation.jsonl") == [3]
+    assert steps_in(tmp_path / f"metrics.{earlier}.jsonl") == [1, 2]
+    assert steps_in(tmp_path / f"validation.{earlier}.jsonl") == [2]
+    assert f"holds an earlier run's records; moved to {tmp_path / f'metrics.{earlier}.jsonl'}" in caplog.text
+    run(3, [4])  # resumed after step 3
+    assert steps_in(tmp_path / "metrics.jsonl") == [1, 3, 4]
+    os.utime(tmp_path / "metrics.jsonl", (0, 0))
+    epoch = time.strftime("%Y%m%d-%H%M%S", time.localtime(0))
+    (tmp_path / f"metrics.{epoch}.jsonl").write_text("")
+    run(0, [1])  # a file of that second exists already: the next name
+    assert steps_in(tmp_path / f"metrics.{epoch}-1.jsonl") == [1, 3, 4]
 
 
 def test_a_wandb_run_that_cannot_start_is_a_warning_and_logging_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
