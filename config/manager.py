@@ -21,6 +21,7 @@ from config.job_config import (
     CHECKPOINT_PARTS,
     MODEL_SIZE_FIELDS,
     ConfigError,
+    Float8,
     JobConfig,
     Parallelism,
     Training,
@@ -240,6 +241,7 @@ def load_config(argv: list[str]) -> JobConfig:
         config.job.config_file = config_file
     _check_foreign(foreign)
     validate(config)
+    _warn_no_effect(config, {torchtitan.ALIASES.get(key, key) for key, _ in pairs})
     return config
 
 
@@ -284,6 +286,78 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
         logger.warning("not available in Tessera, training without them: %s", missing)
     if ignored := sorted(foreign.keys() - wanted.keys()):
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
+
+
+def _no_effect(c: JobConfig) -> dict[str, str]:
+    """option: why it does nothing in this run (a switch it depends on is off)."""
+    reasons: dict[str, str] = {}
+
+    def inert(section: str, names: typing.Iterable[str], why: str) -> None:
+        reasons.update({f"{section}.{name}": why for name in names if f"{section}.{name}" not in reasons})
+
+    ck, comp, ac, prof = c.checkpoint, c.compile, c.activation_checkpoint, c.profiling
+    if not ck.enable:
+        inert(
+            "checkpoint",
+            ("folder", "interval", "async_mode", "keep_latest_k", "export_dtype"),
+            "checkpoint.enable is false",
+        )
+    if not ck.initial_load_path:
+        inert("checkpoint", ("initial_load_model_only",), "no checkpoint.initial_load_path")
+    if not ck.enable and (not ck.initial_load_path or ck.initial_load_model_only):
+        inert("checkpoint", ("exclude_from_loading",), "nothing loads but model weights")
+    simple_fsdp_options = ("bucketing", "manual_buckets", "bucket_memory_cap_mb", "compute_flops")
+    if not comp.enable:
+        inert("compile", ("components", "backend", *simple_fsdp_options), "compile.enable is false")
+    if c.parallelism.data_parallel_impl != "simple_fsdp":
+        inert("compile", simple_fsdp_options, f"parallelism.data_parallel_impl is {c.parallelism.data_parallel_impl}")
+    if comp.bucketing != "manual":
+        inert("compile", ("manual_buckets",), f"compile.bucketing is {comp.bucketing}")
+    if comp.bucketing != "auto":
+        inert("compile", ("bucket_memory_cap_mb", "compute_flops"), f"compile.bucketing is {comp.bucketing}")
+    if "float8" not in c.model.converters:
+        inert("float8", (f.name for f in dataclasses.fields(Float8)), "model.converters has no float8")
+    if ac.mode != "selective":
+        inert("activation_checkpoint", ("selective_ac_option",), f"activation_checkpoint.mode is {ac.mode}")
+    if ac.mode != "memory_budget":
+        inert("activation_checkpoint", ("memory_budget",), f"activation_checkpoint.mode is {ac.mode}")
+    pp_options = [f.name for f in dataclasses.fields(Parallelism) if f.name.startswith("pipeline_parallel_")]
+    if c.parallelism.pipeline_parallel_degree == 1:
+        pp_options += ["module_fqns_per_model_part"]
+        inert("parallelism", (n for n in pp_options if n != "pipeline_parallel_degree"), "no pipeline parallelism")
+    if c.parallelism.tensor_parallel_degree == 1:
+        inert("parallelism", ("enable_loss_parallel", "enable_async_tensor_parallel"), "no tensor parallelism")
+    if not c.validation.enable:
+        inert(
+            "validation",
+            (f.name for f in dataclasses.fields(Validation) if f.name != "enable"),
+            "validation.enable is false",
+        )
+    if not prof.enable_profiling:
+        inert(
+            "profiling",
+            ("save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup"),
+            "profiling.enable_profiling is false",
+        )
+    if not prof.enable_memory_snapshot:
+        inert("profiling", ("save_memory_snapshot_folder",), "profiling.enable_memory_snapshot is false")
+    if not c.metrics.enable_tensorboard:
+        inert("metrics", ("save_tb_folder",), "metrics.enable_tensorboard is false")
+    return reasons
+
+
+def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
+    """One warning line for the command-line options this run ignores (torchtitan's files set
+    many such options, so only the ones typed are named), and for windows longer than the run."""
+    reasons = _no_effect(config)
+    if ignored := [f"--{key} ({reasons[key]})" for key in sorted(given & reasons.keys())]:
+        logger.warning("no effect in this run: %s", "; ".join(ignored))
+    steps = config.training.steps
+    windows = {"validation.freq": (config.validation.enable, config.validation.freq, "validation")}
+    windows["profiling.profile_freq"] = (config.profiling.enable_profiling, config.profiling.profile_freq, "trace")
+    for key, (enabled, freq, what) in windows.items():
+        if enabled and freq > steps:
+            logger.warning("%s %d is more than training.steps %d: no %s in this run", key, freq, steps, what)
 
 
 # The blocks the first and last pipeline stages count their embeddings and output as.

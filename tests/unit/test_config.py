@@ -220,3 +220,34 @@ def test_preflight_catches_world_size_mismatch():
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "not divisible" in result.stderr
+
+
+def test_options_typed_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
+    """A typed option whose switch is off is one warning naming each with the switch; the same
+    options in a file (torchtitan's files carry many: checkpoint.interval with enable false) are
+    not."""
+    argv = ["--checkpoint.interval", "5", "--compile.bucketing", "auto", "--float8.emulate", "--training.steps", "3"]
+    argv += ["--parallelism.pipeline_parallel_schedule", "GPipe", "--validation.enable", "--validation.freq", "5"]
+    with caplog.at_level("WARNING", logger="config.manager"):
+        load_config(argv)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no effect in this run: --checkpoint.interval (checkpoint.enable is false); --compile.bucketing "
+        "(compile.enable is false); --float8.emulate (model.converters has no float8); "
+        "--parallelism.pipeline_parallel_schedule (no pipeline parallelism)",
+        "validation.freq 5 is more than training.steps 3: no validation in this run",
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="config.manager"):
+        load_config(
+            ["--compile.enable", "--parallelism.data_parallel_impl", "simple_fsdp", "--compile.bucketing", "auto"]
+        )
+        load_config(["--compile.enable", "--compile.bucketing", "auto"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "no effect in this run: --compile.bucketing (parallelism.data_parallel_impl is fsdp2)"
+    ]
+    caplog.clear()
+    config = tmp_path / "inert.toml"
+    config.write_text("[checkpoint]\ninterval = 5\n[compile]\nbucketing = 'auto'\n[float8]\nemulate = true\n")
+    with caplog.at_level("WARNING", logger="config.manager"):
+        load_config(["--job.config_file", str(config)])
+    assert caplog.records == []
