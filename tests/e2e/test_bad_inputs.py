@@ -340,6 +340,13 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--training.local_batch_size", "10000000"],
         "training.local_batch_size 10000000 x training.seq_len 256: the logits of one forward alone take 9765.6 GiB",
     ),
+    (
+        "memory",
+        ["--validation.enable", "--validation.local_batch_size", "10000000"],
+        "validation.local_batch_size 10000000 x validation.seq_len 256: the logits of one forward alone take",
+    ),
+    # 9999 CPU processes of torch: 3 TiB before any model (a host's swap storm, then the OOM killer).
+    ("memory", ["--nproc-per-node", "9999"], "NGPU 9999: each CPU rank's process takes about 0.3 GiB before any"),
 ]
 
 
@@ -385,7 +392,8 @@ def test_a_hundred_mistakes_each_get_one_line(tmp_path, capsys):
     failures = []
     for kind, args, expected in CASES:
         args = [arg.format(d=tmp_path) for arg in args]
-        argv = ["--nnodes", "1", "--nproc-per-node", "2", "--job.config_file", config]
+        ranks, args = (args[1], args[2:]) if args[0] == "--nproc-per-node" else ("2", args)  # NGPU
+        argv = ["--nnodes", "1", "--nproc-per-node", ranks, "--job.config_file", config]
         argv += ["--job.dump_folder", str(tmp_path / "dump"), *args]
         try:
             code = preflight.main(argv)
