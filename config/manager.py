@@ -4,6 +4,7 @@ the resolved config as TOML."""
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import difflib
 import functools
@@ -223,6 +224,9 @@ def load_config(argv: list[str]) -> JobConfig:
     one given), then the other command-line options, torchtitan's names included. Raises
     ConfigError for any bad input; every unknown option is named in the same message."""
     pairs = _parse_cli(argv)
+    given = collections.Counter(torchtitan.ALIASES.get(key, key) for key, _ in pairs)
+    if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1 and key != "job.config_file"]:
+        logger.warning("given more than once, the last counts: %s", ", ".join(repeated))
     for key, value in pairs:
         field_type = _field_type(torchtitan.ALIASES.get(key, key))
         if value is None and field_type is not None and _unwrap_optional(field_type)[0] is not bool:
@@ -241,7 +245,7 @@ def load_config(argv: list[str]) -> JobConfig:
         config.job.config_file = config_file
     _check_foreign(foreign)
     validate(config)
-    _warn_no_effect(config, {torchtitan.ALIASES.get(key, key) for key, _ in pairs})
+    _warn_no_effect(config, set(given))
     return config
 
 
@@ -416,13 +420,25 @@ def validate(config: JobConfig) -> None:
     _validate_activation_checkpoint(config)
     _validate_checkpoint(config)
     _validate_validation(config)
-    if (config.comm.alpha_us is None) != (config.comm.bandwidth_gbps is None):
-        raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
+    _validate_cost_model(config)
     lr = config.lr_scheduler
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
+
+
+def _validate_cost_model(config: JobConfig) -> None:
+    """What auto bucketing prices with: something to compile, and a link that can be."""
+    if config.compile.enable and not config.compile.components:
+        raise ConfigError("compile.components: empty, so compile.enable would compile nothing; name model and/or loss")
+    comm = config.comm
+    if (comm.alpha_us is None) != (comm.bandwidth_gbps is None):
+        raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
+    if comm.alpha_us is not None and comm.alpha_us < 0:
+        raise ConfigError(f"comm.alpha_us must be >= 0, got {comm.alpha_us}")
+    if comm.bandwidth_gbps is not None and comm.bandwidth_gbps <= 0:
+        raise ConfigError(f"comm.bandwidth_gbps must be positive, got {comm.bandwidth_gbps}")
 
 
 def _validate_degrees(p: Parallelism) -> None:

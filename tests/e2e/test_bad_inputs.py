@@ -99,6 +99,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("range", ["--comm.trace_buf_size", "-1"], "comm.trace_buf_size must be >= 0, got -1"),
     ("range", ["--compile.bucket_memory_cap_mb", "0"], "compile.bucket_memory_cap_mb must be positive"),
     ("range", ["--debug.gc_freq", "-1"], "debug.gc_freq must be >= 0"),
+    ("range", ["--comm.alpha_us", "-1", "--comm.bandwidth_gbps", "1"], "comm.alpha_us must be >= 0, got -1.0"),
+    ("range", ["--comm.alpha_us", "1", "--comm.bandwidth_gbps", "0"], "comm.bandwidth_gbps must be positive, got 0.0"),
     (
         "range",
         ["--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "1"],
@@ -131,6 +133,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("choice", ["--compile.bucketing", "greedy"], "compile.bucketing: 'greedy' is not one of"),
     ("choice", ["--compile.backend", "cudagraphs"], "compile.backend: 'cudagraphs' is not one of"),
     ("choice", ["--optimizer.name", "SGD"], "optimizer.name: 'SGD' is not one of AdamW, Adam"),
+    ("choice", ["--compile.enable", "--compile.components", ""], "compile.components: empty, so compile.enable would"),
     ("choice", ["--optimizer.implementation", "cuda-graph"], "optimizer.implementation: 'cuda-graph'"),
     ("choice", ["--lr_scheduler.decay_type", "exponential"], "lr_scheduler.decay_type: 'exponential'"),
     ("choice", ["--training.mixed_precision_param", "float16"], "training.mixed_precision_param: 'float16'"),

@@ -222,15 +222,17 @@ def test_preflight_catches_world_size_mismatch():
     assert result.stderr.count("\n") == 1 and "not divisible" in result.stderr
 
 
-def test_options_typed_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
+def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
     """A typed option whose switch is off is one warning naming each with the switch; the same
     options in a file (torchtitan's files carry many: checkpoint.interval with enable false) are
     not."""
     argv = ["--checkpoint.interval", "5", "--compile.bucketing", "auto", "--float8.emulate", "--training.steps", "3"]
     argv += ["--parallelism.pipeline_parallel_schedule", "GPipe", "--validation.enable", "--validation.freq", "5"]
+    argv += ["--training.steps", "4", "--training.steps=3", "--checkpoint.interval", "5"]
     with caplog.at_level("WARNING", logger="config.manager"):
         load_config(argv)
     assert [r.getMessage() for r in caplog.records] == [
+        "given more than once, the last counts: --checkpoint.interval (2 times), --training.steps (3 times)",
         "no effect in this run: --checkpoint.interval (checkpoint.enable is false); --compile.bucketing "
         "(compile.enable is false); --float8.emulate (model.converters has no float8); "
         "--parallelism.pipeline_parallel_schedule (no pipeline parallelism)",
