@@ -295,9 +295,13 @@ def check_corpus(corpus: Corpus) -> None:
     if corpus.dataset == DEFAULT_DATASET:
         return
     if is_local(corpus.dataset):
-        for path in local_corpus_files(corpus.dataset):
+        files = local_corpus_files(corpus.dataset)
+        for path in files:
             _check_shard_schema(path, corpus.text_field)
-    next(corpus_texts(corpus), None)
+        if all(path.stat().st_size == 0 for path in files):
+            raise ValueError(f"{corpus.dataset}: empty, no text to train on")
+    if next(corpus_texts(corpus), None) is None:
+        raise ValueError(f"{corpus.dataset}: no documents")
 
 
 def _check_shard_schema(path: Path, text_field: str) -> None:

@@ -290,6 +290,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
     ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),
+    # Empty corpora: a rank's error after launch otherwise.
+    ("files", ["--training.dataset", "{d}/empty.txt"], "training.dataset: {d}/empty.txt: empty, no text to train on"),
+    ("files", ["--training.dataset", "{d}/empty_list.json"], "training.dataset: {d}/empty_list.json: no documents"),
     (
         "files",
         ["--checkpoint.initial_load_path", "{d}/hf_text_sizes"],
@@ -368,6 +371,8 @@ def _prepare(d) -> None:
         "no_text.jsonl": json.dumps({"content": "x"}) + "\n",
         "corpus.csv": "a,b\n",
         "broken.model": "this is not a tokenizer\n",
+        "empty.txt": "",
+        "empty_list.json": "[]\n",
     }
     for name, text in files.items():
         (d / name).write_text(text)
