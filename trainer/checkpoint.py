@@ -381,6 +381,23 @@ def _model_shapes_of(metadata: Metadata) -> dict[str, tuple[int, ...]]:
     }
 
 
+def saved_model_difference(path: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How the model tensors of the DCP checkpoint at ``path`` differ from a whole model's
+    (``shapes``: its state dict's names and shapes), as ``model_difference`` says it; read from
+    the metadata alone, in one process."""
+    try:
+        saved = _model_shapes_of(_read_metadata(path))
+    except CheckpointError as e:
+        return str(e)
+    wanted = {f"model.{key}": shape for key, shape in shapes.items()}
+    return model_difference(
+        saved,
+        missing=[key for key in wanted if key not in saved],
+        extra=[key for key in saved if key not in wanted],
+        reshaped={key: shape for key, shape in wanted.items() if key in saved and saved[key] != shape},
+    )
+
+
 def model_difference(
     saved: dict[str, tuple[int, ...]], missing: list[str], extra: list[str], reshaped: dict[str, tuple[int, ...]]
 ) -> str | None:

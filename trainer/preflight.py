@@ -292,9 +292,30 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
             check_hf_folder(path, args)
         except ValueError as e:
             problems.append(f"checkpoint.initial_load_path: {e}")
+    if path and os.path.isfile(os.path.join(path, ".metadata")) and args is not None:
+        if difference := _initial_checkpoint_difference(config, args):
+            problems.append(f"checkpoint.initial_load_path: {path} holds another model than this job's: {difference}")
     if problems:
         raise ConfigError("; ".join(problems))
     return args
+
+
+def _initial_checkpoint_difference(config: JobConfig, args: TransformerModelArgs) -> str | None:
+    """How the model of the DCP checkpoint checkpoint.initial_load_path differs from the job's,
+    when the run will load it (no checkpoint of its own to resume from, the model not excluded)."""
+    import torch
+
+    from models.registry import get_model_spec
+    from trainer.checkpoint import complete_checkpoints, saved_model_difference
+
+    ckpt = config.checkpoint
+    own = os.path.join(config.job.dump_folder, ckpt.folder)
+    model_excluded = "model" in ckpt.exclude_from_loading and not ckpt.initial_load_model_only
+    if model_excluded or (ckpt.enable and complete_checkpoints(own)):
+        return None
+    with torch.device("meta"):
+        model = get_model_spec(config.model.name).model_cls(args)
+    return saved_model_difference(ckpt.initial_load_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})
 
 
 def _dataset_problem(config: JobConfig, option: str) -> str | None:

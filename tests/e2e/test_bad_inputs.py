@@ -9,9 +9,12 @@ import os
 import resource
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from config.job_config import ConfigError
 from config.manager import load_config
@@ -290,6 +293,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
     ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),
+    # A DCP checkpoint of another model: found by the ranks after launch otherwise.
+    (
+        "files",
+        ["--checkpoint.initial_load_path", "{d}/narrow_ckpt"],
+        "checkpoint.initial_load_path: {d}/narrow_ckpt holds another model than this job's: ",
+    ),
     # Empty corpora: a rank's error after launch otherwise.
     ("files", ["--training.dataset", "{d}/empty.txt"], "training.dataset: {d}/empty.txt: empty, no text to train on"),
     ("files", ["--training.dataset", "{d}/empty_list.json"], "training.dataset: {d}/empty_list.json: no documents"),
@@ -377,6 +386,9 @@ def _prepare(d) -> None:
     for name, text in files.items():
         (d / name).write_text(text)
     (d / "empty_folder").mkdir()
+    with warnings.catch_warnings():  # DCP's note that it saves in one process: it is meant to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "narrow_ckpt"))
     hf = d / "hf_text_sizes"  # sizes as text and a negative epsilon: a TypeError in torch otherwise
     hf.mkdir()
     sizes = {"hidden_size": "256", "num_hidden_layers": 6, "num_attention_heads": 16, "intermediate_size": 768}
