@@ -140,7 +140,8 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
     if inner is str or choices:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
+        # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
+        return os.path.expanduser(value) if value.startswith("~") else value
     raise TypeError(f"unsupported config field type {tp} for {key}")
 
 

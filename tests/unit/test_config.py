@@ -253,3 +253,14 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
     with caplog.at_level("WARNING", logger="config.manager"):
         load_config(["--job.config_file", str(config)])
     assert caplog.records == []
+
+
+def test_a_home_relative_path_is_the_home_folders(tmp_path):
+    """'~/runs' in a TOML file or after --option= (where the shell leaves it) is not a folder
+    named '~' in the working folder."""
+    config = tmp_path / "home.toml"
+    config.write_text("[job]\ndump_folder = '~/runs/a'\n[training]\ndataset = '~/corpus.jsonl'\n")
+    loaded = load_config(["--job.config_file", str(config), "--checkpoint.initial_load_path=~/seed"])
+    home = os.path.expanduser("~")
+    assert (loaded.job.dump_folder, loaded.training.dataset) == (f"{home}/runs/a", f"{home}/corpus.jsonl")
+    assert loaded.checkpoint.initial_load_path == f"{home}/seed"
