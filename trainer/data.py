@@ -67,7 +67,10 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
             np.save(f, tokens)
 
     create_file_once(path, write_tokens)
-    return np.load(path, mmap_mode="r")
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:  # cut short or overwritten since it was written
+        raise ValueError(f"its token cache {path} is damaged ({e}); delete the file and it is rebuilt") from None
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:

@@ -327,6 +327,20 @@ def test_token_stream_is_cached_and_invalidated_by_changes(tmp_path: Path, char_
     assert not [name for name in os.listdir(cache_dir) if name.endswith(".tmp")]
 
 
+def test_a_damaged_token_cache_is_named(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpus = Corpus(str(write_corpus(tmp_path / "corpus", {"a.txt": "abc" * 100})))
+    cache_dir = tmp_path / "cache"
+    load_token_stream(corpus, char_tokenizer, str(cache_dir))
+    (cached,) = cache_dir.glob("tokens-*.npy")
+    cached.write_bytes(cached.read_bytes()[:200])  # cut short
+    with pytest.raises(
+        ValueError, match=f"^its token cache {cached} is damaged .*; delete the file and it is rebuilt$"
+    ):
+        load_token_stream(corpus, char_tokenizer, str(cache_dir))
+    cached.unlink()
+    assert len(load_token_stream(corpus, char_tokenizer, str(cache_dir))) == 302
+
+
 # --- default corpus --------------------------------------------------------
 
 
