@@ -326,10 +326,10 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
         inert("activation_checkpoint", ("selective_ac_option",), f"activation_checkpoint.mode is {ac.mode}")
     if ac.mode != "memory_budget":
         inert("activation_checkpoint", ("memory_budget",), f"activation_checkpoint.mode is {ac.mode}")
-    pp_options = [f.name for f in dataclasses.fields(Parallelism) if f.name.startswith("pipeline_parallel_")]
     if c.parallelism.pipeline_parallel_degree == 1:
-        pp_options += ["module_fqns_per_model_part"]
-        inert("parallelism", (n for n in pp_options if n != "pipeline_parallel_degree"), "no pipeline parallelism")
+        names = [f.name for f in dataclasses.fields(Parallelism) if f.name.startswith("pipeline_parallel_")]
+        pipeline = [n for n in names if n != "pipeline_parallel_degree"] + ["module_fqns_per_model_part"]
+        inert("parallelism", pipeline, "no pipeline parallelism")
     if c.parallelism.tensor_parallel_degree == 1:
         inert("parallelism", ("enable_loss_parallel", "enable_async_tensor_parallel"), "no tensor parallelism")
     if not c.validation.enable:
@@ -421,7 +421,7 @@ def validate(config: JobConfig) -> None:
     _validate_activation_checkpoint(config)
     _validate_checkpoint(config)
     _validate_validation(config)
-    _validate_cost_model(config)
+    _validate_compile_and_comm(config)
     lr = config.lr_scheduler
     if lr.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
@@ -429,8 +429,8 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
 
 
-def _validate_cost_model(config: JobConfig) -> None:
-    """What auto bucketing prices with: something to compile, and a link that can be."""
+def _validate_compile_and_comm(config: JobConfig) -> None:
+    """Compile has something to compile; the link auto bucketing prices collectives on can be."""
     if config.compile.enable and not config.compile.components:
         raise ConfigError("compile.components: empty, so compile.enable would compile nothing; name model and/or loss")
     comm = config.comm
