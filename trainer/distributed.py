@@ -71,13 +71,21 @@ def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
     return f"{folder} (this rank's last: {last['profiling_name']} #{last['collective_seq_id']} of {last['process_group'][1]})"
 
 
+def is_first_attempt() -> bool:
+    """Whether this is the launch's first start of the ranks, not torchrun's restart of them."""
+    return _torchrun_attempt() == "0"
+
+
+def _torchrun_attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
     store = _torchrun_store(timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
+    store = dist.PrefixStore(f"tessera/attempt_{_torchrun_attempt()}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 

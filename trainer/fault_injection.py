@@ -27,15 +27,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from config.job_config import Debug
 from trainer.checkpoint import ChecksummedWriter
+from trainer.distributed import is_first_attempt
 
 logger = logging.getLogger(__name__)
 
 SAVE_FAILURES = ("kill_during_save", "hang_during_save", "disk_full_during_save")
 DISK_ROOM = 64 * 2**10  # bytes that fit on the "full" disk before writes fail
-
-
-def is_first_attempt() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 class _DyingWriter(ChecksummedWriter):

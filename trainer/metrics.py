@@ -332,11 +332,12 @@ class MetricsLogger:
             logger.info("TensorBoard logs in %s", tensorboard_dir)
         self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, new_run: bool = False) -> None:
         """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``.
-        From step 0, an earlier run's records in the folder move aside first."""
+        A ``new_run`` (launched from step 0, not restarted) first moves an earlier run's records
+        in the folder aside; a restart of the same launch appends, as a resumed run does."""
         self.progress.start(step)
-        if self._jsonl is not None and step == 0:
+        if self._jsonl is not None and new_run:
             self._jsonl.close()
             for name in (METRICS_FILE, VALIDATION_FILE):
                 _move_aside(os.path.join(os.path.dirname(self.jsonl_path), name))

@@ -22,7 +22,7 @@ from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.data import config_dataloader
-from trainer.distributed import init_distributed, parallel_dims_from_config, set_collective_timeout
+from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
 from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
@@ -232,7 +232,7 @@ class Trainer:
                 self.step,
                 config.training.steps,
             )
-        self.metrics.start(self.step)
+        self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
         data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()

@@ -364,11 +364,11 @@ def test_metrics_logger_jsonl_is_flushed_per_line_and_nan_is_null(tmp_path: Path
 def test_a_run_from_step_0_moves_an_earlier_runs_records_aside(tmp_path: Path, caplog) -> None:
     """Rerunning from scratch in a folder: the earlier run's metrics and validation records move to
     files named after their last write (steps 1, 2, 1, 3 in one file would make step 2 look like
-    the new run's); a resumed run appends."""
+    the new run's); a resumed run, or torchrun's restart of the same launch, appends."""
 
-    def run(start: int, steps: list[int]) -> None:
+    def run(start: int, steps: list[int], new_run: bool = True) -> None:
         metrics_logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=False, tensorboard_dir="")
-        metrics_logger.start(start)
+        metrics_logger.start(start, new_run=new_run)
         for step in steps:
             metrics_logger.log(step, _step_metrics(step))
         metrics_logger.log_validation(steps[-1], 1.0)
@@ -385,13 +385,14 @@ def test_a_run_from_step_0_moves_an_earlier_runs_records_aside(tmp_path: Path, c
     assert steps_in(tmp_path / f"metrics.{earlier}.jsonl") == [1, 2]
     assert steps_in(tmp_path / f"validation.{earlier}.jsonl") == [2]
     assert f"holds an earlier run's records; moved to {tmp_path / f'metrics.{earlier}.jsonl'}" in caplog.text
-    run(3, [4])  # resumed after step 3
-    assert steps_in(tmp_path / "metrics.jsonl") == [1, 3, 4]
+    run(3, [4], new_run=False)  # resumed after step 3
+    run(0, [1], new_run=False)  # restarted from scratch by torchrun: the same launch
+    assert steps_in(tmp_path / "metrics.jsonl") == [1, 3, 4, 1]
     os.utime(tmp_path / "metrics.jsonl", (0, 0))
     epoch = time.strftime("%Y%m%d-%H%M%S", time.localtime(0))
     (tmp_path / f"metrics.{epoch}.jsonl").write_text("")
     run(0, [1])  # a file of that second exists already: the next name
-    assert steps_in(tmp_path / f"metrics.{epoch}-1.jsonl") == [1, 3, 4]
+    assert steps_in(tmp_path / f"metrics.{epoch}-1.jsonl") == [1, 3, 4, 1]
 
 
 def test_a_wandb_run_that_cannot_start_is_a_warning_and_logging_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
