@@ -19,6 +19,7 @@ fail() {
   echo "error: $1" >&2
   exit 2
 }
+CONFIG_FILE_GIVEN=${CONFIG_FILE:+yes}
 CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
 # At most 6 digits: bash's arithmetic below takes 64-bit numbers, and no job has a million nodes.
@@ -53,6 +54,10 @@ for arg in "$@"; do
     sed -n '2,/^# Extra arguments/s/^# \{0,1\}//p' "$0"
     echo
     exec "$PY" "$HERE/train.py" --help
+  fi
+  if [ -n "$CONFIG_FILE_GIVEN" ] && [[ "$arg" == --job.config[_-]file* ]]; then
+    echo "warning: CONFIG_FILE=$CONFIG_FILE is not read: --job.config_file on the command line wins" >&2
+    CONFIG_FILE_GIVEN=
   fi
 done
 

@@ -499,19 +499,32 @@ def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
     assert "[rank" not in result.stdout + result.stderr
 
 
+ENVIRONMENT_WARNINGS = [
+    # A job of this node alone, said once, not silently.
+    ({"RDZV_ENDPOINT": "node0:29500"}, "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone"),
+    # Two config files: the one on the command line is read.
+    (
+        {"CONFIG_FILE": "/nowhere/job.toml"},
+        "warning: CONFIG_FILE=/nowhere/job.toml is not read: --job.config_file on the command line wins",
+    ),
+]
+
+
 @pytest.mark.slow  # launches run_train.sh
-def test_a_rendezvous_endpoint_for_one_node_is_a_warning(tmp_path):
-    """RDZV_ENDPOINT without NNODES is a job of this node alone: said once, not silently."""
-    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "RDZV_ENDPOINT": "node0:29500"}
-    command = script_command(str(tmp_path)) + ["--training.stpes", "3"]
+@pytest.mark.parametrize("env, warning", ENVIRONMENT_WARNINGS, ids=[",".join(env) for env, _ in ENVIRONMENT_WARNINGS])
+def test_an_environment_setting_without_effect_is_a_warning(tmp_path, env, warning):
+    """A misspelled option afterwards ends the launch early: the warning, then its error line."""
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, **env}
+    config = os.path.join(REPO, "configs", "debug_model.toml")
+    command = script_command(str(tmp_path)) + ["--job.config_file", config, "--training.stpes", "3"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    assert (result.returncode, result.stderr.strip().splitlines()) == (
+    lines = result.stderr.strip().splitlines()
+    assert (result.returncode, len(lines), lines[-1]) == (
         2,
-        [
-            "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone (set NNODES for more)",
-            "error: unknown option 'training.stpes' (did you mean 'training.steps'?)",
-        ],
+        2,
+        "error: unknown option 'training.stpes' (did you mean 'training.steps'?)",
     ), result.stderr[-2000:]
+    assert lines[0].startswith(warning)
 
 
 def test_the_ranks_check_the_output_folders_themselves(tmp_path):
