@@ -334,6 +334,19 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)
+    ac = config.activation_checkpoint
+    if (
+        ac.mode == "selective"
+        and ac.selective_ac_option.isdigit()
+        and int(ac.selective_ac_option) > model_args.n_layers
+    ):
+        logger.warning(
+            "activation_checkpoint.selective_ac_option %s: every %sth of the model's %d blocks is none; no block is "
+            "checkpointed",
+            ac.selective_ac_option,
+            ac.selective_ac_option,
+            model_args.n_layers,
+        )
     # Manual bucket specs against the model's modules (a pipeline stage, which holds some blocks
     # only, checks its own when it is built).
     c = config.compile

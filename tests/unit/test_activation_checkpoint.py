@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config.manager import load_config
 from models.llama3 import Transformer, llama3_flavors
+from models.llama3.parallelize import check_llama_layout
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.parallel_dims import ParallelDims
 
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_layers=4, vocab_size=128, max_seq_len=32)
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
@@ -143,3 +146,20 @@ def test_determinism_check_and_debug_reach_the_checkpoint(determinism_check, deb
     else:
         with pytest.raises(torch.utils.checkpoint.CheckpointError, match=error):
             output.backward()
+
+
+def test_every_nth_block_past_the_last_is_a_warning_before_launch(caplog):
+    """selective_ac_option 5 of 4 blocks checkpoints none of them: said by the pre-launch check."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    for option, warned in (("4", False), ("5", True)):
+        config = load_config(
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", option]
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="models.llama3.parallelize"):
+            check_llama_layout(ARGS, dims, config)
+        assert bool(caplog.records) == warned, option
+    assert caplog.messages == [
+        "activation_checkpoint.selective_ac_option 5: every 5th of the model's 4 blocks is none; no block is checkpointed"
+    ]
+    assert not [b for b in build("selective", "5").layers.values() if type(b).__name__ == "CheckpointWrapper"]
