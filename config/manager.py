@@ -353,7 +353,8 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
 
 def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
     """One warning line for the command-line options this run ignores (torchtitan's files set
-    many such options, so only the ones typed are named), and for windows longer than the run."""
+    many such options, so only the ones typed are named), and for windows longer than the run or
+    an LR schedule shorter than it."""
     reasons = _no_effect(config)
     if ignored := [f"--{key} ({reasons[key]})" for key in sorted(given & reasons.keys())]:
         logger.warning("no effect in this run: %s", "; ".join(ignored))
@@ -363,6 +364,16 @@ def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
     for key, (enabled, freq, what) in windows.items():
         if enabled and freq > steps:
             logger.warning("%s %d is more than training.steps %d: no %s in this run", key, freq, steps, what)
+    schedule = config.lr_scheduler.total_steps
+    if schedule is not None and schedule < steps:
+        logger.warning(
+            "lr_scheduler.total_steps %d is less than training.steps %d: steps %d to %d train at the final "
+            "learning rate",
+            schedule,
+            steps,
+            schedule + 1,
+            steps,
+        )
 
 
 # The blocks the first and last pipeline stages count their embeddings and output as.

@@ -228,7 +228,15 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
     not."""
     argv = ["--checkpoint.interval", "5", "--compile.bucketing", "auto", "--float8.emulate", "--training.steps", "3"]
     argv += ["--parallelism.pipeline_parallel_schedule", "GPipe", "--validation.enable", "--validation.freq", "5"]
-    argv += ["--training.steps", "4", "--training.steps=3", "--checkpoint.interval", "5"]
+    argv += [
+        "--training.steps",
+        "4",
+        "--training.steps=3",
+        "--checkpoint.interval",
+        "5",
+        "--lr_scheduler.total_steps",
+        "1",
+    ]
     with caplog.at_level("WARNING", logger="config.manager"):
         load_config(argv)
     assert [r.getMessage() for r in caplog.records] == [
@@ -237,6 +245,7 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
         "(compile.enable is false); --float8.emulate (model.converters has no float8); "
         "--parallelism.pipeline_parallel_schedule (no pipeline parallelism)",
         "validation.freq 5 is more than training.steps 3: no validation in this run",
+        "lr_scheduler.total_steps 1 is less than training.steps 3: steps 2 to 3 train at the final learning rate",
     ]
     caplog.clear()
     with caplog.at_level("WARNING", logger="config.manager"):
