@@ -381,6 +381,11 @@ def _model_shapes_of(metadata: Metadata) -> dict[str, tuple[int, ...]]:
     }
 
 
+def another_model(option: str, path: str, difference: str) -> str:
+    """The line for a checkpoint at ``path`` (given by ``option``) whose model is not the job's."""
+    return f"{option}: {path} holds another model than this job's: {difference}"
+
+
 def saved_model_difference(path: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
     """How the model tensors of the DCP checkpoint at ``path`` differ from a whole model's
     (``shapes``: its state dict's names and shapes), as ``model_difference`` says it; read from
@@ -735,7 +740,7 @@ class CheckpointManager:
             reshaped={key: shape for _, _, shapes in reports for key, shape in shapes.items()},
         )
         if difference:
-            raise ConfigError(f"{option}: {path} holds another model than this job's: {difference}")
+            raise ConfigError(another_model(option, path, difference))
 
     def _load_checked(
         self, path: str, parts: list[str], require_marker: bool = True, option: str = "checkpoint.folder"

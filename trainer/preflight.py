@@ -129,13 +129,13 @@ def _forwards(config: JobConfig, dims: ParallelDims) -> dict[str, int]:
     """The batches of one forward on a rank, named by their options: tokens of each."""
     t, v = config.training, config.validation
     if dims.pp > 1:
-        sequences = (
+        option, sequences = (
             "parallelism.pipeline_parallel_microbatch_size",
             config.parallelism.pipeline_parallel_microbatch_size,
         )
     else:
-        sequences = ("training.local_batch_size", t.local_batch_size)
-    forwards = {f"{sequences[0]} {sequences[1]} x training.seq_len {t.seq_len}": sequences[1] * t.seq_len}
+        option, sequences = "training.local_batch_size", t.local_batch_size
+    forwards = {f"{option} {sequences} x training.seq_len {t.seq_len}": sequences * t.seq_len}
     if v.enable:
         sequences, seq_len = v.local_batch_size or t.local_batch_size, v.seq_len or t.seq_len
         forwards[f"validation.local_batch_size {sequences} x validation.seq_len {seq_len}"] = sequences * seq_len
@@ -293,20 +293,20 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
         except ValueError as e:
             problems.append(f"checkpoint.initial_load_path: {e}")
     if path and os.path.isfile(os.path.join(path, ".metadata")) and args is not None:
-        if difference := _initial_checkpoint_difference(config, args):
-            problems.append(f"checkpoint.initial_load_path: {path} holds another model than this job's: {difference}")
+        if problem := _initial_checkpoint_problem(config, args):
+            problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
     return args
 
 
-def _initial_checkpoint_difference(config: JobConfig, args: TransformerModelArgs) -> str | None:
-    """How the model of the DCP checkpoint checkpoint.initial_load_path differs from the job's,
-    when the run will load it (no checkpoint of its own to resume from, the model not excluded)."""
+def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -> str | None:
+    """The line for a DCP checkpoint.initial_load_path whose model differs from the job's, when
+    the run will load it (no checkpoint of its own to resume from, the model not excluded)."""
     import torch
 
     from models.registry import get_model_spec
-    from trainer.checkpoint import complete_checkpoints, saved_model_difference
+    from trainer.checkpoint import another_model, complete_checkpoints, saved_model_difference
 
     ckpt = config.checkpoint
     own = os.path.join(config.job.dump_folder, ckpt.folder)
@@ -315,7 +315,9 @@ def _initial_checkpoint_difference(config: JobConfig, args: TransformerModelArgs
         return None
     with torch.device("meta"):
         model = get_model_spec(config.model.name).model_cls(args)
-    return saved_model_difference(ckpt.initial_load_path, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    difference = saved_model_difference(ckpt.initial_load_path, shapes)
+    return difference and another_model("checkpoint.initial_load_path", ckpt.initial_load_path, difference)
 
 
 def _dataset_problem(config: JobConfig, option: str) -> str | None:

@@ -151,14 +151,23 @@ def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def _rope_section(config: dict[str, Any]) -> Any:
+    """The table of an HF config's RoPE settings: transformers >= 5 nests theta and scaling in
+    ``rope_parameters``, older files keep theta at the top level and scaling in ``rope_scaling``."""
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def _rope_theta(config: dict[str, Any], rope: dict[str, Any]) -> Any:
+    return rope.get("rope_theta", config.get("rope_theta"))
+
+
 def _rope_args(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    """Our RoPE fields from an HF config; transformers >= 5 nests theta and scaling in
-    ``rope_parameters``, older files keep them at the top level."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    """Our RoPE fields from an HF config."""
+    rope = _rope_section(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         problems.append(f"rope_type {rope_type!r} is not supported (default or llama3)")
-    rope_theta = rope.get("rope_theta", config.get("rope_theta"))
+    rope_theta = _rope_theta(config, rope)
     if rope_theta is None:
         problems.append("missing field 'rope_theta'")
     fields = {"rope_theta": float(rope_theta or 0), "use_rope_scaling": rope_type == "llama3"}
@@ -175,12 +184,12 @@ def _rope_args(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
 def _value_problems(config: dict[str, Any]) -> list[str]:
     """Sizes that are not positive integers, and rates that are not positive numbers (a size of
     "4096" or 4096.0 would fail later as a TypeError inside torch)."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = _rope_section(config)
     if not isinstance(rope, dict):
         return [f"rope_scaling={rope!r} is not an object"]
     sizes = {name: config.get(name) for name in (*_REQUIRED, *_OPTIONAL_SIZES) if name != "rms_norm_eps"}
     sizes["rope_scaling.original_max_position_embeddings"] = rope.get("original_max_position_embeddings")
-    rates = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
+    rates = {"rms_norm_eps": config.get("rms_norm_eps"), "rope_theta": _rope_theta(config, rope)}
     rates |= {f"rope_scaling.{n}": rope.get(n) for n in ("factor", "low_freq_factor", "high_freq_factor")}
 
     def number(value: Any) -> bool:
