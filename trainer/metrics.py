@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import json
 import logging
 import math
@@ -274,18 +275,39 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _name_aside(stem: str, last_write: float, extension: str = "") -> str:
+    """A free name for an earlier run's records: ``stem.<time of their last write>extension``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(last_write))
+    moved, n = f"{stem}.{stamp}{extension}", 1
+    while os.path.exists(moved):  # two runs that ended in the same second
+        moved, n = f"{stem}.{stamp}-{n}{extension}", n + 1
+    return moved
+
+
 def _move_aside(path: str) -> None:
     """Renames the records of an earlier run at ``path`` (a run from step 0 in the same folder,
     whose steps would interleave with this one's) after the time of their last write."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     stem, extension = os.path.splitext(path)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
-    moved, n = f"{stem}.{stamp}{extension}", 1
-    while os.path.exists(moved):  # two runs that ended in the same second
-        moved, n = f"{stem}.{stamp}-{n}{extension}", n + 1
+    moved = _name_aside(stem, os.path.getmtime(path), extension)
     os.replace(path, moved)
     logger.warning("%s holds an earlier run's records; moved to %s (this run starts from step 0)", path, moved)
+
+
+def _event_files(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "events.out.tfevents.*")))
+
+
+def _move_events_aside(folder: str, events: list[str]) -> None:
+    """Moves an earlier run's TensorBoard event files out of ``folder`` (the same ``job.run_name``,
+    from step 0: both runs' curves would be drawn as one) into a folder beside it, named after
+    their last write, which TensorBoard lists as a run of its own."""
+    moved = _name_aside(folder.rstrip(os.sep), max(os.path.getmtime(path) for path in events))
+    os.makedirs(moved)
+    for path in events:
+        os.replace(path, os.path.join(moved, os.path.basename(path)))
+    logger.warning("%s holds an earlier run's TensorBoard events; moved to %s", folder, moved)
 
 
 class MetricsLogger:
@@ -321,6 +343,7 @@ class MetricsLogger:
         self.tensorboard_dir = tensorboard_dir if enable_tensorboard else None
         self._jsonl = None
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
+        self._earlier_events = _event_files(tensorboard_dir) if enable_tensorboard else []
         if enable:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(dump_folder, METRICS_FILE)
@@ -335,8 +358,10 @@ class MetricsLogger:
     def start(self, step: int, new_run: bool = False) -> None:
         """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``.
         A ``new_run`` (launched from step 0, not restarted) first moves an earlier run's records
-        in the folder aside; a restart of the same launch appends, as a resumed run does."""
+        (JSON lines, TensorBoard events) in its folders aside; a restart of the same launch appends, as a resumed run does."""
         self.progress.start(step)
+        if self._earlier_events and new_run:
+            _move_events_aside(self.tensorboard_dir, self._earlier_events)
         if self._jsonl is not None and new_run:
             self._jsonl.close()
             for name in (METRICS_FILE, VALIDATION_FILE):

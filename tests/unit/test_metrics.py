@@ -395,6 +395,40 @@ def test_a_run_from_step_0_moves_an_earlier_runs_records_aside(tmp_path: Path, c
     assert steps_in(tmp_path / f"metrics.{epoch}-1.jsonl") == [1, 3, 4, 1]
 
 
+def test_a_run_from_step_0_moves_an_earlier_runs_tensorboard_events_aside(tmp_path: Path, caplog) -> None:
+    """The same job.run_name launched again from scratch: the earlier run's event files move to a
+    folder beside the run's (TensorBoard lists it as a run of its own) instead of being drawn as
+    one curve with the new run's; a resumed run writes beside its own earlier events."""
+    tensorboard_dir = tmp_path / "tb" / "run"
+
+    def run(start: int, steps: list[int], new_run: bool = True) -> None:
+        metrics_logger = MetricsLogger(
+            str(tmp_path), enable=True, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
+        )
+        metrics_logger.start(start, new_run=new_run)
+        for step in steps:
+            metrics_logger.log(step, _step_metrics(step))
+        metrics_logger.close()
+
+    def steps_in(folder: Path) -> list[int]:
+        accumulator = EventAccumulator(str(folder))
+        accumulator.Reload()
+        return [event.step for event in accumulator.Scalars("loss/global_avg")]
+
+    run(0, [1, 2])
+    last_write = max(path.stat().st_mtime for path in tensorboard_dir.iterdir())
+    earlier = tmp_path / "tb" / f"run.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last_write))}"
+    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+        run(0, [1, 3])
+    assert steps_in(tensorboard_dir) == [1, 3] and steps_in(earlier) == [1, 2]
+    assert f"{tensorboard_dir} holds an earlier run's TensorBoard events; moved to {earlier}" in caplog.text
+    run(3, [4], new_run=False)  # resumed after step 3
+    assert steps_in(tensorboard_dir) == [1, 3, 4] and sorted(p.name for p in (tmp_path / "tb").iterdir()) == [
+        "run",
+        earlier.name,
+    ]
+
+
 def test_a_wandb_run_that_cannot_start_is_a_warning_and_logging_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
     wandb = pytest.importorskip("wandb")
 
