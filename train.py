@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from config.job_config import ConfigError, print_error
+from config.job_config import ConfigError, first_line, print_error
 from config.manager import help_text, load_config
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         return _refuse(e)
 
     from trainer.checkpoint import CheckpointError
-    from trainer.preflight import out_of_memory_error
+    from trainer.preflight import is_out_of_memory, out_of_memory_error
     from trainer.trainer import NonFiniteError, Trainer
 
     trainer = None
@@ -44,9 +44,9 @@ def main(argv: list[str]) -> int:
         return 1
     except RuntimeError as e:
         step = trainer.step + 1 if trainer is not None else 0
-        if _is_out_of_memory(e):
+        if is_out_of_memory(e):
             # The same batches at the same layout would run out again: not worth a restart.
-            return _refuse(out_of_memory_error(f"out of memory in step {step} on rank {rank} ({_first_line(e)})"))
+            return _refuse(out_of_memory_error(f"out of memory in step {step} on rank {rank} ({first_line(e)})"))
         if not _is_collective_failure(e):
             raise
         if _peer_refused():
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         traces = dump_collective_trace(config.comm, config.job.dump_folder)
         print_error(
             f"a collective failed at step {step} (a rank died or hung longer than "
-            f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {_first_line(e)}"
+            f"comm.train_timeout_seconds={config.comm.train_timeout_seconds}): {first_line(e)}"
             + (f"; the ranks' last collectives are in {traces}" if traces else "")
         )
         return 1
@@ -91,13 +91,6 @@ def _peer_refused() -> bool:
     return _error_file_written() or adopt_posted_refusal()
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
-    import torch
-
-    # An accelerator's allocator raises OutOfMemoryError; the CPU's a RuntimeError saying so.
-    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
-
-
 def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
 
@@ -106,11 +99,6 @@ def _is_collective_failure(error: BaseException) -> bool:
     # closed gets the stored reason alone.
     message = str(error)
     return isinstance(error, dist.DistError) or "/gloo/" in message or "timeout caused pair closure" in message
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def exit_without_teardown(code: int) -> None:

@@ -40,6 +40,12 @@ def print_error(message: object) -> None:
     sys.stderr.flush()
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first line, for a one-line message (its type's name when it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _default_cache_dir() -> str:
     return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
 

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint, ConfigError, user_input
+from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint, ConfigError, first_line, user_input
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
@@ -446,13 +446,8 @@ def _describe(error: BaseException) -> str:
     rank's error (' on rank R: ...')."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
-        return f" on rank {rank}: {type(cause).__name__}: {_first_line(cause)}"
-    return f": {type(error).__name__}: {_first_line(error)}"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+        return f" on rank {rank}: {type(cause).__name__}: {first_line(cause)}"
+    return f": {type(error).__name__}: {first_line(error)}"
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.job_config import JobConfig
+from config.job_config import JobConfig, first_line
 
 DEFAULT_DATASET = "python_docs"
 # Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
@@ -228,11 +228,7 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
     try:
         yield from datasets.load_dataset(path, streaming=True, **options)
     except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, ValueError, OSError, KeyError) as error:
-        raise ValueError(f"{source}: {type(error).__name__}: {_first_line(error)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"{source}: {type(error).__name__}: {first_line(error)}") from None
 
 
 def hub_revision(name: str) -> str:
@@ -248,7 +244,7 @@ def hub_revision(name: str) -> str:
     except Exception as error:  # the hub client raises its HTTP library's errors, which vary by version
         raise ValueError(
             f"{name!r} is not a local path, and the Hugging Face hub cannot be reached to look it up "
-            f"({type(error).__name__}: {_first_line(error)})"
+            f"({type(error).__name__}: {first_line(error)})"
         ) from None
 
 
@@ -317,7 +313,7 @@ def _check_shard_schema(path: Path, text_field: str) -> None:
             with pyarrow.memory_map(str(path)) as source:
                 schema = _arrow_schema(source)
     except (pyarrow.ArrowException, OSError) as error:
-        raise ValueError(f"{path}: unreadable {path.suffix[1:]} file ({_first_line(error)})") from None
+        raise ValueError(f"{path}: unreadable {path.suffix[1:]} file ({first_line(error)})") from None
     if text_field not in schema.names:
         raise ValueError(f"{path}: no field {text_field!r} (its fields: {', '.join(schema.names) or 'none'})")
     field_type = schema.field(text_field).type

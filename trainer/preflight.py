@@ -142,14 +142,23 @@ def _forwards(config: JobConfig, dims: ParallelDims) -> dict[str, int]:
     return forwards
 
 
-def out_of_memory_error(what: str) -> ConfigError:
-    """A run that ran out of memory (``what`` says how): the same batches at the same layout would
-    run out again, so it is a mistake in the job, with what would fit."""
+def out_of_memory_error(what: str, batch: str = "training.local_batch_size") -> ConfigError:
+    """A run that ran out of memory (``what`` says how) on the batches of option ``batch``: the same
+    batches at the same layout would run out again, so it is a mistake in the job, with what would
+    fit."""
+    section = batch.split(".")[0]
     return ConfigError(
-        f"training.local_batch_size: {what}; a smaller local_batch_size or seq_len, activation_checkpoint.mode "
+        f"{batch}: {what}; a smaller local_batch_size or seq_len in [{section}], activation_checkpoint.mode "
         "selective or full, or more ranks to shard over would fit (COMM_MODE=fake ./run_train.sh estimates a "
         "rank's peak)"
     )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    # An accelerator's allocator raises OutOfMemoryError; the CPU's a RuntimeError saying so.
+    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
 
 
 def check_output_folders(config: JobConfig) -> None:

@@ -312,7 +312,7 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.save(step, config.training.steps)
         if config.validation.enable and step % config.validation.freq == 0:
-            loss = self._sum_over_ranks(self.validator.validate(self.model, self.device))
+            loss = self._sum_over_ranks(self.validator.validate(self.model, self.device, step))
             self.metrics.log_validation(step, loss.item())
 
     def _handle_nonfinite(self, step: int, step_metrics: dict[str, float]) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from config.job_config import JobConfig
+from config.job_config import JobConfig, first_line
 from models.builder import BuiltModel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import local_loss
 from trainer.data import config_dataloader
 from trainer.loss import Loss
+from trainer.preflight import is_out_of_memory, out_of_memory_error
 from trainer.tokenizer import Tokenizer
 
 
@@ -23,9 +25,20 @@ class Validator:
         self.tokenizer = tokenizer
         self.loss = loss
 
+    def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
+        """The mean token loss after ``step``, over all data-parallel ranks (a global value, the same
+        on every rank)."""
+        try:
+            return self._mean_loss(model, device)
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
+            # Validation's batches ran out, not training's: its option is the one to name.
+            what = f"out of memory in validation after step {step} on rank {dist.get_rank()} ({first_line(e)})"
+            raise out_of_memory_error(what, "validation.local_batch_size") from None
+
     @torch.no_grad()
-    def validate(self, model: BuiltModel, device: torch.device) -> torch.Tensor:
-        """The mean token loss, over all data-parallel ranks (a global value, the same on every rank)."""
+    def _mean_loss(self, model: BuiltModel, device: torch.device) -> torch.Tensor:
         loader = config_dataloader(
             self.config, "validation.dataset", self.tokenizer, self.parallel_dims, self.config.debug.seed + 1
         )

@@ -603,12 +603,10 @@ def test_one_rank_out_of_memory_is_not_retried_either(tmp_path):
     assert "Restarting" not in output and "a collective failed" not in output, output[-3000:]
 
 
-def _big_batch(tmp_path, local_batch_size: int, nproc: int, limit_memory) -> subprocess.CompletedProcess:
-    """3 steps of ./run_train.sh on ``nproc`` ranks with ``local_batch_size`` sequences each,
-    started after ``limit_memory`` (a ``preexec_fn``)."""
-    command = script_command(
-        str(tmp_path / "dump"), "--training.local_batch_size", str(local_batch_size), "--training.steps", "3"
-    )
+def _big_batch(tmp_path, batch: list[str], nproc: int, limit_memory) -> subprocess.CompletedProcess:
+    """3 steps of ./run_train.sh on ``nproc`` ranks with the options of ``batch``, started after
+    ``limit_memory`` (a ``preexec_fn``)."""
+    command = script_command(str(tmp_path / "dump"), *batch, "--training.steps", "3")
     return subprocess.run(
         [*command, "--lr_scheduler.warmup_steps", "1"],
         cwd=REPO,
@@ -626,13 +624,32 @@ def test_running_out_of_memory_is_one_line_and_not_retried(tmp_path):
     which the pre-launch floor still passes): one line naming the option, exit 2, and no restart
     (each of torchrun's attempts ran out again, a traceback each, and ended in a failed job)."""
     limit = 6 * 10**9
-    result = _big_batch(tmp_path, 600, 2, lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    result = _big_batch(
+        tmp_path,
+        ["--training.local_batch_size", "600"],
+        2,
+        lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     last = result.stderr.rstrip().splitlines()[-1]
     assert last.startswith("error: training.local_batch_size: out of memory in step 1 on rank "), output[-3000:]
     assert "can't allocate memory" in last and "activation_checkpoint.mode" in last
     assert "Traceback" not in output and "Restarting" not in output and "a collective failed" not in output
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_validation_running_out_of_memory_names_its_batch(tmp_path):
+    """Training's batches fit, validation's do not: the line names validation.local_batch_size (it
+    named training's option, whose batches had just run)."""
+    limit = 6 * 10**9
+    validation = ["--validation.enable", "--validation.freq", "2", "--validation.local_batch_size", "600"]
+    result = _big_batch(tmp_path, validation, 2, lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("error: validation.local_batch_size: out of memory in validation after step 2 on rank ")
+    assert "in [validation]" in last and "Traceback" not in output and "Restarting" not in output
 
 
 @pytest.mark.slow  # launches run_train.sh
@@ -644,7 +661,7 @@ def test_a_rank_killed_for_want_of_memory_is_one_line_and_not_retried(tmp_path):
     if cgroup is None:
         pytest.skip(NO_MEMORY_CGROUP)
     try:
-        result = _big_batch(tmp_path, 96, 1, lambda: enter_cgroup(cgroup))
+        result = _big_batch(tmp_path, ["--training.local_batch_size", "96"], 1, lambda: enter_cgroup(cgroup))
     finally:
         os.rmdir(cgroup)
     output = result.stdout + result.stderr
