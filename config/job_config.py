@@ -20,6 +20,14 @@ from typing import Literal
 RESOLVED_CONFIG_FILE = "config.toml"
 """In job.dump_folder: the options the run trained with, as TOML, after this first line."""
 RESOLVED_CONFIG_HEADER = "# The options of the run in this folder, written (and rewritten) by the run\n"
+
+
+def written_by_a_run(path: str) -> bool:
+    """Whether the file at ``path`` is a resolved config a run wrote (its first line is the header)."""
+    with open(path, errors="replace") as f:
+        return f.readline() == RESOLVED_CONFIG_HEADER
+
+
 METRICS_FILE = "metrics.jsonl"
 """In job.dump_folder: one JSON record per logged step."""
 VALIDATION_FILE = "validation.jsonl"

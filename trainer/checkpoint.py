@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "checkpoint_complete.json"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+# What a save writes in its step folder: DCP's shards and metadata, the run's config, the marker.
+_SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|config\.toml|checkpoint_complete\.json(\.tmp)?")
 
 
 class CheckpointError(RuntimeError):
@@ -172,6 +174,15 @@ def checkpoint_folders(folder: str) -> list[tuple[int, str]]:
         if match and os.path.isdir(os.path.join(folder, name)):
             found.append((int(match.group(1)), os.path.join(folder, name)))
     return sorted(found, reverse=True)
+
+
+def _free_name(path: str) -> str:
+    """``path``, or the first of ``path-1``, ``path-2``, ... that does not exist: nothing moved
+    aside earlier is replaced."""
+    free, n = path, 1
+    while os.path.lexists(free):
+        free, n = f"{path}-{n}", n + 1
+    return free
 
 
 def is_complete(path: str) -> bool:
@@ -754,18 +765,32 @@ class CheckpointManager:
 
     def _tidy_after_resume(self, loaded_step: int | None) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than
-        the step resumed from (they failed to load), so that later saves start from empty folders."""
+        the step resumed from (they failed to load, or checkpoint.load_step chose an older one), so
+        that later saves start from empty folders. A step folder that no save of a run here left
+        (other files in it, or another tool's complete DCP checkpoint) is left alone."""
         if self.rank == 0:
             for step, path in checkpoint_folders(self.folder):
                 if not is_complete(path):
-                    logger.info("removing incomplete checkpoint %s", path)
-                    shutil.rmtree(path, ignore_errors=True)
+                    self._remove_cut_short(path)
                 elif loaded_step is None or step > loaded_step:
-                    aside = f"{path}.unloadable"
-                    shutil.rmtree(aside, ignore_errors=True)
+                    chosen = self.config.load_step >= 0
+                    aside = _free_name(f"{path}.{'not-resumed' if chosen else 'unloadable'}")
                     os.rename(path, aside)
-                    logger.warning("moved the unloadable checkpoint %s to %s", path, aside)
+                    why = f"newer than checkpoint.load_step {loaded_step}" if chosen else "unloadable"
+                    logger.warning("moved the checkpoint %s (%s) to %s", path, why, aside)
         dist.barrier(group=self.group)
+
+    @staticmethod
+    def _remove_cut_short(path: str) -> None:
+        names = os.listdir(path)
+        ours = all(_SAVE_FILE.fullmatch(name) and os.path.isfile(os.path.join(path, name)) for name in names)
+        # A save writes its config.toml first and DCP's .metadata last: .metadata alone is a
+        # checkpoint another tool completed (torchtitan's has no marker).
+        if ours and (RESOLVED_CONFIG_FILE in names or ".metadata" not in names):
+            logger.info("removing incomplete checkpoint %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            logger.warning("%s holds files no save of this run's wrote: left alone, not resumed from", path)
 
     def close(self) -> None:
         """Waits for the save in flight and for deletions."""

@@ -7,7 +7,9 @@ when the config is wrong (``main`` also serves run_train.sh, which lets it count
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -19,10 +21,10 @@ from typing import IO, TYPE_CHECKING
 from config.job_config import (
     METRICS_FILE,
     RESOLVED_CONFIG_FILE,
-    RESOLVED_CONFIG_HEADER,
     ConfigError,
     JobConfig,
     print_error,
+    written_by_a_run,
 )
 from config.manager import batch_layout, load_config
 from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
@@ -65,9 +67,9 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
-        lock = os.path.join(config.job.dump_folder, DUMP_FOLDER_LOCK)
-        if os.path.isfile(lock):
-            _lock(lock, config.job.dump_folder).close()
+        for option, folder in claimed_folders(config):
+            if os.path.isfile(lock := os.path.join(folder, FOLDER_LOCK)):
+                _lock(lock, option, folder).close()
 
 
 CPU_RANK_FLOOR_BYTES = 300 * 2**20
@@ -187,56 +189,91 @@ def check_output_folders(config: JobConfig) -> None:
     _check_written_files(config, folders)
 
 
-def _written_by_a_run(path: str) -> bool:
-    with open(path, errors="replace") as f:
-        return f.readline() == RESOLVED_CONFIG_HEADER
-
-
 def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> None:
-    """A one-line ConfigError when a file the run writes in the dump folder is an input, or two
-    of them are one file: the resolved config would replace the config file it was read from, and
-    job.save_config_file would replace the resolved config or put JSON into the metrics."""
+    """A one-line ConfigError when a file the run writes in the dump folder is an input or a file
+    no run wrote, or two of them are one file: the resolved config would replace the config file
+    it was read from or a file of the user's, and job.save_config_file would replace the resolved
+    config, put JSON into the metrics, or land outside the dump folder."""
     dump = config.job.dump_folder
     resolved = os.path.realpath(os.path.join(dump, RESOLVED_CONFIG_FILE))
-    if (
-        config.job.config_file
-        and os.path.realpath(config.job.config_file) == resolved
-        and not _written_by_a_run(resolved)
-    ):
+    if os.path.isfile(resolved) and not written_by_a_run(resolved):
+        if config.job.config_file and os.path.realpath(config.job.config_file) == resolved:
+            raise ConfigError(
+                f"job.config_file: {config.job.config_file} is the {RESOLVED_CONFIG_FILE} this run writes into "
+                "job.dump_folder, and would be overwritten; copy it elsewhere or pick another job.dump_folder"
+            )
         raise ConfigError(
-            f"job.config_file: {config.job.config_file} is the {RESOLVED_CONFIG_FILE} this run writes into "
-            "job.dump_folder, and would be overwritten; copy it elsewhere or pick another job.dump_folder"
+            f"job.dump_folder: {os.path.join(dump, RESOLVED_CONFIG_FILE)} was not written by a run, and this run "
+            "would overwrite it with its options; move it or pick another job.dump_folder"
         )
     if config.job.save_config_file:
-        saved = os.path.realpath(os.path.join(dump, config.job.save_config_file))
-        for name in (RESOLVED_CONFIG_FILE, METRICS_FILE):
-            if saved == os.path.realpath(os.path.join(dump, name)):
-                raise ConfigError(f"job.save_config_file: {config.job.save_config_file} is the {name} the run writes")
-        for option, folder in folders:
-            if saved == os.path.realpath(folder):
-                raise ConfigError(f"job.save_config_file: {config.job.save_config_file} is the folder of {option}")
+        _check_save_config_file(config.job.save_config_file, dump, folders)
 
 
-DUMP_FOLDER_LOCK = ".tessera.lock"
+def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]) -> None:
+    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+        raise ConfigError(f"job.save_config_file: {name} is not a file inside job.dump_folder {dump}")
+    saved = os.path.realpath(os.path.join(dump, name))
+    for written in (RESOLVED_CONFIG_FILE, METRICS_FILE):
+        if saved == os.path.realpath(os.path.join(dump, written)):
+            raise ConfigError(f"job.save_config_file: {name} is the {written} the run writes")
+    for option, folder in folders:
+        if saved == os.path.realpath(folder):
+            raise ConfigError(f"job.save_config_file: {name} is the folder of {option}")
+    if os.path.isfile(saved) and not _config_json(saved):
+        raise ConfigError(
+            f"job.save_config_file: {os.path.join(dump, name)} exists and is not a config a run wrote; "
+            "the run would overwrite it"
+        )
 
 
-def claim_dump_folder(folder: str) -> IO[str]:
-    """Marks ``folder`` as this process's run for as long as the returned file stays open or the
-    process lives; a one-line ConfigError when another process holds it. Two runs in one folder
-    would interleave their metrics, and each resume from and delete the other's checkpoints. The
-    kernel drops a dead process's lock, so a crashed or killed run leaves no stale claim."""
-    os.makedirs(folder, exist_ok=True)
-    f = _lock(os.path.join(folder, DUMP_FOLDER_LOCK), folder)
-    f.seek(0)
-    f.truncate()
-    f.write(f"process {os.getpid()} on {socket.gethostname()}\n")  # named to the run refused
-    f.flush()
-    return f
+def _config_json(path: str) -> bool:
+    """Whether the file at ``path`` is a job.save_config_file a run wrote: a JSON object of the
+    config's sections."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and set(saved) == {field.name for field in dataclasses.fields(JobConfig)}
 
 
-def _lock(path: str, folder: str) -> IO[str]:
-    """The lock file at ``path``, locked; a one-line ConfigError naming its holder when another
-    process holds it."""
+FOLDER_LOCK = ".tessera.lock"
+
+
+def claimed_folders(config: JobConfig) -> list[tuple[str, str]]:
+    """(option, folder) of the folders a run holds: the dump folder, and a checkpoint folder
+    outside it."""
+    dump = config.job.dump_folder
+    folders = [("job.dump_folder", dump)]
+    if config.checkpoint.enable:
+        checkpoints = os.path.realpath(os.path.join(dump, config.checkpoint.folder))
+        if os.path.commonpath([checkpoints, os.path.realpath(dump)]) != os.path.realpath(dump):
+            folders.append(("checkpoint.folder", checkpoints))
+    return folders
+
+
+def claim_folders(config: JobConfig) -> list[IO[str]]:
+    """Marks the run's folders (``claimed_folders``) as this process's for as long as the returned
+    files stay open or the process lives; a one-line ConfigError when another process holds one.
+    Two runs in one folder would interleave their metrics, and each resume from and delete the
+    other's checkpoints. The kernel drops a dead process's lock, so a crashed or killed run leaves
+    no stale claim."""
+    claims = []
+    for option, folder in claimed_folders(config):
+        os.makedirs(folder, exist_ok=True)
+        f = _lock(os.path.join(folder, FOLDER_LOCK), option, folder)
+        f.seek(0)
+        f.truncate()
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")  # named to the run refused
+        f.flush()
+        claims.append(f)
+    return claims
+
+
+def _lock(path: str, option: str, folder: str) -> IO[str]:
+    """The lock file at ``path``, locked; a one-line ConfigError naming ``option`` and the lock's
+    holder when another process holds it."""
     f = open(path, "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -245,7 +282,7 @@ def _lock(path: str, folder: str) -> IO[str]:
         holder = f.read().strip() or "another process"
         f.close()
         raise ConfigError(
-            f"job.dump_folder: {folder} is in use by another run ({holder}); stop it, or give this run another folder"
+            f"{option}: {folder} is in use by another run ({holder}); stop it, or give this run another folder"
         ) from None
     return f
 

@@ -28,7 +28,7 @@ from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
-from trainer.preflight import check_output_folders, claim_dump_folder
+from trainer.preflight import check_output_folders, claim_folders
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator
@@ -46,10 +46,8 @@ class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
         check_output_folders(config)  # also when torchrun starts the ranks without run_train.sh's check
-        # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folder until it ends.
-        self._dump_folder_claim = (
-            claim_dump_folder(config.job.dump_folder) if os.environ.get("RANK", "0") == "0" else None
-        )
+        # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folders until it ends.
+        self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)
         self.rank = dist.get_rank()
         _set_determinism(config)

@@ -335,10 +335,31 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     # Files the run writes that are its input, or each other.
-    ("folders", ["--job.config_file", "{d}/dump/config.toml"], "job.config_file: {d}/dump/config.toml is the config"),
+    (
+        "folders",
+        ["--job.config_file", "{d}/users/config.toml", "--job.dump_folder", "{d}/users"],
+        "job.config_file: {d}/users/config.toml is the config",
+    ),
+    (
+        "folders",
+        ["--job.dump_folder", "{d}/users"],
+        "job.dump_folder: {d}/users/config.toml was not written by a run, and this run would overwrite it",
+    ),
+    (
+        "folders",
+        ["--job.dump_folder", "{d}/jsons", "--job.save_config_file", "job.json"],
+        "job.save_config_file: {d}/jsons/job.json exists and is not a config a run wrote; the run would overwrite it",
+    ),
     ("folders", ["--job.save_config_file", "config.toml"], "job.save_config_file: config.toml is the config.toml"),
     ("folders", ["--job.save_config_file", "./metrics.jsonl"], "job.save_config_file: ./metrics.jsonl is the metrics"),
     ("folders", ["--job.save_config_file", "tb"], "job.save_config_file: tb is the folder of metrics.save_tb_folder"),
+    ("folders", ["--job.save_config_file", "../job.json"], "job.save_config_file: ../job.json is not a file inside"),
+    ("folders", ["--job.save_config_file", "{d}/jsons/job.json"], "job.save_config_file: {d}/jsons/job.json is not a"),
+    (
+        "folders",
+        ["--job.save_config_file", "../jsons/job.json"],
+        "job.save_config_file: ../jsons/job.json is not a file inside",
+    ),
     # A model or a batch that cannot fit a rank (3 TiB of 405B's state, 10 TiB of logits: on any host).
     (
         "memory",
@@ -394,8 +415,10 @@ def _prepare(d) -> None:
     sizes = {"hidden_size": "256", "num_hidden_layers": 6, "num_attention_heads": 16, "intermediate_size": 768}
     (hf / "config.json").write_text(json.dumps({**sizes, "vocab_size": 2048, "rms_norm_eps": -1, "rope_theta": 5e5}))
     (hf / "model.safetensors").write_bytes(b"")
-    (d / "dump").mkdir()
-    (d / "dump" / "config.toml").write_text("# the user's own\n[training]\nsteps = 3\n")
+    (d / "users").mkdir()
+    (d / "users" / "config.toml").write_text("# the user's own\n[training]\nsteps = 3\n")
+    (d / "jsons").mkdir()
+    (d / "jsons" / "job.json").write_text('{"job": {}}')
 
 
 def _one_error_line(code: int, stderr: str, expected: str) -> bool:
@@ -541,30 +564,39 @@ def test_the_ranks_check_the_output_folders_themselves(tmp_path):
 
 def test_a_dump_folder_in_use_by_another_run_is_refused(tmp_path):
     """A second run started on the folder of a run still going (which would interleave metrics and
-    resume from and delete the other's checkpoints) is one line, before launch and in the ranks;
-    once the first run's process is gone, the folder is free: no stale claim."""
-    dump = str(tmp_path / "run")
-    hold = "import sys, time; from trainer.preflight import claim_dump_folder; held = claim_dump_folder(sys.argv[1]); print(1)"
+    resume from and delete the other's checkpoints), or on its checkpoint folder outside its dump
+    folder, is one line, before launch and in the ranks; once the first run's process is gone, the
+    folders are free: no stale claim."""
+    dump, checkpoints = str(tmp_path / "run"), str(tmp_path / "checkpoints")
+    argv = ["--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.folder", checkpoints]
+    hold = "import sys, time; from config.manager import load_config; from trainer.preflight import claim_folders"
+    hold += "; held = claim_folders(load_config(sys.argv[1:])); print(1)"
     holder = subprocess.Popen(
-        [sys.executable, "-c", hold + "; sys.stdout.flush(); time.sleep(600)", dump],
+        [sys.executable, "-c", hold + "; sys.stdout.flush(); time.sleep(600)", *argv],
         env=dict(os.environ, PYTHONPATH=REPO),
         stdout=subprocess.PIPE,
         text=True,
     )
-    config = load_config(["--job.dump_folder", dump])
+    same_dump = load_config(["--job.dump_folder", dump])
+    same_checkpoints = load_config([*argv[:1], str(tmp_path / "other"), *argv[2:]])
     try:
         assert holder.stdout.readline() == "1\n"
-        message = rf"^job.dump_folder: {dump} is in use by another run \(process {holder.pid} on .*\); stop it, or"
-        with pytest.raises(ConfigError, match=message):
-            preflight.check(config, 1, ranks_per_node=1)
-        with pytest.raises(ConfigError, match=message):
-            Trainer(config)
-        assert not dist.is_initialized()
-        preflight.check(config, 1)  # a dry run may look on
+        for config, option, folder in [
+            (same_dump, "job.dump_folder", dump),
+            (same_checkpoints, "checkpoint.folder", checkpoints),
+        ]:
+            message = rf"^{option}: {folder} is in use by another run \(process {holder.pid} on .*\); stop it, or"
+            with pytest.raises(ConfigError, match=message):
+                preflight.check(config, 1, ranks_per_node=1)
+            with pytest.raises(ConfigError, match=message):
+                Trainer(config)
+            assert not dist.is_initialized()
+            preflight.check(config, 1)  # a dry run may look on
     finally:
         holder.kill()
         holder.wait()
-    preflight.check(config, 1, ranks_per_node=1)
+    preflight.check(same_dump, 1, ranks_per_node=1)
+    preflight.check(same_checkpoints, 1, ranks_per_node=1)
 
 
 def test_a_seed_checkpoint_must_fit_one_process(capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import zlib
@@ -272,6 +273,43 @@ def test_incomplete_save_is_never_loaded_and_is_removed(tmp_path):
     resumed = Run(str(tmp_path), seed=1)
     assert resumed.manager.resume() == 1
     assert steps_on_disk(str(tmp_path)) == [1]
+
+
+def test_only_a_save_of_a_run_here_cut_short_is_removed(tmp_path, caplog):
+    """Step folders without the marker are removed only when they hold nothing but what a save
+    writes, begun (its config.toml first) or shards alone: another tool's complete DCP checkpoint
+    (torchtitan's, in the same step-N layout, has no marker) and a folder with a user's file stay,
+    and are not resumed from."""
+    run = Run(str(tmp_path))
+    run.train(3)
+    folder = tmp_path / "checkpoint"
+    os.remove(folder / "step-3" / COMPLETE_MARKER)  # cut short after DCP's metadata
+    for name in ("step-1", "step-2"):  # another tool's: complete DCP checkpoints, no marker, no config
+        os.remove(folder / name / COMPLETE_MARKER)
+        os.remove(folder / name / "config.toml")
+    (folder / "step-2" / "notes.txt").write_text("mine")
+    (folder / "step-5").mkdir()  # cut short before anything was written
+    (folder / "step-6").mkdir()  # shards alone: a save cut short before its metadata
+    (folder / "step-6" / "__1_0.distcp").write_bytes(b"partial")
+    with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+        assert Run(str(tmp_path), seed=1).manager.resume() is None
+    assert steps_on_disk(str(tmp_path)) == [2, 1]
+    assert (folder / "step-2" / "notes.txt").read_text() == "mine"
+    assert f"{folder / 'step-1'} holds files no save of this run's wrote: left alone, not resumed from" in caplog.text
+
+
+def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_moved_before(tmp_path, caplog):
+    """checkpoint.load_step 1 with steps 2 and 3 on disk: they are not unloadable, just not resumed
+    from; moved aside under their own name, and a second such run does not replace the first's."""
+    Run(str(tmp_path)).train(3)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        assert Run(str(tmp_path), load_step=1).manager.resume() == 1
+    folder = tmp_path / "checkpoint"
+    assert f"moved the checkpoint {folder / 'step-3'} (newer than checkpoint.load_step 1) to" in caplog.text
+    Run(str(tmp_path), seed=1).train(2)  # steps 1 and 2 again, then resumed from step 1 once more
+    assert Run(str(tmp_path), load_step=1).manager.resume() == 1
+    aside = sorted(path.name for path in folder.iterdir() if not path.name.startswith("step-1"))
+    assert aside == ["step-2.not-resumed", "step-2.not-resumed-1", "step-3.not-resumed"]
 
 
 def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
