@@ -63,6 +63,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint, ConfigError, first_line, user_input
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
@@ -72,6 +77,20 @@ from trainer.optim import optimizers_holding_state
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "checkpoint_complete.json"
+# The options whose values a loaded part brings back: the optimizer's settings, and the LR schedule
+# (its peak and its shape, which training.steps sets unless lr_scheduler.total_steps does).
+_RESTORED_OPTIONS = {
+    "optimizer": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay"),
+    "lr_scheduler": (
+        "optimizer.lr",
+        "lr_scheduler.warmup_steps",
+        "lr_scheduler.decay_type",
+        "lr_scheduler.decay_ratio",
+        "lr_scheduler.min_lr_factor",
+        "lr_scheduler.total_steps",
+        "training.steps",
+    ),
+}
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # What a save writes in its step folder: DCP's shards and metadata, the run's config, the marker.
 _SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|config\.toml|checkpoint_complete\.json(\.tmp)?")
@@ -762,6 +781,31 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"loading {path} failed{_describe(e)}") from None
         logger.info("loaded %s from %s", ", ".join(state), path)
+        if self.rank == 0 and (changes := self._restored_option_changes(path, list(state))):
+            logger.warning(
+                "%s brings back the optimizer settings and LR schedule it was saved with; these options differ "
+                "and do not count: %s",
+                path,
+                ", ".join(changes),
+            )
+
+    def _restored_option_changes(self, path: str, parts: list[str]) -> list[str]:
+        """The options this run sets otherwise than the run that saved ``path`` (its config.toml),
+        among those whose values the loaded ``parts`` bring back, each with the saved value."""
+        try:
+            with open(os.path.join(path, RESOLVED_CONFIG_FILE), "rb") as f:
+                saved = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError):
+            return []  # saved by another tool, or damaged: nothing to compare with
+        own = tomllib.loads(self.resolved_config)
+        changes = []
+        for option in (option for part in parts for option in _RESTORED_OPTIONS.get(part, ())):
+            section, key = option.split(".")
+            if option == "training.steps" and own.get("lr_scheduler", {}).get("total_steps") is not None:
+                continue  # the schedule's length is lr_scheduler.total_steps
+            if (value := own.get(section, {}).get(key)) != (before := saved.get(section, {}).get(key)):
+                changes.append(f"{option} {value} (saved: {before})")
+        return changes
 
     def _tidy_after_resume(self, loaded_step: int | None) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than

@@ -60,7 +60,14 @@ class Run:
     """A tiny model, its optimizer and a CheckpointManager over a dump folder."""
 
     def __init__(
-        self, dump_folder: str, seed: int = 0, data=None, storage_writer=None, widths=(4, 8, 2), **checkpoint_options
+        self,
+        dump_folder: str,
+        seed: int = 0,
+        data=None,
+        storage_writer=None,
+        widths=(4, 8, 2),
+        resolved_config: str = "[job]\n",
+        **checkpoint_options,
     ) -> None:
         torch.manual_seed(seed)
         self.model = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
@@ -71,7 +78,7 @@ class Run:
         self.manager = CheckpointManager(
             Checkpoint(enable=True, **checkpoint_options),
             dump_folder,
-            "[job]\n",
+            resolved_config,
             model_parts=[self.model],
             optimizer=self.optimizer,
             lr_scheduler=self.scheduler,
@@ -310,6 +317,23 @@ def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_mov
     assert Run(str(tmp_path), load_step=1).manager.resume() == 1
     aside = sorted(path.name for path in folder.iterdir() if not path.name.startswith("step-1"))
     assert aside == ["step-2.not-resumed", "step-2.not-resumed-1", "step-3.not-resumed"]
+
+
+def test_options_a_resume_brings_back_from_the_checkpoint_are_named_when_typed_otherwise(tmp_path, caplog):
+    """The optimizer's settings and the LR schedule come back from the checkpoint (the resumed run
+    steps as the saved one would): a resume whose config sets them otherwise names each in one
+    warning, with the saved value, instead of running at a rate the log never shows."""
+    saved = "[training]\nsteps = 3\n[optimizer]\nlr = 0.002\nbeta1 = 0.9\n[lr_scheduler]\nwarmup_steps = 1\n"
+    Run(str(tmp_path), resolved_config=saved).train(2)
+    typed = saved.replace("steps = 3", "steps = 9").replace("lr = 0.002", "lr = 1e-05").replace("0.9", "0.5")
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        Run(str(tmp_path), resolved_config=typed).manager.resume()
+        changes = "optimizer.beta1 0.5 (saved: 0.9), optimizer.lr 1e-05 (saved: 0.002), training.steps 9 (saved: 3)"
+        assert f"these options differ and do not count: {changes}" in caplog.text
+        caplog.clear()
+        Run(str(tmp_path), resolved_config=saved).manager.resume()  # the same options: nothing to say
+        Run(str(tmp_path), resolved_config=typed, exclude_from_loading=["optimizer", "lr_scheduler"]).manager.resume()
+    assert "do not count" not in caplog.text
 
 
 def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
