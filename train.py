@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -42,6 +43,11 @@ def main(argv: list[str]) -> int:
     except (CheckpointError, NonFiniteError) as e:
         print_error(e)
         return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # A restart would meet the same full disk (the folders' check then says so before launch).
+        return _refuse(ConfigError(f"job.dump_folder: {e.filename or 'a file'}: {e.strerror}"))
     except RuntimeError as e:
         step = trainer.step + 1 if trainer is not None else 0
         if is_out_of_memory(e):

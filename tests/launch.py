@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from parallelisms.device import memory_cgroup
 
@@ -267,6 +269,22 @@ def limited_memory_cgroup(limit: int) -> str | None:
 
 
 NO_MEMORY_CGROUP = "needs a memory cgroup of its own (root, a writable cgroup controller)"
+
+
+@contextlib.contextmanager
+def small_disk(folder: str, size: str) -> Iterator[bool]:
+    """A file system of ``size`` (tmpfs, e.g. "3m") mounted on ``folder`` while the block runs:
+    yields whether it could be mounted (root only)."""
+    os.makedirs(folder, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True)
+    try:
+        yield mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "--lazy", folder], check=True)
+
+
+NO_SMALL_DISK = "needs to mount a small tmpfs (root)"
 
 
 def enter_cgroup(folder: str) -> None:

@@ -467,8 +467,17 @@ def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
 
 
 def _save_failed(path: str, error: BaseException) -> CheckpointError:
-    """One line for a failed save, naming the folder."""
-    return CheckpointError(f"saving {path} failed{_describe(error)}")
+    """One line for a failed save, naming the folder, and its disk when that is full (torch's
+    writer reports a full disk as a position it did not reach)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = _FULL_DISK_BYTES
+    disk = f" (its disk is full: {free} bytes free)" if free < _FULL_DISK_BYTES else ""
+    return CheckpointError(f"saving {path} failed{_describe(error)}{disk}")
+
+
+_FULL_DISK_BYTES = 2**20
 
 
 def _describe(error: BaseException) -> str:

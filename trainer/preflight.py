@@ -299,10 +299,18 @@ def _unwritable(folder: str) -> str | None:
             return f"{folder} is not a folder"
         return f"cannot create {folder}: {existing} is not a folder"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".tessera-write-check-", dir=existing))
+        # A few bytes written, not only a name made: a full disk still takes new names.
+        with tempfile.TemporaryFile(prefix=".tessera-write-check-", dir=existing) as probe:
+            probe.write(bytes(_PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as e:
-        return f"cannot create {folder}: nothing can be written in {existing} ({e.strerror})"
+        where = "" if existing == os.path.abspath(folder) else f"cannot create {folder}: "
+        return f"{where}nothing can be written in {existing} ({e.strerror})"
     return None
+
+
+_PROBE_BYTES = 64 * 1024
 
 
 def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelArgs:

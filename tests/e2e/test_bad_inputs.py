@@ -4,6 +4,7 @@ traceback, and no rank started (run_train.sh's pre-launch check, trainer/preflig
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ from config.job_config import ConfigError
 from config.manager import load_config
 from tests.launch import (
     NO_MEMORY_CGROUP,
+    NO_SMALL_DISK,
     REPO,
     TINY_RUN,
     enter_cgroup,
@@ -27,6 +29,7 @@ from tests.launch import (
     run_script,
     script_command,
     script_env,
+    small_disk,
 )
 from trainer import preflight
 from trainer.trainer import Trainer
@@ -703,6 +706,33 @@ def test_a_rank_killed_for_want_of_memory_is_one_line_and_not_retried(tmp_path):
         -3000:
     ]
     assert "Traceback" not in output and "Restarting" not in output and "attempts left" not in output
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_full_disk_is_one_line_before_launch_and_after_a_save_it_cut_short(tmp_path):
+    """A dump folder on a full disk: one line before launch (a probe write; a new folder name is
+    still made on a full disk). A disk that fills during a save: the save's line says the disk is
+    full, and the restart ends in the folders' line, exit 2 (tracebacks in every attempt before)."""
+    disk = str(tmp_path / "disk")
+    with small_disk(disk, "3m") as mounted:
+        if not mounted:
+            pytest.skip(NO_SMALL_DISK)
+        with open(os.path.join(disk, "fill"), "wb") as f, contextlib.suppress(OSError):
+            f.write(bytes(4 * 2**20))
+        argv = ["--nnodes", "1", "--nproc-per-node", "2", "--job.dump_folder", os.path.join(disk, "run")]
+        result = subprocess.run(
+            [sys.executable, "-m", "trainer.preflight", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        expected = f"job.dump_folder: cannot create {disk}/run: nothing can be written in {disk} (No space left"
+        assert _one_error_line(result.returncode, result.stderr, expected), result.stderr
+        os.remove(os.path.join(disk, "fill"))
+        checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "1", "--model.n_layers", "2"]
+        result = run_script(os.path.join(disk, "run"), *checkpoints, "--training.steps", "3", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "(its disk is full: " in output and "Traceback" not in output
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last == f"error: job.dump_folder: nothing can be written in {disk}/run (No space left on device)"
 
 
 @pytest.mark.parametrize("command", [["./run_train.sh", "--help"], ["./run_train.sh", "--training.steps", "3", "-h"]])

@@ -1,11 +1,14 @@
 """train.py's sorting of a failed run's errors: a peer's death or hang is one line and a restart,
 anything else a traceback; a refusal posted by another node ends this one too."""
 
+import errno
 import threading
 
 import pytest
 import torch.distributed as dist
 
+import train
+import trainer.trainer
 from train import _is_collective_failure, _peer_refused
 from trainer.distributed import REFUSAL_KEY
 
@@ -46,3 +49,23 @@ def test_a_refusal_posted_a_moment_after_the_collective_broke_is_found(tmp_path,
     finally:
         agent.join()
     assert error_file.read_text() == line
+
+
+def test_a_full_disk_in_the_ranks_is_a_refusal_not_a_traceback(monkeypatch, capsys):
+    """A disk that fills while a rank writes (metrics, TensorBoard) is one line naming the file,
+    exit 2: a restart would meet the same disk (a traceback and a restart before)."""
+
+    def write_on_a_full_disk(config):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")
+
+    monkeypatch.setattr(trainer.trainer, "Trainer", write_on_a_full_disk)
+    monkeypatch.delenv("TESSERA_ERROR_FILE", raising=False)
+    assert train.main(["--training.steps", "1"]) == 2
+    assert capsys.readouterr().err == "error: job.dump_folder: /data/run/metrics.jsonl: No space left on device\n"
+
+    def other_os_error(config):
+        raise OSError(errno.EACCES, "Permission denied", "/data/run/metrics.jsonl")
+
+    monkeypatch.setattr(trainer.trainer, "Trainer", other_os_error)
+    with pytest.raises(PermissionError):
+        train.main(["--training.steps", "1"])
