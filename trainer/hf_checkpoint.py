@@ -13,6 +13,7 @@ import shutil
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -286,8 +287,17 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _weight_files(folder: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF key -> (path of the safetensors file holding it, shape); reads headers only."""
+class StoredWeight(NamedTuple):
+    """A weight as a safetensors header describes it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    """safetensors' name of the dtype: F32, BF16, I32, ..."""
+
+
+def _weight_files(folder: str) -> dict[str, StoredWeight]:
+    """HF key -> where and how it is stored; reads headers only."""
     index_path = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
@@ -298,13 +308,14 @@ def _weight_files(folder: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         files = [SINGLE_FILE]
     else:
         raise ValueError(f"HF checkpoint: {folder} has neither {SINGLE_FILE} nor {INDEX_NAME}")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    out: dict[str, StoredWeight] = {}
     for name in files:
         path = os.path.join(folder, name)
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
-                    out[key] = path, tuple(f.get_slice(key).get_shape())
+                    header = f.get_slice(key)
+                    out[key] = StoredWeight(path, tuple(header.get_shape()), header.get_dtype())
         except FileNotFoundError:
             raise ValueError(f"HF checkpoint: {path} does not exist") from None
         except (SafetensorError, OSError) as exc:
@@ -312,11 +323,11 @@ def _weight_files(folder: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _read_tensors(files: dict[str, tuple[str, tuple[int, ...]]], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+def _read_tensors(files: dict[str, StoredWeight], keys: Iterable[str]) -> dict[str, torch.Tensor]:
     """Reads ``keys`` (HF names) from their files, opening each file once."""
     by_file: dict[str, list[str]] = {}
     for key in keys:
-        by_file.setdefault(files[key][0], []).append(key)
+        by_file.setdefault(files[key].path, []).append(key)
     out = {}
     for path, file_keys in by_file.items():
         try:
@@ -372,10 +383,29 @@ def _listed(keys: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, tuple[str, tuple[int, ...]]], bool]:
-    """(HF key -> (file, shape) of every weight, whether the folder's table is tied) of the folder
-    the model of ``args`` will load. ValueError naming the folder and every way its config.json
-    differs from ``args`` (or, when it matches, every missing, unexpected or misshapen tensor)."""
+# The dtypes of the weights a folder may hold: the floating-point ones torch computes in.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _dtype_problems(files: dict[str, StoredWeight], limit: int = 4) -> list[str]:
+    """Weights stored in another dtype: loading would cast them to the model's dtype without a word
+    (integers make a model of zeros and small whole numbers)."""
+    wrong = [
+        f"'{key}' in {os.path.basename(w.path)} is {w.dtype}"
+        for key, w in files.items()
+        if w.dtype not in WEIGHT_DTYPES
+    ]
+    if not wrong:
+        return []
+    more = f" and {len(wrong) - limit} more" if len(wrong) > limit else ""
+    return [f"{', '.join(wrong[:limit])}{more}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
+
+
+def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, StoredWeight], bool]:
+    """(HF key -> where and how every weight is stored, whether the folder's table is tied) of the
+    folder the model of ``args`` will load. ValueError naming the folder and every way its
+    config.json differs from ``args`` (or, when it matches, every missing, unexpected, misshapen
+    or non-floating-point tensor)."""
     config_path = os.path.join(folder, CONFIG_NAME)
     config = read_hf_config(folder)
     mismatches = config_mismatches(args_from_hf_config(config, base=args, source=config_path), args)
@@ -391,9 +421,10 @@ def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, 
         problems.append(f"is missing {_listed(missing)}")
     if unexpected := [k for k in files if k not in expected]:
         problems.append(f"has unexpected {_listed(unexpected)}")
-    for key, (_, shape) in files.items():
-        if key in expected and shape != expected[key]:
-            problems.append(f"'{key}' has shape {list(shape)}, expected {list(expected[key])}")
+    for key, weight in files.items():
+        if key in expected and weight.shape != expected[key]:
+            problems.append(f"'{key}' has shape {list(weight.shape)}, expected {list(expected[key])}")
+    problems += _dtype_problems(files)
     if problems:
         raise ValueError(f"HF checkpoint: {folder} {'; '.join(problems)}")
     return files, tied

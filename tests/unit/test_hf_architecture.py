@@ -11,7 +11,7 @@ import stat
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from config.job_config import ConfigError
 from config.manager import load_config
@@ -257,3 +257,18 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused():
 def test_impossible_sizes_get_one_line(args, expected, capsys):
     assert preflight.main(["--world-size", "2", *args]) == 2
     assert capsys.readouterr().err.strip().startswith(expected)
+
+
+def test_integer_weights_get_one_line_before_the_ranks_start(tmp_path, corpus, capsys):
+    """The dtype is in the safetensors header: the pre-launch check reads it, not the weights."""
+    folder = write_llama_folder(str(tmp_path / "ints"), llama_config())
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int32)
+    save_file(tensors, path)
+    code = preflight.main(["--world-size", "2", *folder_args(folder, corpus)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
+    assert code == 2 and lines == [
+        f"error: checkpoint.initial_load_path: HF checkpoint: {folder} 'model.layers.0.mlp.up_proj.weight' "
+        "in model.safetensors is I32; weights must be F16, BF16, F32 or F64"
+    ]

@@ -370,3 +370,19 @@ def test_export_needs_every_parameter(exported, tmp_path):
     with pytest.raises(ValueError, match="do not hold 'lm_head.weight'"):
         export_hf([model], DEBUG_ARGS, str(tmp_path / "out"), torch.float32)
     assert os.listdir(tmp_path) == []
+
+
+def test_weights_that_are_not_floating_point_are_refused(exported, tmp_path):
+    """Integers would be cast to the model's dtype without a word: a model of zeros and ones."""
+    model, folder = exported
+    tensors = hf_weights(folder)
+    for key in ("model.layers.1.self_attn.q_proj.weight", "model.norm.weight"):
+        tensors[key] = tensors[key].to(torch.int32)
+    broken = copy_export(folder, tmp_path, tensors)
+    expected = (
+        f"HF checkpoint: {broken} 'model.layers.1.self_attn.q_proj.weight' in model.safetensors is I32, "
+        "'model.norm.weight' in model.safetensors is I32; weights must be F16, BF16, F32 or F64"
+    )
+    with pytest.raises(ValueError) as error:
+        load_hf_weights([model], broken)
+    assert str(error.value) == expected
