@@ -386,3 +386,28 @@ def test_weights_that_are_not_floating_point_are_refused(exported, tmp_path):
     with pytest.raises(ValueError) as error:
         load_hf_weights([model], broken)
     assert str(error.value) == expected
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf])
+def test_a_weight_that_is_not_finite_is_named(exported, fresh_model, tmp_path, value):
+    """Loaded, it would make every attempt's first loss NaN; the ranks refuse it as they read it."""
+    _, folder = exported
+    tensors = hf_weights(folder)
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 5] = value
+    broken = copy_export(folder, tmp_path, tensors)
+    path = os.path.join(broken, "model.safetensors")
+    with pytest.raises(ValueError) as error:
+        load_hf_weights([copy.deepcopy(fresh_model)], broken)
+    assert str(error.value) == (
+        f"HF checkpoint: {path}: 1 of the 65536 values of 'model.layers.1.self_attn.q_proj.weight' are NaN or infinite"
+    )
+
+
+def test_float16_weights_whose_sum_overflows_load(exported, fresh_model, tmp_path):
+    """The finiteness check sums each tensor first; a float16 sum past 65504 is no NaN."""
+    _, folder = exported
+    tensors = {key: tensor.to(torch.float16) for key, tensor in hf_weights(folder).items()}
+    tensors["model.norm.weight"].fill_(60000.0)
+    model = copy.deepcopy(fresh_model)
+    load_hf_weights([model], copy_export(folder, tmp_path, tensors))
+    assert torch.equal(model.norm.weight, torch.full_like(model.norm.weight, 60000.0))
