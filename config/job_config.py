@@ -143,6 +143,11 @@ class Model:
 # (all and only the fields unset by default).
 MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default is None)
 
+# The largest model sizes a run takes, from [model] or a Hugging Face config.json: tensor dims are
+# int32 in places, and 10,000 blocks build in seconds (a billion would hang the pre-launch check).
+MAX_MODEL_SIZE = 2**31 - 1
+MAX_LAYERS = 10_000
+
 
 @dataclass
 class Training:

@@ -20,6 +20,8 @@ import typing
 from config import torchtitan
 from config.job_config import (
     CHECKPOINT_PARTS,
+    MAX_LAYERS,
+    MAX_MODEL_SIZE,
     MODEL_SIZE_FIELDS,
     ConfigError,
     Float8,
@@ -549,11 +551,13 @@ def _validate_magnitudes(config: JobConfig) -> None:
 def _upper_bounds(c: JobConfig) -> dict[str, tuple[int | None, int]]:
     """option: (value, largest allowed), where a larger value would overflow in torch or gloo, or
     take minutes to be refused for its memory."""
-    sizes = {f"model.{n}": (v, 2**31 - 1) for n in MODEL_SIZE_FIELDS if not isinstance(v := getattr(c.model, n), bool)}
+    sizes = {
+        f"model.{n}": (v, MAX_MODEL_SIZE) for n in MODEL_SIZE_FIELDS if not isinstance(v := getattr(c.model, n), bool)
+    }
     timeouts = {f"comm.{n}": (getattr(c.comm, n), 10**9) for n in ("init_timeout_seconds", "train_timeout_seconds")}
     return {
         **sizes,
-        "model.n_layers": (c.model.n_layers, 10_000),  # tensor dims are int32 in places; 10,000 blocks build in seconds
+        "model.n_layers": (c.model.n_layers, MAX_LAYERS),
         "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 2**31 - 1),
         "training.seq_len": (c.training.seq_len, 2**31 - 1),
         **timeouts,  # gloo keeps timeouts in nanoseconds: 10^10 s overflows

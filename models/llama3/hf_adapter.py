@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from config.job_config import MAX_LAYERS, MAX_MODEL_SIZE
+
 from .model import Transformer, TransformerModelArgs, ffn_hidden_dim
 
 _TOP_LEVEL = {
@@ -205,9 +207,21 @@ def _value_problems(config: dict[str, Any]) -> list[str]:
         for name, value in rates.items()
         if value is not None and not number(value)
     ]
+    problems += _too_large(sizes)
     low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
     if number(low) and number(high) and low >= high:
         problems.append(f"rope_scaling.low_freq_factor={low} is not below high_freq_factor={high}")
+    return problems
+
+
+def _too_large(sizes: dict[str, Any]) -> list[str]:
+    """Sizes past the bounds [model]'s options have: a billion blocks would hang the building of
+    the model's shapes, and a dimension past int32 overflows in torch."""
+    problems = []
+    for name, value in sizes.items():
+        largest = MAX_LAYERS if name == "num_hidden_layers" else MAX_MODEL_SIZE
+        if isinstance(value, int) and value > largest:
+            problems.append(f"{name}={value} is more than the largest {largest:,} this run can take")
     return problems
 
 
