@@ -142,9 +142,20 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
     if inner is str or choices:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
+        _check_text(key, value)
         # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
         return os.path.expanduser(value) if value.startswith("~") else value
     raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+def _check_text(key: str, value: str) -> None:
+    """A string the resolved config.toml can hold and the OS can take as a path or name."""
+    if "\0" in value:
+        raise ConfigError(f"{key}: holds a NUL character, which no path or name can")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # bytes of another encoding on the command line, kept as surrogates
+        raise ConfigError(f"{key}: {value!r} is not valid UTF-8") from None
 
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
@@ -658,22 +669,32 @@ def help_text(program: str = "train.py") -> str:
     return "\n".join(lines)
 
 
+# TOML basic strings take no control character (tab aside) nor DEL: all are escaped, as are \\ and ".
+_TOML_ESCAPES = {code: f"\\u{code:04X}" for code in (*range(0x20), 0x7F)} | {
+    ord("\\"): "\\\\",
+    ord('"'): '\\"',
+    ord("\n"): "\\n",
+    ord("\t"): "\\t",
+    ord("\r"): "\\r",
+}
+
+
+def _toml_value(value: typing.Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.translate(_TOML_ESCAPES) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
 def to_toml(config: JobConfig) -> str:
     """The resolved config as TOML (unset optional values are left out)."""
-
-    def render(value: typing.Any) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, str):
-            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(value, list):
-            return "[" + ", ".join(render(v) for v in value) + "]"
-        return repr(value)
-
     lines = []
     for section_name, values in config.to_dict().items():
         lines.append(f"[{section_name}]")
-        lines.extend(f"{k} = {render(v)}" for k, v in values.items() if v is not None)
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None)
         lines.append("")
     return "\n".join(lines)
 

@@ -165,6 +165,38 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     assert load_config(["--job.config_file", path]) == config
 
 
+def test_strings_with_control_characters_round_trip_through_the_resolved_toml(tmp_path):
+    """Newlines (of a multi-line TOML string too), tabs, DEL and other control characters,
+    quotes and backslashes are escaped in the resolved TOML and read back as they were."""
+    text = 'a\nb\tc\r\x7f\x1b\x01 "q" \\ \\n \u00e9'
+    path = write(tmp_path, '[job]\ndescription = """\nline one\nline two"""\n')
+    config = load_config(["--job.config_file", path, "--training.dataset_config", text, "--job.run_name", "\x7f"])
+    assert config.job.description == "line one\nline two"
+    written = tmp_path / "written.toml"
+    written.write_text(to_toml(config))
+    config.job.config_file = str(written)
+    assert load_config(["--job.config_file", str(written)]) == config
+    config.job.description = "nul\x00"  # refused as an option's value (below), but escaped all the same
+    assert 'description = "nul\\u0000"' in to_toml(config)
+
+
+@pytest.mark.parametrize(
+    "argv, toml, message",
+    [
+        (["--job.description", "caf\udce9"], "", "job.description: 'caf\\udce9' is not valid UTF-8"),
+        ([], '[job]\ndump_folder = "a\\u0000b"\n', "job.dump_folder: holds a NUL character"),
+    ],
+)
+def test_a_string_no_toml_file_or_path_can_hold_is_refused(tmp_path, argv, toml, message):
+    """Bytes of another encoding on the command line (Python keeps them as lone surrogates) and
+    a NUL from a TOML escape: the resolved config.toml could not be written, or a path not made."""
+    if toml:
+        argv = ["--job.config_file", write(tmp_path, toml)]
+    with pytest.raises(ConfigError) as err:
+        load_config(argv)
+    assert message in str(err.value)
+
+
 def test_train_py_reports_bad_input_in_one_line():
     result = subprocess.run(
         [sys.executable, "train.py", "--training.stesp", "3"], cwd=REPO, capture_output=True, text=True
