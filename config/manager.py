@@ -237,8 +237,8 @@ def load_config(argv: list[str]) -> JobConfig:
     """Builds the job config from defaults, the TOML file named by --job.config_file (the last
     one given), then the other command-line options, torchtitan's names included. Raises
     ConfigError for any bad input; every unknown option is named in the same message."""
-    pairs = _parse_cli(argv)
-    given = collections.Counter(torchtitan.ALIASES.get(key, key) for key, _ in pairs)
+    pairs = [_negated_flag(key, value) for key, value in _parse_cli(argv)]
+    given = collections.Counter(key for key, _ in pairs)
     if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1 and key != "job.config_file"]:
         logger.warning("given more than once, the last counts: %s", ", ".join(repeated))
     for key, value in pairs:
@@ -247,38 +247,72 @@ def load_config(argv: list[str]) -> JobConfig:
             raise ConfigError(f"--{key} needs a value")
     config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
     sources = [(_read_toml(config_file), f" in {config_file}")] if config_file else []
-    sources.append(([(k, True if v is None else v) for k, v in pairs if k != "job.config_file"], ""))
+    last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
+    sources.append((list(last.items()), ""))
     config, unknown, foreign = JobConfig(), [], {}
     for settings, origin in sources:
-        # torchtitan's renamed options after the direct ones: dataset_path wins over dataset.
-        for key, value in sorted(settings, key=lambda kv: kv[0] in torchtitan.ALIASES):
-            _apply(config, key, value, origin, unknown, foreign)
+        _apply_source(config, settings, origin, unknown, foreign)
     if unknown:
         raise ConfigError("; ".join(dict.fromkeys(unknown)))
     if config_file:
         config.job.config_file = config_file
     _check_foreign(foreign)
     validate(config)
-    _warn_no_effect(config, set(given))
+    _warn_no_effect(config, {torchtitan.ALIASES.get(key, key) for key in given})
     return config
 
 
-def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> None:
-    """Sets one setting, by its Tessera or torchtitan name; records what is unknown or foreign."""
-    from_cli = not origin
-    if from_cli and value is True and key.split(".")[-1].startswith("no_"):
-        negated = key.rpartition(".")[0] + "." + key.split(".")[-1][3:]
-        if _field_type(negated) is not None or negated in torchtitan.NEGATED or negated in torchtitan.FOREIGN:
-            key, value = negated, "false"  # torchtitan's --section.no_flag
+def _negated_flag(key: str, value: str | None) -> tuple[str, str | None]:
+    """torchtitan's bare ``--section.no_flag`` as ``--section.flag false``."""
+    section, _, name = key.rpartition(".")
+    flag = f"{section}.{name[3:]}"
+    known = _field_type(flag) is not None or any(
+        flag in names for names in (torchtitan.ALIASES, torchtitan.NEGATED, torchtitan.FOREIGN)
+    )
+    return (flag, "false") if value is None and name.startswith("no_") and known else (key, value)
+
+
+def _apply_source(config: JobConfig, settings: list, origin: str, unknown: list, foreign: dict) -> None:
+    """Applies one file's or the command line's settings. An option given under Tessera's name and
+    torchtitan's with values that disagree is a ConfigError: neither can be taken for the intent."""
+    seen: dict[str, tuple[str, typing.Any]] = {}  # Tessera option: (name given, value it set)
+    # torchtitan's renamed options after the direct ones: dataset_path wins over dataset.
+    for key, value in sorted(settings, key=lambda kv: kv[0] in torchtitan.ALIASES):
+        target = _apply(config, key, value, origin, unknown, foreign)
+        if target is None or key in torchtitan.OVERRIDING:
+            continue
+        section_name, _, field_name = target.partition(".")
+        now = getattr(getattr(config, section_name), field_name)
+        if target in seen and seen[target][1] != now:
+            raise ConfigError(_disagreement(*seen[target], key, now, origin))
+        seen[target] = (key, now)
+
+
+def _disagreement(first: str, first_value: typing.Any, second: str, second_value: typing.Any, origin: str) -> str:
+    """The line for one option given under two names with values that disagree."""
+    prefix = "" if origin else "--"
+    shown = [
+        f"{prefix}{key} {_toml_value(not value if key in torchtitan.NEGATED else value)}"
+        for key, value in ((first, first_value), (second, second_value))
+    ]
+    why = "one option by Tessera's and torchtitan's names; give one"
+    return f"{shown[0]} and {shown[1]}{origin} contradict each other: {why}"
+
+
+def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> str | None:
+    """Sets one setting, by its Tessera or torchtitan name, and returns the Tessera option it set;
+    records what is unknown or foreign."""
     if key in torchtitan.NEGATED:
-        key, value = torchtitan.NEGATED[key], _convert(key, value, bool, from_cli) is False
+        key, value = torchtitan.NEGATED[key], _convert(key, value, bool, not origin) is False
     key = torchtitan.ALIASES.get(key, key)
     if _field_type(key) is not None:
         _set(config, key, value, origin)
-    elif key in torchtitan.FOREIGN:
+        return key
+    if key in torchtitan.FOREIGN:
         foreign[key] = value
     else:
         unknown.append(_unknown(key, origin))
+    return None
 
 
 def _unknown(key: str, origin: str) -> str:

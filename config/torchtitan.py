@@ -24,6 +24,10 @@ ALIASES = {
 }
 """torchtitan name -> the Tessera option it sets."""
 
+OVERRIDING = {"training.dataset_path", "validation.dataset_path"}
+"""Aliases that, given beside the option, win over it rather than contradict it: torchtitan's
+``dataset_path`` is where the files of the dataset its ``dataset`` names are."""
+
 NEGATED = {"parallelism.disable_loss_parallel": "parallelism.enable_loss_parallel"}
 """torchtitan boolean -> the Tessera boolean meaning its opposite."""
 

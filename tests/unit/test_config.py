@@ -296,6 +296,66 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
     assert caplog.records == []
 
 
+@pytest.mark.parametrize(
+    "argv, toml, message",
+    [
+        (
+            ["--model.hf_assets_path", "/x", "--model.tokenizer_path", "/y"],
+            "",
+            '--model.tokenizer_path "/y" and --model.hf_assets_path "/x" contradict',
+        ),
+        ([], "[model]\nhf_assets_path = '/x'\ntokenizer_path = '/y'\n", 'tokenizer_path "/y" and model.hf_assets'),
+        (
+            [],
+            "[parallelism]\ndisable_loss_parallel = true\nenable_loss_parallel = true\n",
+            "parallelism.disable_loss_parallel true and parallelism.enable_loss_parallel true in ",
+        ),
+        (
+            ["--parallelism.disable_loss_parallel", "--parallelism.enable_loss_parallel"],
+            "",
+            "--parallelism.disable_loss_parallel true and --parallelism.enable_loss_parallel true contradict",
+        ),
+        ([], "[checkpoint]\nlast_save_in_hf = true\nexport_hf = false\n", "export_hf false and checkpoint.last_save"),
+        (
+            [],
+            "[float8]\nfilter_fqns = ['a']\n[quantize.linear.float8]\nfilter_fqns = ['output']\n",
+            'float8.filter_fqns ["a"] and quantize.linear.float8.filter_fqns ["output"] in ',
+        ),
+    ],
+)
+def test_an_option_given_under_both_names_with_values_that_disagree_is_refused(tmp_path, argv, toml, message):
+    """Tessera's name and torchtitan's for one option, in one file or on the command line: which
+    one the user meant cannot be told (on the command line, the alias won whatever the order)."""
+    if toml:
+        argv = ["--job.config_file", write(tmp_path, toml)]
+    with pytest.raises(ConfigError) as err:
+        load_config(argv)
+    assert message in str(err.value)
+    assert "contradict each other: one option by Tessera's and torchtitan's names; give one" in str(err.value)
+
+
+def test_an_option_given_under_both_names_that_agree_or_in_two_sources_is_taken(tmp_path, caplog):
+    """Agreeing names are one setting; the command line still wins over a file's other name; the
+    last of one name typed twice counts, as the warning says; dataset_path wins over dataset, whose
+    files it locates."""
+    toml = write(tmp_path, "[model]\nhf_assets_path = '/x'\n[training]\ndataset = 'c4'\ndataset_path = '/data'\n")
+    tp = ["--parallelism.tensor_parallel_degree", "2"]  # else loss parallelism has no effect, and says so
+    with caplog.at_level("WARNING", logger="config.manager"):
+        agreeing = load_config(["--model.hf_assets_path", "/x", "--model.tokenizer_path", "/x"])
+        negated = load_config(
+            [*tp, "--parallelism.disable_loss_parallel", "false", "--parallelism.enable_loss_parallel"]
+        )
+        assert caplog.records == []
+        across = load_config(["--job.config_file", toml, "--model.tokenizer_path", "/y"])
+        typed_twice = load_config([*tp, "--parallelism.enable_loss_parallel", "--parallelism.no_enable_loss_parallel"])
+    assert (agreeing.model.tokenizer_path, negated.parallelism.enable_loss_parallel) == ("/x", True)
+    assert (across.model.tokenizer_path, across.training.dataset) == ("/y", "/data")
+    assert typed_twice.parallelism.enable_loss_parallel is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "given more than once, the last counts: --parallelism.enable_loss_parallel (2 times)"
+    ]
+
+
 def test_a_home_relative_path_is_the_home_folders(tmp_path):
     """'~/runs' in a TOML file or after --option= (where the shell leaves it) is not a folder
     named '~' in the working folder."""
