@@ -657,6 +657,11 @@ def _validate_checkpoint(config: JobConfig) -> None:
                 f"checkpoint.exclude_from_loading: '{part}' is not one of {', '.join(CHECKPOINT_PARTS)}"
                 f"{_suggest(part, CHECKPOINT_PARTS)}"
             )
+    if set(CHECKPOINT_PARTS) <= set(ckpt.exclude_from_loading):
+        raise ConfigError(
+            f"checkpoint.exclude_from_loading: every part ({', '.join(CHECKPOINT_PARTS)}), so a resume would "
+            "load nothing; to start afresh, give another checkpoint.folder or job.dump_folder"
+        )
     needs_enable = {
         "create_seed_checkpoint": ckpt.create_seed_checkpoint,
         "load_step": ckpt.load_step != -1,

@@ -79,6 +79,14 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--checkpoint.async_mode", "background"], "checkpoint.async_mode: 'background' is not one of"),
         (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean 'optimizer'"),
         (["--checkpoint.load_step", "5"], "checkpoint.load_step needs checkpoint.enable"),
+        (
+            [
+                "--checkpoint.enable",
+                "--checkpoint.exclude_from_loading",
+                "model,optimizer,lr_scheduler,dataloader,train_state",
+            ],
+            "checkpoint.exclude_from_loading: every part (model, optimizer, lr_scheduler, dataloader, train_state)",
+        ),
         (["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
         (["--debug.failure", "explode"], "debug.failure: 'explode' is not one of"),
         (["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
