@@ -25,6 +25,7 @@ from config.job_config import (
     MODEL_SIZE_FIELDS,
     ConfigError,
     Float8,
+    Job,
     JobConfig,
     Parallelism,
     Training,
@@ -473,6 +474,7 @@ def validate(config: JobConfig) -> None:
         )
     if c.training.global_batch_size == 0 or c.training.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or positive, got {c.training.global_batch_size}")
+    _validate_job(config.job)
     _validate_degrees(config.parallelism)
     _validate_early_step(config)
     _validate_float8(config)
@@ -485,6 +487,18 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     if lr.decay_ratio is not None and not 0.0 <= lr.decay_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
+
+
+def _validate_job(job: Job) -> None:
+    """The dump folder is named, and the TensorBoard run's folder is one folder inside it."""
+    if not job.dump_folder.strip():  # ' ' would be a folder of that name in the working folder
+        raise ConfigError("job.dump_folder: no folder given ('.' is the working folder)")
+    name = job.run_name
+    if name and (not name.strip() or name in (".", "..") or os.sep in name):
+        raise ConfigError(
+            f"job.run_name: {name!r} is not a plain folder name (not blank, no '{os.sep}', not '.' or '..'); "
+            "the run's TensorBoard folder goes inside job.dump_folder"
+        )
 
 
 def _validate_compile_and_comm(config: JobConfig) -> None:

@@ -96,6 +96,11 @@ def test_toml_position_does_not_matter(tmp_path):
         (["--parallelism.data_parallel_impl", "zero3"], "parallelism.data_parallel_impl: 'zero3' is not one of"),
         (["--training.seq_len", "0"], "training.seq_len must be positive"),
         (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--job.dump_folder", " "], "job.dump_folder: no folder given ('.' is the working folder)"),
+        (["--job.run_name", "../../etc"], "job.run_name: '../../etc' is not a plain folder name"),
+        (["--job.run_name", "/tmp/fixb_tb"], "job.run_name: '/tmp/fixb_tb' is not a plain folder name"),
+        (["--job.run_name", ".."], "job.run_name: '..' is not a plain folder name"),
+        (["--job.run_name", " "], "job.run_name: ' ' is not a plain folder name"),
     ],
 )
 def test_bad_cli_input(argv, message):
