@@ -276,6 +276,15 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("checkpoint", ["--training.nonfinite_policy", "rollback"], "'rollback' needs checkpoint.enable"),
     ("checkpoint", ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizr"], "did you mean"),
+    (
+        "checkpoint",
+        [
+            "--checkpoint.enable",
+            "--checkpoint.exclude_from_loading",
+            "model,optimizer,lr_scheduler,dataloader,train_state",
+        ],
+        "checkpoint.exclude_from_loading: every part",
+    ),
     ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
     # Missing or broken files and folders.
     ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
@@ -337,6 +346,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--comm.save_traces_folder", "/proc/tessera_fr"], "comm.save_traces_folder: cannot create /proc/"),
     ("folders", ["--job.save_config_file", "/proc/tessera/job.json"], "job.save_config_file: cannot create /proc/"),
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
+    ("folders", ["--job.dump_folder", " "], "job.dump_folder: no folder given ('.' is the working folder)"),
+    ("folders", ["--job.run_name", "../../etc"], "job.run_name: '../../etc' is not a plain folder name"),
     # Files the run writes that are its input, or each other.
     (
         "folders",
