@@ -182,6 +182,28 @@ def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
     return order
 
 
+class _Boundaries:
+    """The stage boundaries' transfers: over the fake group to a stage of another rank, in memory
+    to a stage of this one (V schedules, such as ZBVZeroBubble, put neighbouring stages on one
+    rank, which torch's stages hand over without a send). ``key`` names the receiving stage's
+    input: (what, stage, microbatch)."""
+
+    def __init__(self, stage_ranks: dict[int, int], group: dist.ProcessGroup):
+        self.stage_ranks, self.group = stage_ranks, group
+        self.own: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def send(self, tensor: torch.Tensor, stage: int, key: tuple[str, int, int]) -> None:
+        if self.stage_ranks[stage] == dist.get_rank():
+            self.own[key] = tensor
+        else:
+            _send(tensor, self.stage_ranks[stage], self.group)
+
+    def receive(self, template: torch.Tensor, stage: int, key: tuple[str, int, int]) -> torch.Tensor:
+        if self.stage_ranks[stage] == dist.get_rank():
+            return self.own.pop(key)
+        return _receive_like(template, self.stage_ranks[stage], self.group)
+
+
 def _pipeline_step(
     built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark, dims: ParallelDims
 ) -> None:
@@ -193,7 +215,7 @@ def _pipeline_step(
     n_stages, group = schedule._num_stages, pipeline_stages[0].group
     ranks = dist.get_process_group_ranks(group)
     stage_ranks = getattr(schedule, "stage_index_to_group_rank", None) or {s: s for s in range(n_stages)}
-    peer = {s: ranks[r] for s, r in stage_ranks.items()}
+    boundaries = _Boundaries({s: ranks[r] for s, r in stage_ranks.items()}, group)
     micro_inputs = inputs.tensor_split(schedule._n_microbatches)
     micro_labels = labels.tensor_split(schedule._n_microbatches)
     # What a stage receives: the hidden state, a plain tensor (split on the sequence under tensor
@@ -210,10 +232,10 @@ def _pipeline_step(
             if s == 0:
                 x, out = None, stage.submod(micro_inputs[mb])
             else:
-                x = _receive_like(template, peer[s - 1], group).detach().requires_grad_()
+                x = boundaries.receive(template, s - 1, ("input", s, mb)).detach().requires_grad_()
                 out = stage.submod(x)
             if s < n_stages - 1:
-                _send(out, peer[s + 1], group)
+                boundaries.send(out, s + 1, ("input", s + 1, mb))
             saved[(s, mb)] = (x, out)
         elif kind in ("B", "I"):
             if mark is not None:
@@ -229,9 +251,9 @@ def _pipeline_step(
                 if s == n_stages - 1:
                     loss(out, micro_labels[mb]).backward()
                 else:
-                    out.backward(_receive_like(out, peer[s + 1], group))
+                    out.backward(boundaries.receive(out, s + 1, ("grad", s, mb)))
             if x is not None:
-                _send(x.grad, peer[s - 1], group)
+                boundaries.send(x.grad, s - 1, ("grad", s - 1, mb))
     for stage in pipeline_stages:
         stage.perform_reduce_grad(1)  # the schedule's closing action: FSDP's reduce-scatters (scale_grads off)
 

@@ -259,6 +259,20 @@ def test_8b_on_8_ranks_at_real_size():
 
 
 @pytest.mark.slow
+def test_a_v_schedule_hands_a_ranks_neighbouring_stages_on_in_memory():
+    """ZBVZeroBubble on 2 fake ranks puts four stages in a V: rank 1 holds stages 1 and 2 (two
+    blocks each), whose hidden state and gradient pass in memory, as torch's stages pass them
+    (the dry run sent them to itself until 2026-11-29: a traceback). Its real peak cannot be
+    compared here: torch's memory tracker does not run under the schedule's split backward."""
+    pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+    report = _dry_run(2, *pipeline, "ZBVZeroBubble", "--training.local_batch_size", "4", rank=1)
+    assert report["mesh"] == {"pp": 2}
+    block = 4 * 256 * 256 + 3 * 768 * 256 + 2 * 256
+    assert report["parameters"] == 4 * block  # stages 1 and 2: no embedding, no output
+    assert report["after_forward"]["Activation"] > 0
+
+
+@pytest.mark.slow
 def test_interleaved_pipeline_with_tp_and_fsdp_runs_rank_0s_stages():
     """PP 2 x FSDP 2 x TP 2 with Interleaved1F1B on 8 fake ranks: rank 0 runs stages 0, 2 and 4 of
     six one-block stages (layers 0, 2, 4) and the first holds the embedding, counted by hand."""
