@@ -213,6 +213,20 @@ def complete_checkpoints(folder: str) -> list[tuple[int, str]]:
     return [(step, path) for step, path in checkpoint_folders(folder) if is_complete(path)]
 
 
+def check_resume(config: Checkpoint, folder: str) -> None:
+    """ConfigError for a resume the options contradict: ``load_step`` with no such checkpoint in
+    ``folder``; ``train_state`` excluded while ``folder`` holds checkpoints to resume from (the
+    step count would start again at 1 and the run's saves replace them)."""
+    if config.load_step >= 0:
+        complete_checkpoint_at(folder, config.load_step)
+    if "train_state" in config.exclude_from_loading and (found := complete_checkpoints(folder)):
+        raise ConfigError(
+            f"checkpoint.exclude_from_loading: train_state, but {found[0][1]} is resumed from: its step count "
+            "would start again at 1 and this run's saves replace its checkpoints; to start a new run from it, "
+            "give it as checkpoint.initial_load_path with another checkpoint.folder or job.dump_folder"
+        )
+
+
 def complete_checkpoint_at(folder: str, step: int) -> str:
     """The path of the complete checkpoint of ``step`` in ``folder`` (``checkpoint.load_step``);
     ConfigError naming that option when there is none."""
@@ -701,6 +715,7 @@ class CheckpointManager:
         """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one
         that verifies and loads (older ones are tried after a bad one). Returns its step, or None
         when there is none."""
+        check_resume(self.config, self.folder)
         if self.config.load_step >= 0:
             self._load_checked(complete_checkpoint_at(self.folder, self.config.load_step), self._wanted_parts())
             self._tidy_after_resume(self.config.load_step)

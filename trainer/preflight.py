@@ -43,7 +43,7 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
     import torch
 
     from models.registry import get_model_spec
-    from trainer.checkpoint import complete_checkpoint_at
+    from trainer.checkpoint import check_resume
     from trainer.distributed import parallel_dims_from_config
     from trainer.hf_checkpoint import job_model_args
     from trainer.metrics import check_wandb
@@ -56,8 +56,8 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
     if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
-    if ckpt.enable and ckpt.load_step >= 0:
-        complete_checkpoint_at(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.load_step)
+    if ckpt.enable:
+        check_resume(ckpt, os.path.join(config.job.dump_folder, ckpt.folder))
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_output_folders(config)

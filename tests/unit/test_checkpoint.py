@@ -371,7 +371,14 @@ def test_exclude_from_loading_and_model_only(tmp_path):
     assert partial.data.position == 0 and partial.step == 2 and not partial.optimizer.state
     assert all(torch.equal(p, q) for p, q in zip(partial.model.parameters(), saved["params"]))
 
+    # Without train_state a resume would count steps from 1 again and replace these checkpoints:
+    # refused, with the option that starts a new run from them (and so for an initial load).
+    with pytest.raises(ConfigError, match="^checkpoint.exclude_from_loading: train_state, but .*step-2 is resumed"):
+        Run(str(tmp_path), seed=1, exclude_from_loading=["train_state"]).manager.resume()
     step_2 = str(tmp_path / "checkpoint" / "step-2")
+    options = dict(initial_load_path=step_2, initial_load_model_only=False, exclude_from_loading=["train_state"])
+    no_step = Run(str(tmp_path / "other_state"), seed=1, **options)
+    assert no_step.manager.load_at_start() == step_2 and no_step.step == 0
     fresh = Run(str(tmp_path / "other"), seed=1, initial_load_path=step_2)
     fresh.manager.load_at_start()
     assert fresh.step == 0 and all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), saved["params"]))
