@@ -276,11 +276,11 @@ def weights_only_problem(checkpoint: Checkpoint) -> str | None:
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"HF checkpoint: {path} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"HF checkpoint: {path} is not a JSON object")

@@ -249,9 +249,13 @@ def args_from_hf_config(
     """
     base = base or TransformerModelArgs()
     problems = [f"missing field '{name}'" for name in _REQUIRED if name not in config]
-    for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    # model_type: another family's file (mistral, qwen2, ...) can hold every Llama field.
+    features = (("model_type", "llama"), ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+    for name, expected in features:
         if config.get(name, expected) != expected:
             problems.append(f"{name}={config[name]!r} is not supported (need {expected!r})")
+    if not isinstance(config.get("tie_word_embeddings", False), bool):
+        problems.append(f"tie_word_embeddings={config['tie_word_embeddings']!r} is not true or false")
     wrong_values = _value_problems(config)
     problems += wrong_values
     rope = {} if wrong_values else _rope_args(config, problems)

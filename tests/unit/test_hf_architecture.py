@@ -96,6 +96,13 @@ BAD_FOLDERS = [
         ["checkpoint.initial_load_path", "attention_bias=True is not supported", "mlp_bias=True is not supported"],
     ),
     (
+        "another family, a flag as text",
+        {"model_type": "mistral", "tie_word_embeddings": "false"},
+        (),
+        [],
+        ["model_type='mistral' is not supported (need 'llama')", "tie_word_embeddings='false' is not true or false"],
+    ),
+    (
         "missing weights",
         {},
         ("model.layers.1.mlp.up_proj.weight", "lm_head.weight"),

@@ -329,6 +329,10 @@ def test_missing_folder_and_files(exported, tmp_path):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(hf_config(DEBUG_ARGS, torch.float32)))
     with pytest.raises(ValueError, match="has neither model.safetensors nor"):
         load_hf_weights([model], str(tmp_path / "empty"))
+    config = tmp_path / "empty" / "config.json"
+    config.write_bytes(b'{"hidden_size": "\xff"}')  # not UTF-8: named, not a UnicodeDecodeError traceback
+    with pytest.raises(ValueError, match=f"cannot read {config}: 'utf-8' codec can't decode"):
+        load_hf_weights([model], str(tmp_path / "empty"))
 
 
 def test_missing_key(exported, tmp_path):
