@@ -28,6 +28,9 @@ NNODES=${NNODES:-1}
 [[ "${MAX_RESTARTS:-3}" =~ ^[0-9]{1,6}$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
 LOG_RANK=${LOG_RANK:-0}
 [[ "$LOG_RANK" =~ ^[0-9]{1,4}(,[0-9]{1,4})*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
+# OpenMP ignores a value it cannot read (a line per rank) and takes every core, as many ranks at once.
+[[ "${OMP_NUM_THREADS:-1}" =~ ^[1-9][0-9]{0,3}(,[1-9][0-9]{0,3})*$ ]] ||
+  fail "OMP_NUM_THREADS: '$OMP_NUM_THREADS' is not a number of threads per rank (1 to 9999)"
 [ "${COMM_MODE:-}" = fake_backend ] && COMM_MODE=fake # torchtitan's name for it
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake (or fake_backend)"
 if [ "${COMM_MODE:-}" = fake ]; then
