@@ -54,6 +54,8 @@ _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RU
 # Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
+MODEL_FILE = "tokenizer.model"
+"""Hugging Face's name for a sentencepiece or tiktoken file in a model folder."""
 # tokenizer_config.json keys whose tokens are registered as special tokens, in
 # the order torchtitan registers them (the order decides the ids of new tokens).
 _HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
@@ -223,9 +225,13 @@ def llama3_special_tokens() -> list[str]:
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Load a tokenizer, detecting its format: a Hugging Face folder or ``*.json``
-    file (``tokenizer.json``), else a sentencepiece or tiktoken model file."""
+    file (``tokenizer.json``), else a sentencepiece or tiktoken model file (also
+    as a folder's ``tokenizer.model`` when it has no ``tokenizer.json``)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
+    model_file = os.path.join(path, MODEL_FILE)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, HF_TOKENIZER_FILE)) and os.path.isfile(model_file):
+        path = model_file  # a folder of that file alone: an export of the default tokenizer, Llama 2's
     if os.path.isdir(path) or path.endswith(".json"):
         return HuggingFaceTokenizer(path)
     model_bytes = _read_model_file(path)

@@ -230,6 +230,14 @@ def test_tokenizer_folder_without_tokenizer_json(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path))
 
 
+def test_a_folder_of_a_tokenizer_model_alone_loads_it(tiny_tiktoken_file: Path) -> None:
+    """An export of the default tokenizer (or Llama 2's folder) holds tokenizer.model and no
+    tokenizer.json: the folder loads as that file (it was refused: no tokenizer.json)."""
+    from_folder, from_file = load_tokenizer(str(tiny_tiktoken_file.parent)), load_tokenizer(str(tiny_tiktoken_file))
+    text = "hello world, hello"
+    assert from_folder.encode(text) == from_file.encode(text) and from_folder.vocab_size == from_file.vocab_size
+
+
 def test_malformed_tiktoken_line_names_file_and_line(tmp_path: Path) -> None:
     path = write_tiktoken_file(tmp_path / "bad.model", [bytes([b]) for b in range(256)])
     lines = path.read_text().splitlines()
