@@ -255,7 +255,10 @@ def default_tokenizer(cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
     """
     path = default_tokenizer_path(cache_dir, vocab_size)
     create_file_once(path, lambda tmp_path: _train_default_model(tmp_path, vocab_size))
-    return SentencePieceTokenizer(path)
+    try:
+        return SentencePieceTokenizer(path)
+    except ValueError as e:  # cut short or overwritten since it was trained
+        raise ValueError(f"the default tokenizer's cached file is damaged ({e}); delete it and it is rebuilt") from None
 
 
 def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:

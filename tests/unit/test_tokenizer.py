@@ -95,6 +95,16 @@ def test_default_tokenizer_with_too_small_vocab(
     assert not Path(default_tokenizer_path(str(tmp_path), 100)).exists()
 
 
+def test_a_damaged_default_tokenizer_file_is_named_with_the_cure(tmp_path: Path) -> None:
+    """The default tokenizer's cached file cut short: named as damaged, with "delete it" (the line
+    blamed model.tokenizer_path, which the user had not set)."""
+    path = Path(default_tokenizer_path(str(tmp_path), DEFAULT_VOCAB_SIZE))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x0a\x05cut")
+    with pytest.raises(ValueError, match="default tokenizer's cached file is damaged .*; delete it and it is rebuilt"):
+        default_tokenizer(str(tmp_path), DEFAULT_VOCAB_SIZE)
+
+
 @pytest.mark.slow  # two Python processes racing for the cache lock
 def test_default_tokenizer_trained_once_across_processes(tmp_path: Path) -> None:
     cache_dir, ready_dir = tmp_path / "cache", tmp_path / "ready"
