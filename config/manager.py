@@ -396,6 +396,10 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
         inert("profiling", ("save_memory_snapshot_folder",), "profiling.enable_memory_snapshot is false")
     if not c.metrics.enable_tensorboard:
         inert("metrics", ("save_tb_folder",), "metrics.enable_tensorboard is false")
+    if c.debug.fail_at_step < 0:
+        inert("debug", ("failure",), "debug.fail_at_step is -1")
+    if c.debug.failure.endswith("_during_save") and not ck.enable:
+        inert("debug", ("fail_at_step", "failure"), f"debug.failure {c.debug.failure} without checkpoint.enable")
     return reasons
 
 
@@ -409,6 +413,7 @@ def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
     steps = config.training.steps
     windows = {"validation.freq": (config.validation.enable, config.validation.freq, "validation")}
     windows["profiling.profile_freq"] = (config.profiling.enable_profiling, config.profiling.profile_freq, "trace")
+    windows["debug.fail_at_step"] = (config.debug.fail_at_step >= 0, config.debug.fail_at_step, "injected failure")
     for key, (enabled, freq, what) in windows.items():
         if enabled and freq > steps:
             logger.warning("%s %d is more than training.steps %d: no %s in this run", key, freq, steps, what)

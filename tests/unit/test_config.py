@@ -302,6 +302,17 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
         "no effect in this run: --compile.bucketing (parallelism.data_parallel_impl is fsdp2)"
     ]
     caplog.clear()
+    with caplog.at_level("WARNING", logger="config.manager"):  # test options of failure injection too
+        load_config(["--debug.failure", "nan", "--training.steps", "3"])
+        load_config(["--debug.fail_at_step", "2", "--debug.failure", "kill_during_save", "--training.steps", "3"])
+        load_config(["--debug.fail_at_step", "5", "--training.steps", "3"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "no effect in this run: --debug.failure (debug.fail_at_step is -1)",
+        "no effect in this run: --debug.fail_at_step (debug.failure kill_during_save without checkpoint.enable); "
+        "--debug.failure (debug.failure kill_during_save without checkpoint.enable)",
+        "debug.fail_at_step 5 is more than training.steps 3: no injected failure in this run",
+    ]
+    caplog.clear()
     config = tmp_path / "inert.toml"
     config.write_text("[checkpoint]\ninterval = 5\n[compile]\nbucketing = 'auto'\n[float8]\nemulate = true\n")
     with caplog.at_level("WARNING", logger="config.manager"):
