@@ -858,7 +858,9 @@ class CheckpointManager:
             logger.info("removing incomplete checkpoint %s", path)
             shutil.rmtree(path, ignore_errors=True)
         else:
-            logger.warning("%s holds files no save of this run's wrote: left alone, not resumed from", path)
+            logger.warning(
+                "%s holds files no save wrote (another tool's checkpoint, or yours): left alone, not resumed from", path
+            )
 
     def close(self) -> None:
         """Waits for the save in flight and for deletions."""

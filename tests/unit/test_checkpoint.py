@@ -302,7 +302,10 @@ def test_only_a_save_of_a_run_here_cut_short_is_removed(tmp_path, caplog):
         assert Run(str(tmp_path), seed=1).manager.resume() is None
     assert steps_on_disk(str(tmp_path)) == [2, 1]
     assert (folder / "step-2" / "notes.txt").read_text() == "mine"
-    assert f"{folder / 'step-1'} holds files no save of this run's wrote: left alone, not resumed from" in caplog.text
+    assert (
+        f"{folder / 'step-1'} holds files no save wrote (another tool's checkpoint, or yours): left alone"
+        in caplog.text
+    )
 
 
 def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_moved_before(tmp_path, caplog):
