@@ -22,6 +22,17 @@ import signal
 import sys
 import tempfile
 
+
+def _stopped_while_starting(signum: int, frame: object) -> None:
+    print(f"stopped by {signal.Signals(signum).name} before the ranks started", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":
+    # Ctrl-C while torch is imported (a second or so), before torchrun's agent takes the signal:
+    # one line, not a KeyboardInterrupt traceback. Hence the imports below this.
+    signal.signal(signal.SIGINT, _stopped_while_starting)
+
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent

@@ -153,6 +153,22 @@ def test_a_signal_stops_every_rank_in_one_line(tmp_path, to_whole_group):
         os.killpg(script.pid, 0)  # nothing of the group is left
 
 
+def test_ctrl_c_while_the_launcher_imports_torch_is_one_line():
+    """Ctrl-C in the second or so the launcher spends importing torch, after the pre-launch check
+    and before torchrun's agent takes the signal: one line and code 130 (a KeyboardInterrupt
+    traceback before)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1", "train.py"],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.3)  # python is up, torch not yet imported (about 1.3 s here)
+    launcher.send_signal(signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=60)
+    assert (launcher.returncode, stderr) == (130, "stopped by SIGINT before the ranks started\n")
+
+
 def test_ranks_that_fail_every_attempt_end_in_torchruns_table(tmp_path):
     """A rank killed with no restarts left: exit code 1 and torchrun's table of failures naming the
     rank and its signal, without the agent's Python traceback around it."""
