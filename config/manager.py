@@ -320,6 +320,8 @@ def _unknown(key: str, origin: str) -> str:
     """What to say about a name that is neither Tessera's nor torchtitan's."""
     section = key.split(".")[0]
     if "." not in key:
+        if key in _sections():  # [[training]]: an array of tables
+            return f"'{key}' must be one [{key}] table, not [[{key}]] or a value{origin}"
         return f"'{key}' must be a [section] table{_suggest(key, _sections())}{origin}"
     if origin and section not in _sections() and not any(k.startswith(section + ".") for k in torchtitan.FOREIGN):
         return f"unknown section [{section}]{_suggest(section, _sections())}{origin}"

@@ -118,6 +118,9 @@ def test_bad_cli_input(argv, message):
         ("[training]\nsteps = '3'\n", "training.steps: expected int, got the string"),
         ("[training]\nsteps = 3\nsteps = 4\n", "invalid TOML"),
         ("steps = 3\n", "'steps' must be a [section] table"),
+        # An array of tables (it said "did you mean 'training'?").
+        ("[[training]]\nsteps = 3\n", "'training' must be one [training] table, not [[training]] or a value"),
+        ("training = 3\n", "'training' must be one [training] table"),
     ],
 )
 def test_bad_toml_input(tmp_path, text, message):
