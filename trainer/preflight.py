@@ -227,6 +227,16 @@ def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]
         )
 
 
+def write_run_file(path: str, text: str) -> None:
+    """Writes a file of the run's (its resolved config) whole or not at all: the other ranks check
+    it (``check_output_folders``) while rank 0 writes it, and must see the earlier file or this one,
+    never a part."""
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 def _config_json(path: str) -> bool:
     """Whether the file at ``path`` is a job.save_config_file a run wrote: a JSON object of the
     config's sections."""

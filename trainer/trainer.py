@@ -28,7 +28,7 @@ from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
-from trainer.preflight import check_output_folders, claim_folders
+from trainer.preflight import check_output_folders, claim_folders, write_run_file
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator
@@ -110,13 +110,12 @@ class Trainer:
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)
         if self.rank == 0:
-            with open(os.path.join(self.config.job.dump_folder, RESOLVED_CONFIG_FILE), "w") as f:
-                f.write(RESOLVED_CONFIG_HEADER + to_toml(self.config))
+            resolved = RESOLVED_CONFIG_HEADER + to_toml(self.config)
+            write_run_file(os.path.join(self.config.job.dump_folder, RESOLVED_CONFIG_FILE), resolved)
             if self.config.job.save_config_file:
                 path = os.path.join(self.config.job.dump_folder, self.config.job.save_config_file)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump(dataclasses.asdict(self.config), f, indent=2)
+                write_run_file(path, json.dumps(dataclasses.asdict(self.config), indent=2))
         if self.config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(self.config))
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import resource
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -576,6 +578,34 @@ def test_the_ranks_check_the_output_folders_themselves(tmp_path):
         Trainer(config)
     assert not dist.is_initialized()
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the check leaves nothing behind
+
+
+def test_the_other_ranks_never_see_a_part_of_the_resolved_config(tmp_path):
+    """Every rank checks the dump folder's config.toml (and job.save_config_file) while rank 0
+    writes them: a reader must see the whole file, never the empty one a plain write leaves for a
+    moment (a second rank refused the run that way, now and then, in CI)."""
+    from config.job_config import RESOLVED_CONFIG_HEADER
+    from config.manager import to_toml
+
+    config = load_config(["--job.dump_folder", str(tmp_path), "--job.save_config_file", "job.json"])
+    resolved, saved = RESOLVED_CONFIG_HEADER + to_toml(config), json.dumps(dataclasses.asdict(config))
+    preflight.write_run_file(str(tmp_path / "config.toml"), resolved)
+    preflight.write_run_file(str(tmp_path / "job.json"), saved)
+    done = threading.Event()
+
+    def rank_0_writes() -> None:
+        while not done.is_set():
+            preflight.write_run_file(str(tmp_path / "config.toml"), resolved)
+            preflight.write_run_file(str(tmp_path / "job.json"), saved)
+
+    writer = threading.Thread(target=rank_0_writes)
+    writer.start()
+    try:
+        for _ in range(800):
+            preflight.check_output_folders(config)
+    finally:
+        done.set()
+        writer.join()
 
 
 def test_a_dump_folder_in_use_by_another_run_is_refused(tmp_path):
