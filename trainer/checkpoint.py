@@ -702,6 +702,8 @@ class CheckpointManager:
             )
         self.write(0, parts=["model"])
         logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
+        if newer := [path for step, path in complete_checkpoints(self.folder) if step > 0]:
+            logger.warning("%s is newer: a run in this folder resumes from it, not from the seed", newer[0])
 
     def export_hf(self, model_args: Any, assets: ExportAssets) -> str:
         """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)

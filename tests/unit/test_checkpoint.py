@@ -339,6 +339,21 @@ def test_options_a_resume_brings_back_from_the_checkpoint_are_named_when_typed_o
     assert "do not count" not in caplog.text
 
 
+def test_a_seed_checkpoint_beside_a_newer_one_says_which_a_resume_takes(tmp_path, caplog):
+    """A seed written into a folder that holds step-2: a run there resumes from step-2 (the newest),
+    so the seed would go unused without a word."""
+    Run(str(tmp_path)).train(2)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        Run(str(tmp_path), seed=1).manager.write_seed_checkpoint()
+    step_2 = tmp_path / "checkpoint" / "step-2"
+    assert f"{step_2} is newer: a run in this folder resumes from it, not from the seed" in caplog.text
+    assert Run(str(tmp_path), seed=2).manager.resume() == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        Run(str(tmp_path / "fresh")).manager.write_seed_checkpoint()
+    assert caplog.text == ""
+
+
 def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
     """The step a Run over ``folder`` resumed at (None: nothing to resume), and the steps on disk after it called
     ``save(step, last_step)`` after each of ``steps``, as the Trainer does."""
