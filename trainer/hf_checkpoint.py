@@ -391,15 +391,19 @@ def job_model_args(config: JobConfig, vocab_size: int | None = None) -> Transfor
 
 
 def _listed(keys: list[str], limit: int = 4) -> str:
-    shown = ", ".join(f"'{key}'" for key in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    return _first_few([f"'{key}'" for key in keys], limit)
+
+
+def _first_few(items: list[str], limit: int = 4) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 # The dtypes of the weights a folder may hold: the floating-point ones torch computes in.
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _dtype_problems(files: dict[str, StoredWeight], limit: int = 4) -> list[str]:
+def _dtype_problems(files: dict[str, StoredWeight]) -> list[str]:
     """Weights stored in another dtype: loading would cast them to the model's dtype without a word
     (integers make a model of zeros and small whole numbers)."""
     wrong = [
@@ -409,8 +413,7 @@ def _dtype_problems(files: dict[str, StoredWeight], limit: int = 4) -> list[str]
     ]
     if not wrong:
         return []
-    more = f" and {len(wrong) - limit} more" if len(wrong) > limit else ""
-    return [f"{', '.join(wrong[:limit])}{more}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
+    return [f"{_first_few(wrong)}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
 
 
 def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, StoredWeight], bool]:
