@@ -72,6 +72,7 @@ from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
+from trainer.metrics import free_path
 from trainer.optim import optimizers_holding_state
 
 logger = logging.getLogger(__name__)
@@ -193,15 +194,6 @@ def checkpoint_folders(folder: str) -> list[tuple[int, str]]:
         if match and os.path.isdir(os.path.join(folder, name)):
             found.append((int(match.group(1)), os.path.join(folder, name)))
     return sorted(found, reverse=True)
-
-
-def _free_name(path: str) -> str:
-    """``path``, or the first of ``path-1``, ``path-2``, ... that does not exist: nothing moved
-    aside earlier is replaced."""
-    free, n = path, 1
-    while os.path.lexists(free):
-        free, n = f"{path}-{n}", n + 1
-    return free
 
 
 def is_complete(path: str) -> bool:
@@ -844,7 +836,7 @@ class CheckpointManager:
                     self._remove_cut_short(path)
                 elif loaded_step is None or step > loaded_step:
                     chosen = self.config.load_step >= 0
-                    aside = _free_name(f"{path}.{'not-resumed' if chosen else 'unloadable'}")
+                    aside = free_path(f"{path}.{'not-resumed' if chosen else 'unloadable'}")
                     os.rename(path, aside)
                     why = f"newer than checkpoint.load_step {loaded_step}" if chosen else "unloadable"
                     logger.warning("moved the checkpoint %s (%s) to %s", path, why, aside)

@@ -275,13 +275,19 @@ def _json_number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def free_path(stem: str, extension: str = "") -> str:
+    """``stem + extension``, or the first of ``stem-1 + extension``, ``stem-2 + extension``, ... that
+    does not exist: a name to move something aside to without replacing what was moved before."""
+    free, n = stem + extension, 1
+    while os.path.lexists(free):
+        free, n = f"{stem}-{n}{extension}", n + 1
+    return free
+
+
 def _name_aside(stem: str, last_write: float, extension: str = "") -> str:
     """A free name for an earlier run's records: ``stem.<time of their last write>extension``."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(last_write))
-    moved, n = f"{stem}.{stamp}{extension}", 1
-    while os.path.exists(moved):  # two runs that ended in the same second
-        moved, n = f"{stem}.{stamp}-{n}{extension}", n + 1
-    return moved
+    return free_path(f"{stem}.{stamp}", extension)  # two runs may have ended in the same second
 
 
 def _move_aside(path: str) -> None:
