@@ -35,7 +35,7 @@ from models.llama3.hf_adapter import (
 )
 from models.llama3.model import TransformerModelArgs
 from parallelisms.names import clean_name
-from trainer.tokenizer import default_tokenizer_path
+from trainer.tokenizer import HF_CONFIG_FILE, HF_TOKENIZER_FILE, MODEL_FILE, default_tokenizer_path
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -119,7 +119,7 @@ class ExportAssets:
 
 
 # The files of a Hugging Face tokenizer folder that an export copies.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, HF_CONFIG_FILE, "special_tokens_map.json", MODEL_FILE)
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -138,7 +138,7 @@ def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) ->
         candidates = {name: os.path.join(tokenizer_path, name) for name in TOKENIZER_FILES}
         files = {name: path for name, path in candidates.items() if os.path.isfile(path)}
     else:  # a tokenizer.json, or a sentencepiece / tiktoken file: HF names the latter tokenizer.model
-        files = {"tokenizer.json" if tokenizer_path.endswith(".json") else "tokenizer.model": tokenizer_path}
+        files = {HF_TOKENIZER_FILE if tokenizer_path.endswith(".json") else MODEL_FILE: tokenizer_path}
     return ExportAssets(config=ids, generation_config=generation, files=files)
 
 
