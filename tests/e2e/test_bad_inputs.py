@@ -721,7 +721,8 @@ def test_validation_running_out_of_memory_names_its_batch(tmp_path):
     """Training's batches fit, validation's do not: the line names validation.local_batch_size (it
     named training's option, whose batches had just run)."""
     limit = 6 * 10**9
-    validation = ["--validation.enable", "--validation.freq", "2", "--validation.local_batch_size", "600"]
+    # 2000 sequences: their float32 logits alone pass the 6 GB limit (600 fitted in one CI run of four).
+    validation = ["--validation.enable", "--validation.freq", "2", "--validation.local_batch_size", "2000"]
     result = _big_batch(tmp_path, validation, 2, lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
