@@ -54,6 +54,12 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def typed_first_line(error: BaseException) -> str:
+    """'Type: first line' of an error, or its type's name alone when it says nothing."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def _default_cache_dir() -> str:
     return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
 

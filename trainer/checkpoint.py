@@ -68,7 +68,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint, ConfigError, first_line, user_input
+from config.job_config import (
+    CHECKPOINT_PARTS,
+    RESOLVED_CONFIG_FILE,
+    Checkpoint,
+    ConfigError,
+    typed_first_line,
+    user_input,
+)
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
@@ -400,7 +407,7 @@ def _read_metadata(path: str) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
     except Exception as e:  # an unpickling failure can be of any type
-        raise CheckpointError(f"{os.path.join(path, '.metadata')} is corrupt: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{os.path.join(path, '.metadata')} is corrupt: {typed_first_line(e)}") from None
 
 
 def _parts_of(metadata: Metadata) -> set[str]:
@@ -491,8 +498,8 @@ def _describe(error: BaseException) -> str:
     rank's error (' on rank R: ...')."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
-        return f" on rank {rank}: {type(cause).__name__}: {first_line(cause)}"
-    return f": {type(error).__name__}: {first_line(error)}"
+        return f" on rank {rank}: {typed_first_line(cause)}"
+    return f": {typed_first_line(error)}"
 
 
 @dataclass
@@ -643,7 +650,7 @@ class CheckpointManager:
         try:
             write_marker(path, step, getattr(writer, "checksums", {}))
         except OSError as e:
-            raise CheckpointError(f"completing {path} failed: {type(e).__name__}: {e}") from None
+            raise CheckpointError(f"completing {path} failed: {typed_first_line(e)}") from None
         logger.info("checkpoint saved: %s", path)
         if self.config.keep_latest_k > 0:
             self._purger.submit(self._purge, self.config.keep_latest_k)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.job_config import JobConfig, first_line
+from config.job_config import JobConfig, first_line, typed_first_line
 
 DEFAULT_DATASET = "python_docs"
 # Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
@@ -228,7 +228,7 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
     try:
         yield from datasets.load_dataset(path, streaming=True, **options)
     except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, ValueError, OSError, KeyError) as error:
-        raise ValueError(f"{source}: {type(error).__name__}: {first_line(error)}") from None
+        raise ValueError(f"{source}: {typed_first_line(error)}") from None
 
 
 def hub_revision(name: str) -> str:
@@ -244,7 +244,7 @@ def hub_revision(name: str) -> str:
     except Exception as error:  # the hub client raises its HTTP library's errors, which vary by version
         raise ValueError(
             f"{name!r} is not a local path, and the Hugging Face hub cannot be reached to look it up "
-            f"({type(error).__name__}: {first_line(error)})"
+            f"({typed_first_line(error)})"
         ) from None
 
 

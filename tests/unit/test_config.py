@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from config.job_config import ConfigError, JobConfig, print_error
+from config.job_config import ConfigError, JobConfig, print_error, typed_first_line
 from config.manager import batch_layout, help_text, load_config, to_toml
 from trainer.preflight import check
 
@@ -392,3 +392,8 @@ def test_a_home_relative_path_is_the_home_folders(tmp_path):
     home = os.path.expanduser("~")
     assert (loaded.job.dump_folder, loaded.training.dataset) == (f"{home}/runs/a", f"{home}/corpus.jsonl")
     assert loaded.checkpoint.initial_load_path == f"{home}/seed"
+
+
+def test_an_error_without_text_is_named_once():
+    assert typed_first_line(EOFError()) == "EOFError"
+    assert typed_first_line(OSError("disk full\nmore detail")) == "OSError: disk full"
