@@ -77,6 +77,14 @@ def model_args(
     if overrides.keys() & {"ffn_dim_multiplier", "multiple_of"} and "ffn_dim" not in overrides:
         overrides["ffn_dim"] = None  # derive the width from what was asked
     args = dataclasses.replace(args, max_seq_len=config.training.seq_len, **overrides)
+    if args.max_position_embeddings is not None and args.max_seq_len > args.max_position_embeddings:
+        # RoPE runs at any length, but the weights never saw positions past their context.
+        logger.warning(
+            "training.seq_len %d is longer than the %d positions of %s (max_position_embeddings)",
+            args.max_seq_len,
+            args.max_position_embeddings,
+            source or f"{config.model.name} {config.model.flavor}",
+        )
     if vocab_size is None or vocab_size == args.vocab_size:
         return args
     if "vocab_size" in overrides or hf_config is not None:

@@ -61,6 +61,19 @@ def test_the_folder_gives_the_architecture(name, tmp_path, corpus):
     assert torch.equal(model.tok_embeddings.weight.detach(), embeddings)
 
 
+def test_a_sequence_longer_than_the_folders_context_is_a_warning(tmp_path, corpus, caplog):
+    folder = write_llama_folder(str(tmp_path / "f"), llama_config(max_position_embeddings=48))
+    with caplog.at_level("WARNING"):
+        args = job_model_args(load_config(folder_args(folder, corpus)), vocab_size=300)
+    assert args.max_seq_len == 64
+    config_json = os.path.join(folder, "config.json")
+    expected = f"training.seq_len 64 is longer than the 48 positions of {config_json} (max_position_embeddings)"
+    assert [r.getMessage() for r in caplog.records if "positions" in r.getMessage()] == [expected]
+    caplog.clear()
+    job_model_args(load_config(folder_args(folder, corpus, "--training.seq_len", "48")), vocab_size=300)
+    assert not [r for r in caplog.records if "positions" in r.getMessage()]
+
+
 def test_model_fields_override_the_flavor_and_the_folder(tmp_path, corpus):
     config = load_config(["--model.dim", "128", "--model.n_layers", "3", "--model.ffn_dim", "320"])
     args = job_model_args(config)
