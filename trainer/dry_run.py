@@ -49,7 +49,7 @@ from trainer.distributed import parallel_dims_from_config
 from trainer.hf_checkpoint import job_model_args
 from trainer.loss import Loss
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_, optimizers_holding_state
-from trainer.preflight import check
+from trainer.preflight import check, log_warnings_once
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -429,7 +429,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     world_size, argv = int(argv[1]), argv[2:]
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    log_warnings_once()
     try:
         config = load_config(argv)
         check(config, world_size)  # the pre-launch check of the real run, at the simulated world size

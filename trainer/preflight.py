@@ -402,6 +402,20 @@ USAGE = (
 )
 
 
+def log_warnings_once() -> None:
+    """Warnings on stderr as 'warning: ...', each once: the checks build the model's sizes more
+    than once, and a warning about them would repeat."""
+    shown: set[str] = set()
+
+    def first_time(record: logging.LogRecord) -> bool:
+        new = record.getMessage() not in shown
+        shown.add(record.getMessage())
+        return new
+
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    logging.getLogger().handlers[0].addFilter(first_time)
+
+
 def main(argv: list[str]) -> int:
     """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
     (``auto``: one per accelerator, else 2 CPU processes) and 1 or 0 for on accelerators or not:
@@ -411,7 +425,7 @@ def main(argv: list[str]) -> int:
     argv = argv[simulated:]
     while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
         launch[argv[0]], argv = argv[1], argv[2:]
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    log_warnings_once()
     try:
         config = load_config(argv)  # the options first, before the imports below
     except ConfigError as e:

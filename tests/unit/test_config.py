@@ -270,6 +270,20 @@ def test_preflight_catches_world_size_mismatch():
     assert result.stderr.count("\n") == 1 and "not divisible" in result.stderr
 
 
+def test_the_pre_launch_check_shows_each_warning_once():
+    """It builds the model's sizes twice (the layout, then the files); their warning is shown once."""
+    options = ["--model.max_position_embeddings", "32", "--training.seq_len", "64"]
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.preflight", "--world-size", "1", *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("is longer than the 32 positions") == 1, result.stderr
+
+
 def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
     """A typed option whose switch is off is one warning naming each with the switch; the same
     options in a file (torchtitan's files carry many: checkpoint.interval with enable false) are
