@@ -27,7 +27,7 @@ from config.job_config import (
     written_by_a_run,
 )
 from config.manager import batch_layout, load_config
-from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of
+from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
 from trainer.tokenizer import build_tokenizer
 
 # torch and the modules that use it are imported inside the functions, once the options have
@@ -35,6 +35,8 @@ from trainer.tokenizer import build_tokenizer
 if TYPE_CHECKING:
     from models.llama3.model import TransformerModelArgs
     from parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
 
 
 def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None) -> None:
@@ -333,6 +335,8 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems = [problem for option in options if (problem := _dataset_problem(config, option))]
+    for option in options:
+        _warn_hub_options_unused(config, option)
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
     vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
     if config.model.tokenizer_path:
@@ -384,6 +388,17 @@ def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -
     return difference and another_model("checkpoint.initial_load_path", ckpt.initial_load_path, difference)
 
 
+def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
+    """A dataset config or split set for local files or python_docs: they are read whole."""
+    section_name = option.partition(".")[0]
+    section = getattr(config, section_name)
+    defaults = {"dataset_config": "", "dataset_split": type(section)().dataset_split}
+    unused = [f"{section_name}.{name}" for name, default in defaults.items() if getattr(section, name) != default]
+    dataset = corpus_of(config, option).dataset
+    if unused and (dataset == "python_docs" or is_local(dataset)):
+        logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
+
+
 def _dataset_problem(config: JobConfig, option: str) -> str | None:
     name = getattr(config, option.partition(".")[0]).dataset
     try:
@@ -412,8 +427,10 @@ def log_warnings_once() -> None:
         shown.add(record.getMessage())
         return new
 
-    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-    logging.getLogger().handlers[0].addFilter(first_time)
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(logging.Formatter("warning: %(message)s"))
+    stderr.addFilter(first_time)
+    logging.basicConfig(level=logging.WARNING, handlers=[stderr])
 
 
 def main(argv: list[str]) -> int:

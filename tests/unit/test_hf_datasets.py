@@ -105,6 +105,18 @@ def test_preflight_accepts_good_shards(shards: Path, tmp_path: Path, capsys: pyt
     assert capsys.readouterr().err == ""
 
 
+def test_a_split_or_config_for_local_files_is_a_warning(shards: Path, caplog: pytest.LogCaptureFixture) -> None:
+    options = ["--training.dataset", str(shards), "--training.dataset_split", "test"]
+    with caplog.at_level("WARNING"):
+        assert preflight.main(["--world-size", "1", *options]) == 0
+        assert preflight.main(["--world-size", "1", "--training.dataset_config", "en"]) == 0
+        assert preflight.main(["--world-size", "1", "--training.dataset", str(shards)]) == 0
+    assert [r.getMessage() for r in caplog.records if "hub dataset" in r.getMessage()] == [
+        "no effect in this run: training.dataset_split (training.dataset is read whole, not a hub dataset)",
+        "no effect in this run: training.dataset_config (training.dataset is read whole, not a hub dataset)",
+    ]
+
+
 def test_preflight_names_a_missing_shard(shards: Path, capsys: pytest.CaptureFixture) -> None:
     listed = f"{shards / 'part-0.parquet'},{shards / 'part-9.parquet'}"
     line = preflight_error(capsys, "--training.dataset", listed)
