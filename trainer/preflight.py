@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING
 from config.job_config import (
     METRICS_FILE,
     RESOLVED_CONFIG_FILE,
+    VALIDATION_FILE,
     ConfigError,
     JobConfig,
     print_error,
@@ -210,6 +211,24 @@ def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> N
         )
     if config.job.save_config_file:
         _check_save_config_file(config.job.save_config_file, dump, folders)
+    _check_no_folder_is_a_run_file(config, folders)
+
+
+def _check_no_folder_is_a_run_file(config: JobConfig, folders: list[tuple[str, str]]) -> None:
+    """A one-line ConfigError when a folder option names a file the run writes in the dump folder,
+    or a folder inside one: one of the two writes would fail in the ranks (a checkpoint folder at
+    the first save, after the steps before it), and the restart would fail again."""
+    dump, job = config.job.dump_folder, config.job
+    files = [RESOLVED_CONFIG_FILE, METRICS_FILE] + [VALIDATION_FILE] * config.validation.enable
+    files += [job.save_config_file] if job.save_config_file else []
+    for option, folder in folders:
+        if option in ("job.dump_folder", "job.save_config_file"):
+            continue
+        made = os.path.realpath(folder)
+        for name in files:
+            written = os.path.realpath(os.path.join(dump, name))
+            if os.path.commonpath([made, written]) == written:
+                raise ConfigError(f"{option}: {folder} would make a folder of {name}, a file the run writes")
 
 
 def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]) -> None:

@@ -350,6 +350,22 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     ("folders", ["--job.dump_folder", " "], "job.dump_folder: no folder given ('.' is the working folder)"),
     ("folders", ["--job.run_name", "../../etc"], "job.run_name: '../../etc' is not a plain folder name"),
+    # Folders at files the run writes: a traceback or a failed save in the ranks, then a restart.
+    (
+        "folders",
+        ["--metrics.save_tb_folder", "metrics.jsonl"],
+        "metrics.save_tb_folder: {d}/dump/metrics.jsonl would make a folder of metrics.jsonl, a file the run",
+    ),
+    (
+        "folders",
+        ["--validation.enable", "--checkpoint.enable", "--checkpoint.folder", "validation.jsonl"],
+        "checkpoint.folder: {d}/dump/validation.jsonl would make a folder of validation.jsonl",
+    ),
+    (
+        "folders",
+        ["--profiling.enable_profiling", "--profiling.save_traces_folder", "config.toml/traces"],
+        "profiling.save_traces_folder: {d}/dump/config.toml/traces would make a folder of config.toml",
+    ),
     # Files the run writes that are its input, or each other.
     (
         "folders",
