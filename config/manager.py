@@ -581,7 +581,8 @@ def _validate_activation_checkpoint(config: JobConfig) -> None:
     ac = config.activation_checkpoint
     op_level = ac.mode == "selective" and ac.selective_ac_option == "op"
     if ac.mode == "selective" and not op_level:
-        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+        # isdecimal, not isdigit: int() refuses digits such as '²' that isdigit takes.
+        if not ac.selective_ac_option.isdecimal() or int(ac.selective_ac_option) < 1:
             raise ConfigError(
                 f"activation_checkpoint.selective_ac_option: '{ac.selective_ac_option}' "
                 "is neither 'op' nor a positive integer"

@@ -155,6 +155,11 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
         "selective_ac_option: 'x' is neither 'op' nor a positive integer",
     ),
+    (  # a digit to str.isdigit, not to int(): a traceback
+        "choice",
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "²"],
+        "selective_ac_option: '²' is neither 'op' nor a positive integer",
+    ),
     (
         "choice",
         ["--activation_checkpoint.mode", "memory_budget"],
