@@ -202,7 +202,8 @@ def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]
     starts = [0]
     for point in split_points:
         prefix, _, index = point.partition(".")
-        if prefix != "layers" or not index.isdigit() or not 0 < int(index) < n_layers:
+        # isdecimal, not isdigit: int() refuses digits such as '²' that isdigit takes.
+        if prefix != "layers" or not index.isdecimal() or not 0 < int(index) < n_layers:
             raise ValueError(
                 f"{SPLIT_POINTS_OPTION}: '{point}' is not a split point; use layers.N with 0 < N < {n_layers}"
             )
@@ -221,7 +222,7 @@ def _parse_module_fqns(module_fqns: Sequence[Sequence[str]], n_layers: int) -> l
         blocks, ends = [], set()
         for name in names:
             prefix, _, index = name.partition(".")
-            if prefix == "layers" and index.isdigit() and int(index) < n_layers:
+            if prefix == "layers" and index.isdecimal() and int(index) < n_layers:
                 blocks.append(int(index))
             elif name in ("tok_embeddings", "norm", "output"):
                 ends.add(name)

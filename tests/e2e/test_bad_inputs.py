@@ -199,6 +199,19 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.9"],
         "'layers.9' is not a split point",
     ),
+    (  # a digit to str.isdigit, not to int(): int()'s message, naming no option
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.²"],
+        "pipeline_parallel_split_points: 'layers.²' is not a split point",
+    ),
+    (
+        "layout",
+        [
+            *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part"),
+            "tok_embeddings+layers.0+layers.²,layers.1+norm+output",
+        ],
+        "module_fqns_per_model_part: 'layers.²' is not a module of the model",
+    ),
     (
         "layout",
         [
