@@ -350,32 +350,17 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
     def inert(section: str, names: typing.Iterable[str], why: str) -> None:
         reasons.update({f"{section}.{name}": why for name in names if f"{section}.{name}" not in reasons})
 
-    ck, comp, ac, prof = c.checkpoint, c.compile, c.activation_checkpoint, c.profiling
-    if not ck.enable:
-        inert(
-            "checkpoint",
-            ("folder", "interval", "async_mode", "keep_latest_k", "export_dtype"),
-            "checkpoint.enable is false",
-        )
-    if not ck.initial_load_path:
-        inert("checkpoint", ("initial_load_model_only",), "no checkpoint.initial_load_path")
-    if not ck.enable and (not ck.initial_load_path or ck.initial_load_model_only):
-        inert("checkpoint", ("exclude_from_loading",), "nothing loads but model weights")
-    simple_fsdp_options = ("bucketing", "manual_buckets", "bucket_memory_cap_mb", "compute_flops")
-    if not comp.enable:
-        inert("compile", ("components", "backend", *simple_fsdp_options), "compile.enable is false")
-    if c.parallelism.data_parallel_impl != "simple_fsdp":
-        inert("compile", simple_fsdp_options, f"parallelism.data_parallel_impl is {c.parallelism.data_parallel_impl}")
-    if comp.bucketing != "manual":
-        inert("compile", ("manual_buckets",), f"compile.bucketing is {comp.bucketing}")
-    if comp.bucketing != "auto":
-        inert("compile", ("bucket_memory_cap_mb", "compute_flops"), f"compile.bucketing is {comp.bucketing}")
+    ck, ac, prof = c.checkpoint, c.activation_checkpoint, c.profiling
+    _no_effect_in_checkpoint_and_compile(c, inert)
     if "float8" not in c.model.converters:
         inert("float8", (f.name for f in dataclasses.fields(Float8)), "model.converters has no float8")
     if ac.mode != "selective":
         inert("activation_checkpoint", ("selective_ac_option",), f"activation_checkpoint.mode is {ac.mode}")
     if ac.mode != "memory_budget":
         inert("activation_checkpoint", ("memory_budget",), f"activation_checkpoint.mode is {ac.mode}")
+    if ac.mode in ("none", "memory_budget"):  # no block is wrapped in torch's checkpoint
+        recompute = ("early_stop", "preserve_rng_state", "determinism_check", "debug")
+        inert("activation_checkpoint", recompute, f"activation_checkpoint.mode is {ac.mode}")
     if c.parallelism.pipeline_parallel_degree == 1:
         names = [f.name for f in dataclasses.fields(Parallelism) if f.name.startswith("pipeline_parallel_")]
         pipeline = [n for n in names if n != "pipeline_parallel_degree"] + ["module_fqns_per_model_part"]
@@ -403,6 +388,30 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
     if c.debug.failure.endswith("_during_save") and not ck.enable:
         inert("debug", ("fail_at_step", "failure"), f"debug.failure {c.debug.failure} without checkpoint.enable")
     return reasons
+
+
+def _no_effect_in_checkpoint_and_compile(c: JobConfig, inert: typing.Callable[..., None]) -> None:
+    """_no_effect's reasons for [checkpoint] and [compile] options, through its ``inert``."""
+    ck, comp = c.checkpoint, c.compile
+    if not ck.enable:
+        inert(
+            "checkpoint",
+            ("folder", "interval", "async_mode", "keep_latest_k", "export_dtype"),
+            "checkpoint.enable is false",
+        )
+    if not ck.initial_load_path:
+        inert("checkpoint", ("initial_load_model_only",), "no checkpoint.initial_load_path")
+    if not ck.enable and (not ck.initial_load_path or ck.initial_load_model_only):
+        inert("checkpoint", ("exclude_from_loading",), "nothing loads but model weights")
+    simple_fsdp_options = ("bucketing", "manual_buckets", "bucket_memory_cap_mb", "compute_flops")
+    if not comp.enable:
+        inert("compile", ("components", "backend", *simple_fsdp_options), "compile.enable is false")
+    if c.parallelism.data_parallel_impl != "simple_fsdp":
+        inert("compile", simple_fsdp_options, f"parallelism.data_parallel_impl is {c.parallelism.data_parallel_impl}")
+    if comp.bucketing != "manual":
+        inert("compile", ("manual_buckets",), f"compile.bucketing is {comp.bucketing}")
+    if comp.bucketing != "auto":
+        inert("compile", ("bucket_memory_cap_mb", "compute_flops"), f"compile.bucketing is {comp.bucketing}")
 
 
 def _warn_no_effect(config: JobConfig, given: set[str]) -> None:

@@ -338,6 +338,29 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
 
 
 @pytest.mark.parametrize(
+    "argv, warning",
+    [
+        (
+            ["--activation_checkpoint.debug", "--activation_checkpoint.preserve_rng_state"],
+            "--activation_checkpoint.debug (activation_checkpoint.mode is none); "
+            "--activation_checkpoint.preserve_rng_state (activation_checkpoint.mode is none)",
+        ),
+        (
+            ["--activation_checkpoint.mode", "memory_budget", "--compile.enable"]
+            + ["--activation_checkpoint.determinism_check", "none"],
+            "--activation_checkpoint.determinism_check (activation_checkpoint.mode is memory_budget)",
+        ),
+    ],
+)
+def test_an_option_whose_feature_is_off_is_named(argv, warning, caplog):
+    """Options of a feature the rest of the config leaves out, typed on the command line: one
+    warning naming each with the reason (they were taken without a word)."""
+    with caplog.at_level("WARNING", logger="config.manager"):
+        load_config(argv)
+    assert [r.getMessage() for r in caplog.records] == [f"no effect in this run: {warning}"]
+
+
+@pytest.mark.parametrize(
     "argv, toml, message",
     [
         (
