@@ -399,6 +399,8 @@ def _no_effect_in_checkpoint_and_compile(c: JobConfig, inert: typing.Callable[..
             ("folder", "interval", "async_mode", "keep_latest_k", "export_dtype"),
             "checkpoint.enable is false",
         )
+    if not ck.export_hf:
+        inert("checkpoint", ("export_dtype",), "checkpoint.export_hf is false")
     if not ck.initial_load_path:
         inert("checkpoint", ("initial_load_model_only",), "no checkpoint.initial_load_path")
     if not ck.enable and (not ck.initial_load_path or ck.initial_load_model_only):

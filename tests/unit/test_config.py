@@ -350,6 +350,10 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
             + ["--activation_checkpoint.determinism_check", "none"],
             "--activation_checkpoint.determinism_check (activation_checkpoint.mode is memory_budget)",
         ),
+        (
+            ["--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"],
+            "--checkpoint.export_dtype (checkpoint.export_hf is false)",
+        ),
     ],
 )
 def test_an_option_whose_feature_is_off_is_named(argv, warning, caplog):
