@@ -383,6 +383,8 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
         inert("profiling", ("save_memory_snapshot_folder",), "profiling.enable_memory_snapshot is false")
     if not c.metrics.enable_tensorboard:
         inert("metrics", ("save_tb_folder",), "metrics.enable_tensorboard is false")
+    if not c.metrics.enable_tensorboard and not c.metrics.enable_wandb:
+        inert("metrics", ("save_for_all_ranks",), "metrics.enable_tensorboard and metrics.enable_wandb are false")
     if c.debug.fail_at_step < 0:
         inert("debug", ("failure",), "debug.fail_at_step is -1")
     if c.debug.failure.endswith("_during_save") and not ck.enable:

@@ -354,6 +354,10 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
             ["--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"],
             "--checkpoint.export_dtype (checkpoint.export_hf is false)",
         ),
+        (
+            ["--metrics.save_for_all_ranks", "--metrics.enable_tensorboard", "false"],
+            "--metrics.save_for_all_ranks (metrics.enable_tensorboard and metrics.enable_wandb are false)",
+        ),
     ],
 )
 def test_an_option_whose_feature_is_off_is_named(argv, warning, caplog):
