@@ -525,6 +525,16 @@ def _validate_compile_and_comm(config: JobConfig) -> None:
     """Compile has something to compile; the link auto bucketing prices collectives on can be."""
     if config.compile.enable and not config.compile.components:
         raise ConfigError("compile.components: empty, so compile.enable would compile nothing; name model and/or loss")
+    if (
+        config.compile.enable
+        and set(config.compile.components) == {"loss"}
+        and config.parallelism.tensor_parallel_degree > 1
+    ):
+        # Loss parallel's cross-entropy runs eagerly on the vocabulary-sharded logits.
+        raise ConfigError(
+            "compile.components: the loss alone, which tensor parallelism runs eagerly, so compile.enable "
+            "would compile nothing; add model"
+        )
     comm = config.comm
     if (comm.alpha_us is None) != (comm.bandwidth_gbps is None):
         raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")

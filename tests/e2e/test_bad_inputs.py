@@ -142,6 +142,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("choice", ["--compile.backend", "cudagraphs"], "compile.backend: 'cudagraphs' is not one of"),
     ("choice", ["--optimizer.name", "SGD"], "optimizer.name: 'SGD' is not one of AdamW, Adam"),
     ("choice", ["--compile.enable", "--compile.components", ""], "compile.components: empty, so compile.enable would"),
+    (  # it compiled nothing, without a word
+        "choice",
+        ["--compile.enable", "--compile.components", "loss", "--parallelism.tensor_parallel_degree", "2"],
+        "compile.components: the loss alone, which tensor parallelism runs eagerly, so compile.enable would",
+    ),
     ("choice", ["--optimizer.implementation", "cuda-graph"], "optimizer.implementation: 'cuda-graph'"),
     ("choice", ["--lr_scheduler.decay_type", "exponential"], "lr_scheduler.decay_type: 'exponential'"),
     ("choice", ["--training.mixed_precision_param", "float16"], "training.mixed_precision_param: 'float16'"),
