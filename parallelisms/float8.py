@@ -78,6 +78,22 @@ def _converts(module: nn.Module, name: str, patterns: list[str]) -> bool:
     )
 
 
+def check_filter_fqns(model: nn.Module, filter_fqns: list[str]) -> None:
+    """ValueError naming each pattern of ``filter_fqns`` that is part of no linear layer's name of
+    ``model``: it would leave nothing in high precision, a typo that changes nothing."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if unmatched := [p for p in filter_fqns if p != AUTO_FILTER and not any(p in name for name in names)]:
+        raise ValueError(
+            f"{', '.join(repr(p) for p in unmatched)}: part of no linear layer's name "
+            f"(they are {', '.join(_name_patterns(names))})"
+        )
+
+
+def _name_patterns(names: list[str]) -> list[str]:
+    """The linear layers' names with block indices as N: layers.N.attention.wq, ..., output."""
+    return list(dict.fromkeys(".".join("N" if part.isdecimal() else part for part in n.split(".")) for n in names))
+
+
 def apply_float8(
     model: nn.Module, *, recipe_name: str, filter_fqns: list[str], emulate: bool, fsdp_float8_all_gather: bool
 ) -> list[str]:

@@ -30,7 +30,7 @@ from parallelisms.bucket_plan import (
 from parallelisms.bucketing import BucketingPass
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.device import device_type, supports_async_tp
-from parallelisms.float8 import apply_float8, check_float8
+from parallelisms.float8 import apply_float8, check_filter_fqns, check_float8
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
@@ -326,6 +326,8 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     if "float8" in config.model.converters:
         with user_input("model.converters"):
             check_float8(device_type(), config.float8.emulate)
+        with torch.device("meta"), user_input("float8.filter_fqns"):
+            check_filter_fqns(Transformer(model_args), config.float8.filter_fqns)
     if parallel_dims.tp_enabled:
         with torch.device("meta"):
             model = Transformer(model_args)

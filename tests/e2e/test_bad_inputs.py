@@ -278,6 +278,11 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],
         "compile.manual_buckets: Bucket pattern 'layers.9' (in spec 'layers.9') matches no module of",
     ),
+    (  # it left nothing out of float8, without a word
+        "layout",
+        ["--model.converters", "float8", "--float8.filter_fqns", "output,outptu"],
+        "float8.filter_fqns: 'outptu': part of no linear layer's name (they are layers.N.attention.wq, ",
+    ),
     # LR schedules that do not fit.
     ("schedule", ["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps must be >= 0"),
     ("schedule", ["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio must be in [0, 1]"),
