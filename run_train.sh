@@ -51,6 +51,9 @@ elif [ -n "${RDZV_ENDPOINT:-}" ]; then
 fi
 PY=$("$HERE/scripts/setup_env.sh")
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+# CONFIG_FILE only when the command line names no config file: two typed there are a warning that
+# the last is read, which CONFIG_FILE ahead of them would give every such command line.
+CONFIG_ARGS=(--job.config_file "$CONFIG_FILE")
 for arg in "$@"; do
   if [ "$arg" = --help ] || [ "$arg" = -h ]; then
     # The environment this script reads (the comment above), then every config option.
@@ -58,9 +61,12 @@ for arg in "$@"; do
     echo
     exec "$PY" "$HERE/train.py" --help
   fi
-  if [ -n "$CONFIG_FILE_GIVEN" ] && [[ "$arg" == --job.config[_-]file* ]]; then
-    echo "warning: CONFIG_FILE=$CONFIG_FILE is not read: --job.config_file on the command line wins" >&2
-    CONFIG_FILE_GIVEN=
+  if [[ "$arg" == --job.config[_-]file* ]]; then
+    if [ -n "$CONFIG_FILE_GIVEN" ]; then
+      echo "warning: CONFIG_FILE=$CONFIG_FILE is not read: --job.config_file on the command line wins" >&2
+      CONFIG_FILE_GIVEN=
+    fi
+    CONFIG_ARGS=()
   fi
 done
 
@@ -69,10 +75,10 @@ done
 # A dry run's ranks are not this host's: their memory is not checked against it.
 SIMULATED=$([ "${COMM_MODE:-}" = fake ] && echo --simulated || true)
 LAUNCH=$("$PY" -m trainer.preflight $SIMULATED --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
-  --job.config_file "$CONFIG_FILE" "$@")
+  ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
 if [ "${COMM_MODE:-}" = fake ]; then
-  exec "$PY" -m trainer.dry_run --world-size "$((NNODES * NGPU))" --job.config_file "$CONFIG_FILE" "$@"
+  exec "$PY" -m trainer.dry_run --world-size "$((NNODES * NGPU))" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi
 for rank in ${LOG_RANK//,/ }; do
   [ "$rank" -lt "$NGPU" ] || fail "LOG_RANK: $rank is not a local rank of this node's $NGPU (0 to $((NGPU - 1)))"
@@ -93,4 +99,4 @@ fi
 exec "$PY" -m trainer.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  "$HERE/train.py" --job.config_file "$CONFIG_FILE" "$@"
+  "$HERE/train.py" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"

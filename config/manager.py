@@ -240,7 +240,7 @@ def load_config(argv: list[str]) -> JobConfig:
     ConfigError for any bad input; every unknown option is named in the same message."""
     pairs = [_negated_flag(key, value) for key, value in _parse_cli(argv)]
     given = collections.Counter(key for key, _ in pairs)
-    if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1 and key != "job.config_file"]:
+    if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1]:
         logger.warning("given more than once, the last counts: %s", ", ".join(repeated))
     for key, value in pairs:
         field_type = _field_type(torchtitan.ALIASES.get(key, key))

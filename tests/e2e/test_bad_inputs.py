@@ -612,6 +612,21 @@ def test_an_environment_setting_without_effect_is_a_warning(tmp_path, env, warni
     assert lines[0].startswith(warning)
 
 
+@pytest.mark.slow  # launches run_train.sh
+def test_two_config_files_typed_are_a_warning_and_one_is_not(tmp_path):
+    """The first of two files is not read: a warning, as for any option typed twice (it was dropped
+    without a word). One file typed is no such warning: the script's default config is not counted."""
+    config = os.path.join(REPO, "configs", "debug_model.toml")
+    lines = []
+    for files in ([config, config], [config]):
+        typed = [arg for path in files for arg in ("--job.config_file", path)]
+        command = script_command(str(tmp_path), *typed, "--training.stpes", "3")
+        result = subprocess.run(command, cwd=REPO, env=script_env(2), capture_output=True, text=True, timeout=120)
+        lines.append(result.stderr.strip().splitlines())
+    error = "error: unknown option 'training.stpes' (did you mean 'training.steps'?)"
+    assert lines == [["warning: given more than once, the last counts: --job.config_file (2 times)", error], [error]]
+
+
 def test_the_ranks_check_the_output_folders_themselves(tmp_path):
     """Started by torchrun without run_train.sh's check, a rank refuses an unwritable checkpoint
     folder with the same line before it joins the process group, not at its first save."""

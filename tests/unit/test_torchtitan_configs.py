@@ -157,10 +157,16 @@ def test_every_unknown_option_in_one_message_and_suggestions_only_when_close(tmp
     assert message.count("did you mean") == 1  # nothing close to the others
 
 
-def test_the_last_config_file_wins(tmp_path):
+def test_the_last_config_file_wins(tmp_path, caplog):
+    """With a warning, as for any option typed twice: the first file is not read at all (it was
+    dropped without a word)."""
     first = write(tmp_path, "[training]\nsteps = 11\n", "first.toml")
     second = write(tmp_path, "[training]\nsteps = 12\n", "second.toml")
-    assert load_config(["--job.config_file", first, "--job.config_file", second]).training.steps == 12
+    with caplog.at_level("WARNING", logger="config.manager"):
+        assert load_config(["--job.config_file", first, "--job.config_file", second]).training.steps == 12
+    assert [r.getMessage() for r in caplog.records] == [
+        "given more than once, the last counts: --job.config_file (2 times)"
+    ]
     with pytest.raises(ConfigError, match="config file not found: missing.toml"):
         load_config(["--job.config_file", first, "--job.config_file", "missing.toml"])
 
