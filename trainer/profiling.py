@@ -26,8 +26,14 @@ def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[to
         yield None
         return
     trace_dir = os.path.join(dump_folder, config.save_traces_folder)
+    saved: set[int] = set()
 
     def save_trace(prof: torch.profiler.profile) -> None:
+        # When a window records from its first step, the profiler's exit saves the one begun after
+        # the last step, under that step's number: it holds no step, and would replace that step's.
+        if prof.step_num in saved:
+            return
+        saved.add(prof.step_num)
         step_dir = os.path.join(trace_dir, f"iteration_{prof.step_num}")
         os.makedirs(step_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_dir, f"rank{rank}_trace.json"))

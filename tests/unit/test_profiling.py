@@ -43,6 +43,21 @@ def test_each_window_records_its_last_active_steps(tmp_path):
     assert _recorded_steps(tmp_path / "one", 4, profile_freq=2) == {"iteration_2": [2], "iteration_4": [4]}
 
 
+def test_the_last_steps_trace_is_kept_when_every_step_is_recorded(tmp_path):
+    """A window that records from its first step (profile_freq = profiler_active): the profiler's
+    exit saves the window begun after the last step, which holds no step; it replaced the last
+    step's trace under the same name."""
+    assert _recorded_steps(tmp_path / "every", 3, profile_freq=1) == {
+        "iteration_1": [1],
+        "iteration_2": [2],
+        "iteration_3": [3],
+    }
+    assert _recorded_steps(tmp_path / "pairs", 4, profile_freq=2, profiler_active=2) == {
+        "iteration_2": [1, 2],
+        "iteration_4": [3, 4],
+    }
+
+
 class _RecordingAllocator:
     """Stands for torch.cuda.memory: the history switch and what a snapshot holds."""
 
