@@ -242,28 +242,41 @@ def build_lr_scheduler(
     if not 0.0 <= min_lr_factor <= 1.0:
         raise ValueError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {min_lr_factor}")
 
-    if decay_ratio is None:
-        decay_steps = total_steps - warmup_steps
-    else:
-        if not 0.0 <= decay_ratio <= 1.0:
-            raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {decay_ratio}")
-        decay_steps = round(decay_ratio * total_steps)
-        if warmup_steps + decay_steps > total_steps:
-            logger.warning(
-                "lr_scheduler.decay_ratio %g gives %d decay steps, more than the %d after %d of warmup: "
-                "decaying over those",
-                decay_ratio,
-                decay_steps,
-                total_steps - warmup_steps,
-                warmup_steps,
-            )
-            decay_steps = total_steps - warmup_steps
-
+    decay_steps = _decay_steps(decay_ratio, warmup_steps, total_steps, total_steps_option)
     stable_steps = total_steps - warmup_steps - decay_steps
     phases = f"{warmup_steps} warmup, {stable_steps} stable, {decay_steps} {decay_type} decay steps"
     logger.info("LR schedule: %s to %g x peak", phases, min_lr_factor)
     schedule = WarmupStableDecay(warmup_steps, total_steps - decay_steps, decay_steps, decay_type, min_lr_factor)
     return LambdaLR(optimizer, lr_lambda=schedule)
+
+
+def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int, total_steps_option: str) -> int:
+    """build_lr_scheduler's decay steps: ``decay_ratio`` of ``total_steps``, those after warmup when
+    it is None, and at most those."""
+    if decay_ratio is None:
+        return total_steps - warmup_steps
+    if not 0.0 <= decay_ratio <= 1.0:
+        raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {decay_ratio}")
+    decay_steps = round(decay_ratio * total_steps)
+    if decay_ratio > 0 and decay_steps == 0:
+        logger.warning(
+            "lr_scheduler.decay_ratio %g of %s %d rounds to 0 decay steps: the learning rate stays at "
+            "its peak to the end",
+            decay_ratio,
+            total_steps_option,
+            total_steps,
+        )
+    if warmup_steps + decay_steps > total_steps:
+        logger.warning(
+            "lr_scheduler.decay_ratio %g gives %d decay steps, more than the %d after %d of warmup: "
+            "decaying over those",
+            decay_ratio,
+            decay_steps,
+            total_steps - warmup_steps,
+            warmup_steps,
+        )
+        decay_steps = total_steps - warmup_steps
+    return decay_steps
 
 
 @torch.no_grad()

@@ -232,6 +232,16 @@ def test_a_run_shorter_than_its_schedule_cuts_warmup_and_decay_with_a_warning(ca
     assert "lr_scheduler.decay_ratio 0.8 gives 4 decay steps, more than the 3 after 2 of warmup" in caplog.text
 
 
+def test_a_decay_ratio_that_rounds_to_no_decay_is_a_warning(caplog) -> None:
+    """decay_ratio 0.1 of 4 steps is 0.4 of a step: no decay at all, which it left unsaid."""
+    with caplog.at_level(logging.WARNING, logger="trainer.optim"):
+        assert _lr_trace(4, warmup_steps=1, total_steps=4, decay_ratio=0.1, min_lr_factor=0.1) == [1.0] * 4
+    assert caplog.messages == [
+        "lr_scheduler.decay_ratio 0.1 of training.steps 4 rounds to 0 decay steps: the learning rate stays at its "
+        "peak to the end"
+    ]
+
+
 def test_total_steps_lets_a_short_run_follow_a_long_runs_schedule(caplog) -> None:
     """torchtitan's lr_scheduler.total_steps: 4 steps of a 10-step schedule take its first 4 rates;
     unset, the schedule spans training.steps."""
