@@ -536,6 +536,11 @@ def _validate_compile_and_comm(config: JobConfig) -> None:
             "would compile nothing; add model"
         )
     comm = config.comm
+    if os.sep in comm.save_traces_file_prefix:  # the flight recorder's file would be in no folder made
+        raise ConfigError(
+            f"comm.save_traces_file_prefix: {comm.save_traces_file_prefix!r} holds a '{os.sep}'; it begins the "
+            "file names in comm.save_traces_folder, which names the folder"
+        )
     if (comm.alpha_us is None) != (comm.bandwidth_gbps is None):
         raise ConfigError("comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)")
     if comm.alpha_us is not None and comm.alpha_us < 0:

@@ -378,6 +378,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("folders", ["--job.dump_folder", ""], "job.dump_folder: no folder given ('.' is the working folder)"),
     ("folders", ["--job.dump_folder", " "], "job.dump_folder: no folder given ('.' is the working folder)"),
     ("folders", ["--job.run_name", "../../etc"], "job.run_name: '../../etc' is not a plain folder name"),
+    (  # the record of a failed collective was lost at the failure, with a warning naming the folder
+        "folders",
+        ["--comm.save_traces_file_prefix", "traces/rank_"],
+        "comm.save_traces_file_prefix: 'traces/rank_' holds a '/'; it begins the file names in",
+    ),
     # Folders at files the run writes: a traceback or a failed save in the ranks, then a restart.
     (
         "folders",
