@@ -259,8 +259,34 @@ def load_config(argv: list[str]) -> JobConfig:
         config.job.config_file = config_file
     _check_foreign(foreign)
     validate(config)
-    _warn_no_effect(config, {torchtitan.ALIASES.get(key, key) for key in given})
+    _warn_no_effect(config, typed_options(argv))
     return config
+
+
+def typed_options(argv: list[str]) -> set[str]:
+    """The options named on the command line ``argv``, by Tessera's names."""
+    pairs = [_negated_flag(key, value) for key, value in _parse_cli(argv)]
+    return {torchtitan.ALIASES.get(key, key) for key, _ in pairs}
+
+
+def warn_no_effect_at_degrees(
+    config: JobConfig, typed: typing.AbstractSet[str], dp_replicate: int, dp_shard: int
+) -> None:
+    """One warning line for the options in ``typed`` that do nothing at these data-parallel
+    degrees: what shards or reduces gradients with one data-parallel rank."""
+    reasons: dict[str, str] = {}
+    if dp_shard == 1:
+        sharded = ["parallelism.fsdp_reshard_after_forward", "float8.enable_fsdp_float8_all_gather"]
+        sharded.append("float8.precompute_float8_dynamic_scale_for_fsdp")
+        reasons.update(dict.fromkeys(sharded, "no sharded data parallelism: the data-parallel shard degree is 1"))
+    if dp_replicate * dp_shard == 1:
+        # Without data parallelism SimpleFSDP compiles the whole model without buckets, whatever the plan.
+        unreduced = ["training.mixed_precision_reduce", "compile.manual_buckets", "compile.bucket_memory_cap_mb"]
+        unreduced += ["compile.compute_flops"] + ["compile.bucketing"] * (config.compile.bucketing != "block")
+        reasons.update(dict.fromkeys(unreduced, "no data parallelism: one data-parallel rank"))
+    named = typed & reasons.keys() - _no_effect(config).keys()  # those load_config named already
+    if ignored := [f"--{key} ({reasons[key]})" for key in sorted(named)]:
+        logger.warning("no effect in this run: %s", "; ".join(ignored))
 
 
 def _negated_flag(key: str, value: str | None) -> tuple[str, str | None]:

@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Sched
 from torch.distributed.tensor import DTensor
 
 from config.job_config import ConfigError, JobConfig, print_error
-from config.manager import batch_layout, load_config
+from config.manager import batch_layout, load_config, typed_options
 from models.builder import BuiltModel, build_model
 from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims
@@ -432,7 +432,8 @@ def main(argv: list[str]) -> int:
     log_warnings_once()
     try:
         config = load_config(argv)
-        check(config, world_size)  # the pre-launch check of the real run, at the simulated world size
+        # The pre-launch check of the real run, at the simulated world size.
+        check(config, world_size, typed=frozenset(typed_options(argv)))
         ranks = measured_ranks(config, world_size)
         if len(ranks) == 1:
             reports = [dry_run(config, world_size)]

@@ -27,7 +27,7 @@ from config.job_config import (
     print_error,
     written_by_a_run,
 )
-from config.manager import batch_layout, load_config
+from config.manager import batch_layout, load_config, typed_options, warn_no_effect_at_degrees
 from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
 from trainer.tokenizer import build_tokenizer
 
@@ -40,9 +40,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None) -> None:
+def check(
+    config: JobConfig, world_size: int, ranks_per_node: int | None = None, typed: frozenset[str] = frozenset()
+) -> None:
     """Raises a one-line ConfigError for the first class of mistake found; with
-    ``ranks_per_node`` (a launch, not a dry run) also when the model's state cannot fit a rank."""
+    ``ranks_per_node`` (a launch, not a dry run) also when the model's state cannot fit a rank.
+    Warns of the options in ``typed`` (the command line's) that the degrees leave without effect."""
     import torch
 
     from models.registry import get_model_spec
@@ -54,6 +57,7 @@ def check(config: JobConfig, world_size: int, ranks_per_node: int | None = None)
 
     dims = parallel_dims_from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
+    warn_no_effect_at_degrees(config, typed, dims.dp_replicate, dims.dp_shard)
     ckpt = config.checkpoint
     if ckpt.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
@@ -477,7 +481,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        check(config, int(world_size), None if simulated else int(nproc))
+        check(config, int(world_size), None if simulated else int(nproc), frozenset(typed_options(argv)))
     except ConfigError as e:
         print_error(e)
         return 2

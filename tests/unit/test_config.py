@@ -284,6 +284,28 @@ def test_the_pre_launch_check_shows_each_warning_once():
     assert result.stderr.count("is longer than the 32 positions") == 1, result.stderr
 
 
+def test_options_for_data_parallelism_are_named_where_there_is_none(caplog):
+    """What shards weights or reduces gradients, typed for a layout with one data-parallel rank (or
+    replicas only), is one warning before launch; it was taken without a word."""
+    from trainer import preflight
+
+    options = ["--parallelism.fsdp_reshard_after_forward", "never", "--training.mixed_precision_reduce", "bfloat16"]
+    unsharded = (
+        "--parallelism.fsdp_reshard_after_forward (no sharded data parallelism: the data-parallel shard degree is 1)"
+    )
+    unreduced = "--training.mixed_precision_reduce (no data parallelism: one data-parallel rank)"
+    layouts = [
+        (["--world-size", "1"], [f"{unsharded}; {unreduced}"]),
+        (["--world-size", "2", "--parallelism.data_parallel_replicate_degree", "2"], [unsharded]),
+        (["--world-size", "2"], []),
+    ]
+    for layout, named in layouts:
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert preflight.main([*layout, *options]) == 0
+        assert [r.getMessage() for r in caplog.records] == [f"no effect in this run: {line}" for line in named]
+
+
 def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
     """A typed option whose switch is off is one warning naming each with the switch; the same
     options in a file (torchtitan's files carry many: checkpoint.interval with enable false) are
