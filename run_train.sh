@@ -70,16 +70,16 @@ for arg in "$@"; do
   fi
 done
 
+if [ "${COMM_MODE:-}" = fake ]; then
+  # The dry run checks the config as the real launch would, in its one process.
+  exec "$PY" -m trainer.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+    ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
+fi
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
-# A dry run's ranks are not this host's: their memory is not checked against it.
-SIMULATED=$([ "${COMM_MODE:-}" = fake ] && echo --simulated || true)
-LAUNCH=$("$PY" -m trainer.preflight $SIMULATED --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
-if [ "${COMM_MODE:-}" = fake ]; then
-  exec "$PY" -m trainer.dry_run --world-size "$((NNODES * NGPU))" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
-fi
 for rank in ${LOG_RANK//,/ }; do
   [ "$rank" -lt "$NGPU" ] || fail "LOG_RANK: $rank is not a local rank of this node's $NGPU (0 to $((NGPU - 1)))"
 done

@@ -49,7 +49,7 @@ from trainer.distributed import parallel_dims_from_config
 from trainer.hf_checkpoint import job_model_args
 from trainer.loss import Loss
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_, optimizers_holding_state
-from trainer.preflight import check, log_warnings_once
+from trainer.preflight import check, launch_sizes, log_warnings_once, split_launch_options
 from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -414,7 +414,7 @@ def in_child(fn, *args):
     raise ConfigError(value) if status == "error" else RuntimeError(value)
 
 
-USAGE = "usage: python -m trainer.dry_run --world-size N [config options]"
+USAGE = "usage: python -m trainer.dry_run (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
 
 
 def measured_ranks(config: JobConfig, world_size: int) -> list[int]:
@@ -425,13 +425,16 @@ def measured_ranks(config: JobConfig, world_size: int) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit() or int(argv[1]) < 1:
-        print(USAGE, file=sys.stderr)
-        return 2
-    world_size, argv = int(argv[1]), argv[2:]
+    """A dry run at the world size of the launch options, ranks per node ``auto`` counted as the
+    real launch counts them."""
+    launch, argv = split_launch_options(argv)
     log_warnings_once()
     try:
         config = load_config(argv)
+        if (sizes := launch_sizes(launch)) is None:
+            print(USAGE, file=sys.stderr)
+            return 2
+        world_size = sizes[0]
         # The pre-launch check of the real run, at the simulated world size.
         check(config, world_size, typed=frozenset(typed_options(argv)))
         ranks = measured_ranks(config, world_size)

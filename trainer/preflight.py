@@ -2,7 +2,6 @@
 
 ``python -m trainer.preflight --world-size N [config options]``: exits 2 with one line on stderr
 when the config is wrong (``main`` also serves run_train.sh, which lets it count the ranks).
-``--simulated`` (first) checks for a dry run: everything but whether the model fits this host.
 """
 
 from __future__ import annotations
@@ -434,10 +433,7 @@ def _dataset_problem(config: JobConfig, option: str) -> str | None:
     return None
 
 
-USAGE = (
-    "usage: python -m trainer.preflight [--simulated] (--world-size N | --nnodes N --nproc-per-node K|auto) "
-    "[config options]"
-)
+USAGE = "usage: python -m trainer.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
 
 
 def log_warnings_once() -> None:
@@ -456,21 +452,17 @@ def log_warnings_once() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[stderr])
 
 
-def main(argv: list[str]) -> int:
-    """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
-    (``auto``: one per accelerator, else 2 CPU processes) and 1 or 0 for on accelerators or not:
-    the launcher asks torch once."""
+def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(--world-size / --nnodes / --nproc-per-node given first: their values, the config options)."""
     launch: dict[str, str] = {}
-    simulated = argv[:1] == ["--simulated"]  # a dry run: the ranks are not this host's
-    argv = argv[simulated:]
     while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
         launch[argv[0]], argv = argv[1], argv[2:]
-    log_warnings_once()
-    try:
-        config = load_config(argv)  # the options first, before the imports below
-    except ConfigError as e:
-        print_error(e)
-        return 2
+    return launch, argv
+
+
+def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
+    """(world size, ranks per node, accelerators here) of the launch options, ranks per node
+    ``auto`` being one per accelerator, else 2 CPU processes; None when they give no world."""
     from parallelisms.device import accelerator_count
 
     accelerators = accelerator_count()
@@ -478,10 +470,26 @@ def main(argv: list[str]) -> int:
     nproc = str(accelerators or 2) if nproc == "auto" else nproc
     world_size = launch.get("--world-size") or f"{int(launch.get('--nnodes', '0') or 0) * int(nproc or 0)}"
     if not (nproc.isdigit() and world_size.isdigit() and int(world_size) > 0):
+        return None
+    return int(world_size), int(nproc), accelerators
+
+
+def main(argv: list[str]) -> int:
+    """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
+    and 1 or 0 for on accelerators or not: the launcher asks torch once."""
+    launch, argv = split_launch_options(argv)
+    log_warnings_once()
+    try:
+        config = load_config(argv)  # the options first, before the imports below
+    except ConfigError as e:
+        print_error(e)
+        return 2
+    if (sizes := launch_sizes(launch)) is None:
         print(USAGE, file=sys.stderr)
         return 2
+    world_size, nproc, accelerators = sizes
     try:
-        check(config, int(world_size), None if simulated else int(nproc), frozenset(typed_options(argv)))
+        check(config, world_size, nproc, frozenset(typed_options(argv)))
     except ConfigError as e:
         print_error(e)
         return 2

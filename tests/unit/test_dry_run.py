@@ -127,14 +127,16 @@ def test_a_dry_run_is_not_held_to_this_hosts_memory():
     """One block of the 405B model on 2 ranks: 24 GiB of fp32 state per rank, which a real launch
     on a host of less than 48 GiB refuses before any rank starts; the dry run reports its peak,
     with the flavor's vocabulary, and does not claim the default tokenizer's (as it once warned,
-    twice, while sizing the flavor's). COMM_MODE spelled as torchtitan's run_train.sh does."""
+    twice, while sizing the flavor's). COMM_MODE spelled as torchtitan's run_train.sh does. The
+    config is checked once: a warning is shown once (the script's own check showed it again)."""
     argv = ["--model.flavor", "405B", "--model.n_layers", "1", "--training.seq_len", "128"]
-    argv += ["--training.local_batch_size", "1"]
+    argv += ["--training.local_batch_size", "1", "--checkpoint.interval", "5"]
     env = dict(os.environ, COMM_MODE="fake_backend", NGPU="2", PYTHON=sys.executable)
     proc = subprocess.run(["./run_train.sh", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "peak" in proc.stdout, proc.stdout[-3000:]
     assert "(vocabulary 128,256)" in proc.stdout and "from the tokenizer" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("--checkpoint.interval (checkpoint.enable is false)") == 1, proc.stderr[-3000:]
 
 
 def _real_peak(world: int, argv: list[str], out: str, rank: int = 0) -> dict:
