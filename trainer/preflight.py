@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_WORLD_SIZE = 2**31 - 1
+"""Ranks a torch process group holds: it counts them in a C++ int."""
+
 
 def check(
     config: JobConfig, world_size: int, ranks_per_node: int | None = None, typed: frozenset[str] = frozenset()
@@ -54,6 +57,11 @@ def check(
     from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
 
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"world size {world_size:,} (NNODES x NGPU) is more than the {MAX_WORLD_SIZE:,} ranks a torch "
+            "process group holds"
+        )
     dims = parallel_dims_from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
     warn_no_effect_at_degrees(config, typed, dims.dp_replicate, dims.dp_shard)

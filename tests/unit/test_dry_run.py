@@ -105,6 +105,25 @@ def test_auto_buckets_without_the_devices_figures_is_one_line():
     ]
 
 
+def test_a_world_larger_than_a_process_group_holds_is_one_line():
+    """NNODES 999,999 x NGPU 9,999, each in its range: the fake process group's size is a C++ int,
+    and its constructor ended the dry run in a traceback."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.dry_run", "--world-size", str(999_999 * 9_999)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: world size 9,998,990,001 (NNODES x NGPU) is more than the 2,147,483,647 ranks a torch "
+        "process group holds"
+    ]
+
+
 @pytest.mark.slow
 def test_bad_layout_at_the_simulated_world_size_is_one_line():
     """A TP degree that does not divide the 8B model's 8 kv heads, at 1,024 simulated ranks."""
