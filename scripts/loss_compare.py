@@ -215,6 +215,8 @@ def plot(runs: list[Run], key: str, out: str) -> None:
         figure.savefig(out, dpi=100)
     except OSError as e:
         raise InputError(f"{out}: cannot write the picture ({e.strerror or e})") from None
+    except ValueError as e:  # an extension that is no format matplotlib writes
+        raise InputError(f"{out}: cannot write the picture ({e})") from None
     finally:
         pyplot.close(figure)
 

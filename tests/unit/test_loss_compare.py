@@ -154,3 +154,14 @@ def test_an_unwritable_picture_is_an_error(tmp_path):
     result = compare(tmp_path, a, a, "--out", str(tmp_path / "no" / "such" / "folder.png"))
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_a_picture_format_matplotlib_does_not_write_is_an_error(tmp_path):
+    """``--out compare.jpeg2``: matplotlib's ValueError was a traceback."""
+    a = write_run(tmp_path / "a", records())
+    b = write_run(tmp_path / "b", records())
+    out = tmp_path / "compare.jpeg2"
+    result = compare(tmp_path, a, b, "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out}: cannot write the picture (Format 'jpeg2'"), lines
