@@ -192,6 +192,17 @@ def _panel(axes, runs: list[Run], key: str, label: str) -> None:
     axes.grid(True, alpha=0.3)
 
 
+def picture_file(out: str) -> str:
+    """The file ``--out`` names, with the .png that matplotlib adds to a name without an extension
+    (the path printed is then the file written); a folder or nothing is an InputError (matplotlib
+    would write ``<folder>.png`` beside a folder, a hidden ``.png`` inside ``<folder>/``)."""
+    if not out:
+        raise InputError("--out is empty; give the picture's file (e.g. loss_compare.png)")
+    if out.endswith(os.sep) or os.path.isdir(out):
+        raise InputError(f"--out {out} is a folder; give the picture's file (e.g. {os.path.join(out, DEFAULT_OUT)})")
+    return out if os.path.splitext(out)[1] else f"{out}.png"
+
+
 def plot(runs: list[Run], key: str, out: str) -> None:
     """Writes the two-panel picture (``key`` and tokens/s against the step) to ``out``."""
     try:
@@ -242,9 +253,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.out is not None:
+            out = picture_file(args.out)
+        else:
+            out = None if args.assert_equal else DEFAULT_OUT
         runs = load_runs(args.runs, args.key)
         print(table(runs, args.key))
-        out = args.out or (None if args.assert_equal else DEFAULT_OUT)
         if out:
             plot(runs, args.key, out)
             print(f"picture: {os.path.abspath(out)}")

@@ -165,3 +165,21 @@ def test_a_picture_format_matplotlib_does_not_write_is_an_error(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {out}: cannot write the picture (Format 'jpeg2'"), lines
+
+
+def test_the_picture_path_printed_is_the_file_written(tmp_path):
+    """matplotlib adds .png to an --out without an extension: the path printed is that file (it was
+    the name as given, where no file was). An --out that is a folder, or empty, is an error (the
+    picture went to ``<folder>.png`` beside it, or to a hidden ``.png``, or silently to the default)."""
+    a = write_run(tmp_path / "a", records())
+    b = write_run(tmp_path / "b", records())
+    result = compare(tmp_path, a, b, "--out", "compare")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"picture: {tmp_path / 'compare.png'}"
+    assert png_size(tmp_path / "compare.png")[0] >= 600
+    for out in (str(tmp_path / "a"), str(tmp_path / "pictures") + os.sep, ""):
+        result = compare(tmp_path, a, b, "--out", out)
+        assert (result.returncode, result.stdout) == (2, ""), (out, result.stdout, result.stderr)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}".rstrip()), (out, lines)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "compare.png"]
