@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass
 
 DEFAULT_OUT = "loss_compare.png"
@@ -232,8 +233,16 @@ def plot(runs: list[Run], key: str, out: str) -> None:
         pyplot.close(figure)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its mistakes in one ``error:`` line, as the script's others (argparse prints
+    its usage first; ``--help`` shows it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Compare the metrics.jsonl of Tessera runs: table, picture, optional equality check."
     )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="dump folder of a run, or its metrics.jsonl")

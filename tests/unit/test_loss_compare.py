@@ -183,3 +183,20 @@ def test_the_picture_path_printed_is_the_file_written(tmp_path):
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}".rstrip()), (out, lines)
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "compare.png"]
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        ([], "error: the following arguments are required: RUN"),
+        (["{a}"], "error: give at least two runs"),
+        (["{a}", "{a}", "--rtol", "abc"], "error: argument --rtol: invalid float value: 'abc'"),
+        (["{a}", "{a}", "--atol", "-1"], "error: tolerances must not be negative"),
+        (["{a}", "{a}", "--assert-equals"], "error: unrecognized arguments: --assert-equals"),
+    ],
+)
+def test_a_mistake_in_the_arguments_is_one_error_line(tmp_path, args, line):
+    """Without argparse's usage lines before it."""
+    a = write_run(tmp_path / "a", records())
+    result = compare(tmp_path, *[arg.format(a=a) for arg in args])
+    assert (result.returncode, result.stderr.splitlines(), result.stdout) == (2, [line], "")
