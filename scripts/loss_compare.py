@@ -114,6 +114,9 @@ def load_runs(paths: list[str], key: str) -> list[Run]:
     runs = []
     for name, path in zip(run_names(paths), paths):
         file = metrics_file(path)
+        # A run compared with itself agrees at every step: --assert-equal would pass, checking nothing.
+        if same := next((run.path for run in runs if os.path.samefile(run.path, file)), None):
+            raise InputError(f"{file}: the same metrics file as {same}; give each run once")
         run = Run(name, file, read_records(file))
         if not run.series(key)[0]:
             raise InputError(f"{file}: no '{key}' values")

@@ -151,7 +151,8 @@ def test_bad_input_is_one_error_line(tmp_path, case, content):
 
 def test_an_unwritable_picture_is_an_error(tmp_path):
     a = write_run(tmp_path / "a", records())
-    result = compare(tmp_path, a, a, "--out", str(tmp_path / "no" / "such" / "folder.png"))
+    b = write_run(tmp_path / "b", records())
+    result = compare(tmp_path, a, b, "--out", str(tmp_path / "no" / "such" / "folder.png"))
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
 
@@ -200,3 +201,20 @@ def test_a_mistake_in_the_arguments_is_one_error_line(tmp_path, args, line):
     a = write_run(tmp_path / "a", records())
     result = compare(tmp_path, *[arg.format(a=a) for arg in args])
     assert (result.returncode, result.stderr.splitlines(), result.stdout) == (2, [line], "")
+
+
+def test_a_run_given_twice_is_an_error(tmp_path):
+    """A run compared with itself passed --assert-equal, having checked nothing; also as its folder
+    and its metrics.jsonl, or through a link."""
+    a = write_run(tmp_path / "a", records())
+    b = write_run(tmp_path / "b", records())
+    os.symlink(a, tmp_path / "link")
+    a_metrics, link_metrics = os.path.join(a, "metrics.jsonl"), str(tmp_path / "link" / "metrics.jsonl")
+    for runs, again, first in (
+        ([a, b, a], a_metrics, a_metrics),
+        ([a, a_metrics], a_metrics, a_metrics),
+        ([str(tmp_path / "link"), a], a_metrics, link_metrics),
+    ):
+        result = compare(tmp_path, *runs, "--assert-equal")
+        assert (result.returncode, result.stdout) == (2, ""), (runs, result.stdout, result.stderr)
+        assert result.stderr.splitlines() == [f"error: {again}: the same metrics file as {first}; give each run once"]
