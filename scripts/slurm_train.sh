@@ -8,6 +8,16 @@
 #SBATCH --exclusive
 set -euo pipefail
 
+fail() {
+  echo "error: $1" >&2
+  exit 2
+}
+# Outside an allocation there are no nodes to read (bash would end on an unbound variable, exit 1).
+for variable in SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_JOB_NUM_NODES; do
+  [ -n "${!variable:-}" ] ||
+    fail "$variable is not set: submit this script with sbatch (./run_train.sh trains on this node alone)"
+done
+
 # awk reads the whole list: `head -n 1` would exit early and, under pipefail, a long list would
 # end the script with SIGPIPE (141).
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')

@@ -110,3 +110,14 @@ def test_slurm_script_runs_one_torchrun_agent_per_node(tmp_path):
         "1000",
     ]
     assert _lines(tmp_path / "torchrun_env") == ["OMP_NUM_THREADS=1"]
+
+
+def test_the_script_outside_an_allocation_is_one_line(tmp_path):
+    """``bash scripts/slurm_train.sh`` on a login node, not through sbatch: bash's unbound-variable
+    message and exit code 1."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
+    result = subprocess.run(["bash", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        ["error: SLURM_JOB_ID is not set: submit this script with sbatch (./run_train.sh trains on this node alone)"],
+    )
