@@ -17,12 +17,16 @@ for variable in SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_JOB_NUM_NODES; do
   [ -n "${!variable:-}" ] ||
     fail "$variable is not set: submit this script with sbatch (./run_train.sh trains on this node alone)"
 done
+# Checked here, where it is set: run_train.sh would name RDZV_ENDPOINT, which the user did not set.
+RDZV_PORT=${RDZV_PORT:-29500}
+[[ "$RDZV_PORT" =~ ^[0-9]{1,5}$ ]] && ((10#$RDZV_PORT >= 1 && 10#$RDZV_PORT <= 65535)) ||
+  fail "RDZV_PORT: '$RDZV_PORT' is not a port (1 to 65535)"
 
 # awk reads the whole list: `head -n 1` would exit early and, under pipefail, a long list would
 # end the script with SIGPIPE (141).
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 export NNODES=$SLURM_JOB_NUM_NODES
-export RDZV_ENDPOINT="$head_node:${RDZV_PORT:-29500}"
+export RDZV_ENDPOINT="$head_node:$RDZV_PORT"
 export RDZV_ID="tessera-$SLURM_JOB_ID"
 
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"

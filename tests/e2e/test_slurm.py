@@ -121,3 +121,16 @@ def test_the_script_outside_an_allocation_is_one_line(tmp_path):
         2,
         ["error: SLURM_JOB_ID is not set: submit this script with sbatch (./run_train.sh trains on this node alone)"],
     )
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000"])
+def test_a_bad_rdzv_port_is_one_line_naming_it(tmp_path, port):
+    """It named RDZV_ENDPOINT, which the script makes from it (run_train.sh's check)."""
+    env = dict(os.environ, FAKE_DIR=str(tmp_path), RDZV_PORT=port, **_fake_tools(tmp_path))
+    env.update(SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242")
+    env.update(SLURM_SUBMIT_DIR=REPO)
+    result = subprocess.run(["bash", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [f"error: RDZV_PORT: '{port}' is not a port (1 to 65535)"],
+    )
