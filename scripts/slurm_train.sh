@@ -30,4 +30,8 @@ export RDZV_ENDPOINT="$head_node:$RDZV_PORT"
 export RDZV_ID="tessera-$SLURM_JOB_ID"
 
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+# sbatch runs a copy of this script from its spool folder, so Tessera's folder is the one the job
+# was submitted from; elsewhere srun failed on every node to start ./run_train.sh.
+[ -x run_train.sh ] ||
+  fail "SLURM_SUBMIT_DIR: $PWD has no run_train.sh; submit the job from Tessera's folder (sbatch scripts/slurm_train.sh there)"
 srun --kill-on-bad-exit=0 ./run_train.sh "$@"

@@ -134,3 +134,19 @@ def test_a_bad_rdzv_port_is_one_line_naming_it(tmp_path, port):
         2,
         [f"error: RDZV_PORT: '{port}' is not a port (1 to 65535)"],
     )
+
+
+def test_a_job_submitted_from_another_folder_is_one_line(tmp_path):
+    """sbatch from the home folder, say: srun could not start ./run_train.sh on any node."""
+    env = dict(os.environ, FAKE_DIR=str(tmp_path), **_fake_tools(tmp_path))
+    env.update(SLURM_JOB_NODELIST="gpu-node-[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4242")
+    env.update(SLURM_SUBMIT_DIR=str(tmp_path))
+    result = subprocess.run(["bash", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2,
+        [
+            f"error: SLURM_SUBMIT_DIR: {tmp_path} has no run_train.sh; submit the job from Tessera's folder "
+            "(sbatch scripts/slurm_train.sh there)"
+        ],
+    )
+    assert not (tmp_path / "srun_args").exists()
