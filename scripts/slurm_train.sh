@@ -22,12 +22,15 @@ RDZV_PORT=${RDZV_PORT:-29500}
 [[ "$RDZV_PORT" =~ ^[0-9]{1,5}$ ]] && ((10#$RDZV_PORT >= 1 && 10#$RDZV_PORT <= 65535)) ||
   fail "RDZV_PORT: '$RDZV_PORT' is not a port (1 to 65535)"
 
-# awk reads the whole list: `head -n 1` would exit early and, under pipefail, a long list would
-# end the script with SIGPIPE (141).
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 export NNODES=$SLURM_JOB_NUM_NODES
-export RDZV_ENDPOINT="$head_node:$RDZV_PORT"
-export RDZV_ID="tessera-$SLURM_JOB_ID"
+# One node needs no rendezvous: run_train.sh would warn that the endpoint goes unused.
+if [ "$NNODES" -gt 1 ]; then
+  # awk reads the whole list: `head -n 1` would exit early and, under pipefail, a long list would
+  # end the script with SIGPIPE (141).
+  head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
+  export RDZV_ENDPOINT="$head_node:$RDZV_PORT"
+  export RDZV_ID="tessera-$SLURM_JOB_ID"
+fi
 
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 # sbatch runs a copy of this script from its spool folder, so Tessera's folder is the one the job

@@ -150,3 +150,19 @@ def test_a_job_submitted_from_another_folder_is_one_line(tmp_path):
         ],
     )
     assert not (tmp_path / "srun_args").exists()
+
+
+@pytest.mark.slow  # runs run_train.sh (its pre-launch check imports torch)
+def test_a_job_of_one_node_is_started_alone_without_a_warning(tmp_path):
+    """sbatch --nodes 1: the script set RDZV_ENDPOINT, and run_train.sh warned that it was set but
+    NNODES was 1, asking for NNODES."""
+    env = dict(os.environ, FAKE_DIR=str(tmp_path), **_fake_tools(tmp_path))
+    env.update(SLURM_JOB_NODELIST="gpu-node-07", SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242")
+    env.update(SLURM_SUBMIT_DIR=REPO, NGPU="2")
+    for name in ("RDZV_ENDPOINT", "RDZV_ID", "RDZV_PORT"):
+        env.pop(name, None)
+    result = subprocess.run(
+        ["bash", SCRIPT, "--training.steps", "1000"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _lines(tmp_path / "torchrun_args")[:2] == ["--standalone", "--nproc-per-node=2"]
