@@ -46,8 +46,11 @@ elif [ "$NNODES" -gt 1 ]; then
   if [[ "$host" != \[* ]] && command -v getent >/dev/null && ! getent ahosts "$host" >/dev/null; then
     fail "RDZV_ENDPOINT: host '$host' is not known here (not in DNS or /etc/hosts)"
   fi
-elif [ -n "${RDZV_ENDPOINT:-}" ]; then
-  echo "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone (set NNODES for more)" >&2
+else
+  for variable in RDZV_ENDPOINT RDZV_ID; do
+    [ -z "${!variable:-}" ] ||
+      echo "warning: $variable is set but NNODES is 1: a job of this node alone (set NNODES for more)" >&2
+  done
 fi
 PY=$("$HERE/scripts/setup_env.sh")
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"

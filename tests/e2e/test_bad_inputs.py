@@ -592,6 +592,7 @@ def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
 ENVIRONMENT_WARNINGS = [
     # A job of this node alone, said once, not silently.
     ({"RDZV_ENDPOINT": "node0:29500"}, "warning: RDZV_ENDPOINT is set but NNODES is 1: a job of this node alone"),
+    ({"RDZV_ID": "job42"}, "warning: RDZV_ID is set but NNODES is 1: a job of this node alone"),
     # Two config files: the one on the command line is read.
     (
         {"CONFIG_FILE": "/nowhere/job.toml"},
