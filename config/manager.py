@@ -223,6 +223,8 @@ def _flatten(table: dict, prefix: str = "") -> list[tuple[str, typing.Any]]:
 
 
 def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file is a folder: {path} (--job.config_file)")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path} (--job.config_file)")
     try:

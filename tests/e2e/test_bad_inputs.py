@@ -319,6 +319,8 @@ CASES: list[tuple[str, list[str], str]] = [
     # Missing or broken files and folders.
     ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
     ("files", ["--job.config_file", "{d}/broken.toml"], "invalid TOML"),
+    # Said to be a folder, not "not found".
+    ("files", ["--job.config_file", "{d}/empty_folder"], "config file is a folder: {d}/empty_folder"),
     ("files", ["--training.dataset", "{d}/missing.jsonl"], "dataset path not found: {d}/missing.jsonl"),
     ("files", ["--training.dataset", "tessera-test/no-such-dataset"], "Hugging Face hub"),  # offline or not
     (
