@@ -19,6 +19,11 @@ fail() {
   echo "error: $1" >&2
   exit 2
 }
+check_log_rank() { # the ranks per node
+  for rank in ${LOG_RANK//,/ }; do
+    [ "$rank" -lt "$1" ] || fail "LOG_RANK: $rank is not a local rank of this node's $1 (0 to $(($1 - 1)))"
+  done
+}
 CONFIG_FILE_GIVEN=${CONFIG_FILE:+yes}
 CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
@@ -74,7 +79,9 @@ for arg in "$@"; do
 done
 
 if [ "${COMM_MODE:-}" = fake ]; then
-  # The dry run checks the config as the real launch would, in its one process.
+  # A dry run ends as the real run would: LOG_RANK too, where NGPU gives the node's ranks. It
+  # checks the config as the real launch would, in its one process.
+  [ -z "${NGPU:-}" ] || check_log_rank "$NGPU"
   exec "$PY" -m trainer.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
     ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi
@@ -83,9 +90,7 @@ fi
 LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
-for rank in ${LOG_RANK//,/ }; do
-  [ "$rank" -lt "$NGPU" ] || fail "LOG_RANK: $rank is not a local rank of this node's $NGPU (0 to $((NGPU - 1)))"
-done
+check_log_rank "$NGPU"
 if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -546,6 +546,8 @@ ENVIRONMENT_CASES = [
     ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS: '-1' is not a number of restarts"),
     ({"LOG_RANK": "0,x"}, "error: LOG_RANK: '0,x' is not a list of local ranks (e.g. 0,1)"),
     ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
+    # A dry run ends as the real run would (it ran, and ended 0).
+    ({"COMM_MODE": "fake", "LOG_RANK": "3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
     ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
     ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake (or fake_backend)"),
     # OpenMP's own complaint in every rank, then as many threads as cores in each.
