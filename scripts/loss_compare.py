@@ -257,8 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two runs")
-    if args.rtol < 0 or args.atol < 0:
-        parser.error("tolerances must not be negative")
+    if not (args.rtol >= 0 and args.atol >= 0):  # NaN too, which no difference would be within
+        parser.error("tolerances must be numbers >= 0")
     return args
 
 

@@ -339,13 +339,11 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     ac = config.activation_checkpoint
     if (
         ac.mode == "selective"
-        and ac.selective_ac_option.isdigit()
+        and ac.selective_ac_option.isdecimal()
         and int(ac.selective_ac_option) > model_args.n_layers
     ):
         logger.warning(
-            "activation_checkpoint.selective_ac_option %s: every %sth of the model's %d blocks is none; no block is "
-            "checkpointed",
-            ac.selective_ac_option,
+            "activation_checkpoint.selective_ac_option %s is more than the model's %d blocks: no block is checkpointed",
             ac.selective_ac_option,
             model_args.n_layers,
         )

@@ -192,7 +192,8 @@ def test_the_picture_path_printed_is_the_file_written(tmp_path):
         ([], "error: the following arguments are required: RUN"),
         (["{a}"], "error: give at least two runs"),
         (["{a}", "{a}", "--rtol", "abc"], "error: argument --rtol: invalid float value: 'abc'"),
-        (["{a}", "{a}", "--atol", "-1"], "error: tolerances must not be negative"),
+        (["{a}", "{a}", "--atol", "-1"], "error: tolerances must be numbers >= 0"),
+        (["{a}", "{a}", "--rtol", "nan"], "error: tolerances must be numbers >= 0"),  # no difference is within NaN
         (["{a}", "{a}", "--assert-equals"], "error: unrecognized arguments: --assert-equals"),
     ],
 )
