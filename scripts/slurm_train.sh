@@ -37,4 +37,6 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 # was submitted from; elsewhere srun failed on every node to start ./run_train.sh.
 [ -x run_train.sh ] ||
   fail "SLURM_SUBMIT_DIR: $PWD has no run_train.sh; submit the job from Tessera's folder (sbatch scripts/slurm_train.sh there)"
-srun --kill-on-bad-exit=0 ./run_train.sh "$@"
+# One run_train.sh per node whatever sbatch was given (--ntasks-per-node 8, as Megatron's jobs ask,
+# would start 8 agents per node against a rendezvous that waits for NNODES).
+srun --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=0 ./run_train.sh "$@"

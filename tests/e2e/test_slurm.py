@@ -86,7 +86,12 @@ def test_slurm_script_runs_one_torchrun_agent_per_node(tmp_path):
     assert result.returncode == 0, result.stderr
 
     endpoint = "gpu-node-07:29611"  # the first node of the allocation
-    assert _lines(tmp_path / "srun_args") == ["--kill-on-bad-exit=0", "./run_train.sh", "--training.steps", "1000"]
+    srun_options = [
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=0",
+    ]  # one agent a node, whatever sbatch had
+    assert _lines(tmp_path / "srun_args") == [*srun_options, "./run_train.sh", "--training.steps", "1000"]
     assert _lines(tmp_path / "srun_env") == [f"NNODES=2 RDZV_ENDPOINT={endpoint} RDZV_ID=tessera-4242"]
     assert _lines(tmp_path / "srun_cwd") == [REPO]
     # The pre-launch check found no accelerator: 2 CPU ranks per node, one thread each.
