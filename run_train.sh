@@ -77,6 +77,11 @@ for arg in "$@"; do
     CONFIG_ARGS=()
   fi
 done
+# Named here: the check would name --job.config_file, which the user did not type.
+if [ -n "$CONFIG_FILE_GIVEN" ]; then
+  [ ! -d "$CONFIG_FILE" ] || fail "CONFIG_FILE: $CONFIG_FILE is a folder, not a TOML file"
+  [ -f "$CONFIG_FILE" ] || fail "CONFIG_FILE: $CONFIG_FILE: no such file"
+fi
 
 if [ "${COMM_MODE:-}" = fake ]; then
   # A dry run ends as the real run would: LOG_RANK too, where NGPU gives the node's ranks. It

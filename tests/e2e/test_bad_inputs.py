@@ -550,6 +550,8 @@ ENVIRONMENT_CASES = [
     ({"COMM_MODE": "fake", "LOG_RANK": "3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
     ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
     ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake (or fake_backend)"),
+    ({"CONFIG_FILE": "/nowhere/job.toml"}, "error: CONFIG_FILE: /nowhere/job.toml: no such file"),
+    ({"CONFIG_FILE": "/tmp"}, "error: CONFIG_FILE: /tmp is a folder, not a TOML file"),
     # OpenMP's own complaint in every rank, then as many threads as cores in each.
     ({"OMP_NUM_THREADS": "abc"}, "error: OMP_NUM_THREADS: 'abc' is not a number of threads per rank (1 to 9999)"),
     # Past bash's 64-bit arithmetic ("integer expression expected", then a run).
