@@ -460,26 +460,34 @@ def log_warnings_once() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[stderr])
 
 
+LAUNCH_OPTIONS = ("--world-size", "--nnodes", "--nproc-per-node")
+
+
 def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(--world-size / --nnodes / --nproc-per-node given first: their values, the config options)."""
+    """(the launch options given first, as ``--name value`` or ``--name=value``: their values; the
+    config options after them). A launch option without a value has the value ''."""
     launch: dict[str, str] = {}
-    while argv[:1] and argv[0] in ("--world-size", "--nnodes", "--nproc-per-node") and len(argv) > 1:
-        launch[argv[0]], argv = argv[1], argv[2:]
+    while argv and (name := argv[0].partition("=")[0]) in LAUNCH_OPTIONS:
+        given, value = ("=" in argv[0], argv[0].partition("=")[2])
+        launch[name] = value if given else (argv[1] if len(argv) > 1 else "")
+        argv = argv[1 if given else 2 :]
     return launch, argv
 
 
 def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
-    """(world size, ranks per node, accelerators here) of the launch options, ranks per node
-    ``auto`` being one per accelerator, else 2 CPU processes; None when they give no world."""
+    """(world size, ranks per node, accelerators here) of the launch options: ``--world-size``, or
+    ``--nnodes`` x ``--nproc-per-node`` (``auto``: one per accelerator, else 2 CPU processes);
+    None when they give no world, or give it twice."""
     from parallelisms.device import accelerator_count
 
     accelerators = accelerator_count()
     nproc = launch.get("--nproc-per-node", "auto")
     nproc = str(accelerators or 2) if nproc == "auto" else nproc
-    world_size = launch.get("--world-size") or f"{int(launch.get('--nnodes', '0') or 0) * int(nproc or 0)}"
-    if not (nproc.isdigit() and world_size.isdigit() and int(world_size) > 0):
+    numbers = [nproc, launch.get("--nnodes", "1"), launch.get("--world-size", "1")]
+    if ("--world-size" in launch) == ("--nnodes" in launch) or not all(n.isdecimal() for n in numbers):
         return None
-    return int(world_size), int(nproc), accelerators
+    world_size = int(launch.get("--world-size") or int(launch["--nnodes"]) * int(nproc))
+    return (world_size, int(nproc), accelerators) if world_size > 0 and int(nproc) > 0 else None
 
 
 def main(argv: list[str]) -> int:

@@ -251,6 +251,24 @@ def test_a_mistyped_option_is_reported_before_torch_is_imported():
     assert result.stdout.split() == ["2", "False"]
 
 
+@pytest.mark.parametrize(
+    "launch, code",
+    [
+        (["--world-size=2"], 0),
+        (["--nnodes", "1", "--nproc-per-node=2"], 0),
+        (["--world-size"], 2),
+        (["--nnodes", "abc", "--nproc-per-node", "2"], 2),  # a traceback of int()
+        (["--nnodes", "1", "--nproc-per-node", "2", "--world-size", "4"], 2),  # world size 4 was taken
+    ],
+)
+def test_the_pre_launch_checks_launch_options(launch, code, capsys):
+    from trainer import preflight
+
+    assert preflight.main(launch) == code
+    err = capsys.readouterr().err
+    assert err == ("" if code == 0 else preflight.USAGE + "\n")
+
+
 def test_preflight_catches_world_size_mismatch():
     result = subprocess.run(
         [
