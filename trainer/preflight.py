@@ -467,10 +467,12 @@ def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """(the launch options given first, as ``--name value`` or ``--name=value``: their values; the
     config options after them). A launch option without a value has the value ''."""
     launch: dict[str, str] = {}
-    while argv and (name := argv[0].partition("=")[0]) in LAUNCH_OPTIONS:
-        given, value = ("=" in argv[0], argv[0].partition("=")[2])
-        launch[name] = value if given else (argv[1] if len(argv) > 1 else "")
-        argv = argv[1 if given else 2 :]
+    while argv and argv[0].partition("=")[0] in LAUNCH_OPTIONS:
+        name, equals, value = argv[0].partition("=")
+        if not equals:
+            value = argv[1] if len(argv) > 1 else ""
+        launch[name] = value
+        argv = argv[1 if equals else 2 :]
     return launch, argv
 
 
