@@ -229,7 +229,8 @@ def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
         raise ConfigError(f"config file not found: {path} (--job.config_file)")
     try:
         with open(path, "rb") as f:
-            return _flatten(tomllib.load(f))
+            # utf-8-sig: editors on Windows begin files with a byte-order mark, which TOML does not allow.
+            return _flatten(tomllib.loads(f.read().decode("utf-8-sig")))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:

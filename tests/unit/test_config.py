@@ -60,6 +60,13 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert config.job.config_file == path
 
 
+def test_a_toml_file_beginning_with_a_byte_order_mark_loads(tmp_path):
+    """As Windows editors save it ('invalid TOML: Invalid statement (at line 1, column 1)' before)."""
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"\xef\xbb\xbf[training]\r\nsteps = 7\r\n")
+    assert load_config(["--job.config_file", str(path)]).training.steps == 7
+
+
 def test_toml_position_does_not_matter(tmp_path):
     path = write(tmp_path, "[training]\nsteps = 7\n[lr_scheduler]\nwarmup_steps = 2\n")
     config = load_config(["--training.steps", "9", f"--job.config_file={path}"])
