@@ -117,6 +117,9 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
                 value = [[w.strip() for w in v.split("+")] for v in value]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
+        if _is_list(item_type) and not all(isinstance(v, list) for v in value):
+            # A flat TOML list would be read as one list per name (for stages: a stage per module).
+            raise ConfigError(f"{key}: expected a list of lists ([[...], [...]]), got {value!r}")
         return [_convert(key, v, item_type, from_cli) for v in value]
     if inner is bool:
         if isinstance(value, bool):

@@ -67,6 +67,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("type", ["--job.config_file", "{d}/string_int.toml"], "training.steps: expected int, got the string"),
     ("type", ["--job.config_file", "{d}/bool_string.toml"], "compile.enable: expected bool, got the string"),
     ("type", ["--job.config_file", "{d}/list_int.toml"], "compile.manual_buckets: expected a string, got 1"),
+    (  # read as a stage per name, then refused for what the stages held
+        "type",
+        ["--job.config_file", "{d}/flat_stages.toml"],
+        "parallelism.module_fqns_per_model_part: expected a list of lists ([[...], [...]]), got ['tok_embeddings'",
+    ),
     ("type", ["--training.max_norm", "none"], "training.max_norm: expected a number"),
     # Values out of range.
     ("range", ["--training.steps", "0"], "training.steps must be positive"),
@@ -462,6 +467,7 @@ def _prepare(d) -> None:
         "string_int.toml": "[training]\nsteps = '3'\n",
         "bool_string.toml": "[compile]\nenable = 'yes'\n",
         "list_int.toml": "[compile]\nmanual_buckets = [1, 2]\n",
+        "flat_stages.toml": "[parallelism]\nmodule_fqns_per_model_part = ['tok_embeddings', 'layers.0']\n",
         "nan_lr.toml": "[optimizer]\nlr = nan\n",
         "broken.toml": "[training\nsteps = 3\n",
         "bad.jsonl": "{not json\n",
