@@ -39,7 +39,7 @@ import shutil
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 import torch
@@ -78,6 +78,7 @@ from config.job_config import (
 )
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
+from trainer.distributed import is_first_attempt
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 from trainer.metrics import free_path
 from trainer.optim import optimizers_holding_state
@@ -713,14 +714,21 @@ class CheckpointManager:
         return folder
 
     def resume(self) -> int | None:
-        """Loads the checkpoint to resume from: ``load_step`` if set, else the newest complete one
-        that verifies and loads (older ones are tried after a bad one). Returns its step, or None
-        when there is none."""
-        check_resume(self.config, self.folder)
-        if self.config.load_step >= 0:
-            self._load_checked(complete_checkpoint_at(self.folder, self.config.load_step), self._wanted_parts())
-            self._tidy_after_resume(self.config.load_step)
+        """Loads the checkpoint to resume from: ``load_step`` if set (on the launch's first attempt),
+        else the newest complete one that verifies and loads (older ones are tried after a bad one).
+        Returns its step, or None when there is none."""
+        # Only the launch's first attempt goes back to load_step: it moves the newer checkpoints aside
+        # before loading, so those that torchrun's restarts find newer are this launch's own saves.
+        first = is_first_attempt()
+        check_resume(self.config if first else replace(self.config, load_step=-1), self.folder)
+        if first and self.config.load_step >= 0:
+            path = complete_checkpoint_at(self.folder, self.config.load_step)
+            self._tidy_after_resume(self.config.load_step, chosen=True)
+            self._load_checked(path, self._wanted_parts())
             return self.config.load_step
+        return self._resume_newest()
+
+    def _resume_newest(self) -> int | None:
         for step, path in complete_checkpoints(self.folder):
             try:
                 self._load_checked(path, self._wanted_parts())
@@ -832,9 +840,9 @@ class CheckpointManager:
                 changes.append(f"{option} {value} (saved: {before})")
         return changes
 
-    def _tidy_after_resume(self, loaded_step: int | None) -> None:
+    def _tidy_after_resume(self, loaded_step: int | None, chosen: bool = False) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than
-        the step resumed from (they failed to load, or checkpoint.load_step chose an older one), so
+        the step resumed from (they failed to load, or checkpoint.load_step chose an older one: ``chosen``), so
         that later saves start from empty folders. A step folder that no save of a run here left
         (other files in it, or another tool's complete DCP checkpoint) is left alone."""
         if self.rank == 0:
@@ -842,7 +850,6 @@ class CheckpointManager:
                 if not is_complete(path):
                     self._remove_cut_short(path)
                 elif loaded_step is None or step > loaded_step:
-                    chosen = self.config.load_step >= 0
                     aside = free_path(f"{path}.{'not-resumed' if chosen else 'unloadable'}")
                     os.rename(path, aside)
                     why = f"newer than checkpoint.load_step {loaded_step}" if chosen else "unloadable"

@@ -322,6 +322,21 @@ def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_mov
     assert aside == ["step-2.not-resumed", "step-2.not-resumed-1", "step-3.not-resumed"]
 
 
+def test_a_restart_goes_on_from_its_own_saves_not_back_to_the_chosen_load_step(tmp_path, monkeypatch):
+    """checkpoint.load_step 1 with step 3 on disk: the first attempt resumes from step 1 and saves
+    steps 2 and 3 again; torchrun's restart of the same launch resumes from those, instead of going
+    back to step 1 (and moving this launch's own saves aside) on every attempt."""
+    Run(str(tmp_path)).train(3)
+    first = Run(str(tmp_path), load_step=1)
+    assert first.manager.resume() == 1
+    first.train(2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert Run(str(tmp_path), seed=1, load_step=1).manager.resume() == 3
+    folder = tmp_path / "checkpoint"
+    aside = sorted(path.name for path in folder.iterdir() if "." in path.name)
+    assert aside == ["step-2.not-resumed", "step-3.not-resumed"]  # the first attempt's, none since
+
+
 def test_options_a_resume_brings_back_from_the_checkpoint_are_named_when_typed_otherwise(tmp_path, caplog):
     """The optimizer's settings and the LR schedule come back from the checkpoint (the resumed run
     steps as the saved one would): a resume whose config sets them otherwise names each in one
