@@ -227,6 +227,17 @@ def check_resume(config: Checkpoint, folder: str) -> None:
         )
 
 
+def check_seed_target(folder: str) -> None:
+    """ConfigError when ``folder`` already holds a step-0 checkpoint (an earlier seed, of this
+    model or another): ``checkpoint.create_seed_checkpoint`` would write over it."""
+    path = os.path.join(folder, "step-0")
+    if is_complete(path) or os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint: {path} already holds a checkpoint, which the seed would "
+            "overwrite; move it aside or give another checkpoint.folder or job.dump_folder"
+        )
+
+
 def complete_checkpoint_at(folder: str, step: int) -> str:
     """The path of the complete checkpoint of ``step`` in ``folder`` (``checkpoint.load_step``);
     ConfigError naming that option when there is none."""
@@ -700,6 +711,7 @@ class CheckpointManager:
             raise ConfigError(
                 f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {dist.get_world_size()}"
             )
+        check_seed_target(self.folder)
         self.write(0, parts=["model"])
         logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
         if newer := [path for step, path in complete_checkpoints(self.folder) if step > 0]:

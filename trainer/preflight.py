@@ -51,7 +51,7 @@ def check(
     import torch
 
     from models.registry import get_model_spec
-    from trainer.checkpoint import check_resume
+    from trainer.checkpoint import check_resume, check_seed_target
     from trainer.distributed import parallel_dims_from_config
     from trainer.hf_checkpoint import job_model_args
     from trainer.metrics import check_wandb
@@ -68,6 +68,8 @@ def check(
     ckpt = config.checkpoint
     if ckpt.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
+    if ckpt.create_seed_checkpoint:
+        check_seed_target(os.path.join(config.job.dump_folder, ckpt.folder))
     if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
     if ckpt.enable:

@@ -320,6 +320,12 @@ CASES: list[tuple[str, list[str], str]] = [
         ],
         "checkpoint.exclude_from_loading: every part",
     ),
+    (  # an earlier seed: the new one would write over it
+        "checkpoint",
+        ["--nproc-per-node", "1", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+        + ["--checkpoint.folder", "{d}/seeded"],
+        "checkpoint.create_seed_checkpoint: {d}/seeded/step-0 already holds a checkpoint",
+    ),
     ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
     # Missing or broken files and folders.
     ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
@@ -483,6 +489,7 @@ def _prepare(d) -> None:
     with warnings.catch_warnings():  # DCP's note that it saves in one process: it is meant to
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "narrow_ckpt"))
+        dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "seeded" / "step-0"))
     hf = d / "hf_text_sizes"  # sizes as text and a negative epsilon: a TypeError in torch otherwise
     hf.mkdir()
     sizes = {"hidden_size": "256", "num_hidden_layers": 6, "num_attention_heads": 16, "intermediate_size": 768}

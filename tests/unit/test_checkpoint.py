@@ -369,6 +369,18 @@ def test_a_seed_checkpoint_beside_a_newer_one_says_which_a_resume_takes(tmp_path
     assert caplog.text == ""
 
 
+def test_a_seed_checkpoint_never_writes_over_an_earlier_one(tmp_path):
+    """A second seed (here of another model) in the same folder is refused, the first kept: it was
+    overwritten with only torch's warning."""
+    Run(str(tmp_path)).manager.write_seed_checkpoint()
+    step_0 = tmp_path / "checkpoint" / "step-0"
+    marker = (step_0 / COMPLETE_MARKER).read_text()
+    with pytest.raises(ConfigError, match=f"checkpoint.create_seed_checkpoint: {step_0} already holds a checkpoint"):
+        Run(str(tmp_path), widths=(4, 16, 2)).manager.write_seed_checkpoint()
+    assert (step_0 / COMPLETE_MARKER).read_text() == marker
+    assert Run(str(tmp_path), seed=1).manager.resume() == 0
+
+
 def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
     """The step a Run over ``folder`` resumed at (None: nothing to resume), and the steps on disk after it called
     ``save(step, last_step)`` after each of ``steps``, as the Trainer does."""
