@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -153,6 +154,22 @@ def job_export_assets(config: JobConfig, bos_id: int, eos_id: int) -> ExportAsse
         config.job.cache_dir, model.default_tokenizer_vocab_size
     )
     return export_assets(source, tokenizer_path, bos_id, eos_id)
+
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def files_no_export_wrote(folder: str) -> list[str]:
+    """The entries of an existing export ``folder`` that no export writes (a user's model card, say):
+    the next export replaces the folder whole, and they would go with it."""
+    if not os.path.isdir(folder):
+        return []
+    ours = {CONFIG_NAME, SINGLE_FILE, INDEX_NAME, GENERATION_CONFIG, *TOKENIZER_FILES}
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if not (os.path.isfile(os.path.join(folder, name)) and (name in ours or _SHARD_FILE.fullmatch(name)))
+    )
 
 
 def _make_folder_beside(folder: str, kind: str) -> str:

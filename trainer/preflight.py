@@ -222,9 +222,24 @@ def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> N
             f"job.dump_folder: {os.path.join(dump, RESOLVED_CONFIG_FILE)} was not written by a run, and this run "
             "would overwrite it with its options; move it or pick another job.dump_folder"
         )
+    if config.checkpoint.export_hf:
+        _check_export_folder(os.path.join(dump, config.checkpoint.folder, "hf"))
     if config.job.save_config_file:
         _check_save_config_file(config.job.save_config_file, dump, folders)
     _check_no_folder_is_a_run_file(config, folders)
+
+
+def _check_export_folder(folder: str) -> None:
+    """A one-line ConfigError when the folder checkpoint.export_hf replaces holds files no export
+    wrote: they would be deleted with the earlier export at the end of the run."""
+    from trainer.hf_checkpoint import files_no_export_wrote
+
+    if foreign := files_no_export_wrote(folder):
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"checkpoint.export_hf: {folder} holds files no export wrote ({shown}), which the export would "
+            "delete with the folder it replaces; move them or give another checkpoint.folder or job.dump_folder"
+        )
 
 
 def _check_no_folder_is_a_run_file(config: JobConfig, folders: list[tuple[str, str]]) -> None:

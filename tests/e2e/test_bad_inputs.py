@@ -326,6 +326,11 @@ CASES: list[tuple[str, list[str], str]] = [
         + ["--checkpoint.folder", "{d}/seeded"],
         "checkpoint.create_seed_checkpoint: {d}/seeded/step-0 already holds a checkpoint",
     ),
+    (  # a model card added to an earlier export: the export replaces the folder whole
+        "checkpoint",
+        ["--checkpoint.enable", "--checkpoint.export_hf", "--checkpoint.folder", "{d}/exported"],
+        "checkpoint.export_hf: {d}/exported/hf holds files no export wrote (README.md)",
+    ),
     ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
     # Missing or broken files and folders.
     ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
@@ -497,6 +502,9 @@ def _prepare(d) -> None:
     (hf / "model.safetensors").write_bytes(b"")
     (d / "users").mkdir()
     (d / "users" / "config.toml").write_text("# the user's own\n[training]\nsteps = 3\n")
+    (d / "exported" / "hf").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        (d / "exported" / "hf" / name).write_text("{}")
     (d / "jsons").mkdir()
     (d / "jsons" / "job.json").write_text('{"job": {}}')
 
