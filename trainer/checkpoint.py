@@ -684,6 +684,13 @@ class CheckpointManager:
         a DCP checkpoint (returns its folder)."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
+            if self.config.initial_load_path and is_first_attempt():  # a restart's own resume goes without saying
+                logger.warning(
+                    "checkpoint.initial_load_path %s is not loaded: a run resumes from its own checkpoints first "
+                    "(step-%d); give another checkpoint.folder or job.dump_folder to start from it",
+                    self.config.initial_load_path,
+                    step,
+                )
             return os.path.join(self.folder, f"step-{step}")
         path = self.config.initial_load_path
         if not path:

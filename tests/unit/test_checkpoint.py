@@ -381,6 +381,17 @@ def test_a_seed_checkpoint_never_writes_over_an_earlier_one(tmp_path):
     assert Run(str(tmp_path), seed=1).manager.resume() == 0
 
 
+def test_an_initial_load_path_a_resume_passes_over_is_named(tmp_path, caplog):
+    """A run's own checkpoints come before checkpoint.initial_load_path: the path it was given is
+    named as not loaded, instead of the resume going on without a word."""
+    Run(str(tmp_path / "other")).train(1)
+    Run(str(tmp_path)).train(2)
+    initial = str(tmp_path / "other" / "checkpoint" / "step-1")
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        assert Run(str(tmp_path), seed=1, initial_load_path=initial).manager.load_at_start() is not None
+    assert f"checkpoint.initial_load_path {initial} is not loaded: a run resumes from its own" in caplog.text
+
+
 def _saved_by_policy(folder: str, steps: range, last_step: int, **options) -> tuple[int, list[int]]:
     """The step a Run over ``folder`` resumed at (None: nothing to resume), and the steps on disk after it called
     ``save(step, last_step)`` after each of ``steps``, as the Trainer does."""
