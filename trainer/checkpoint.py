@@ -78,7 +78,7 @@ from config.job_config import (
 )
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
-from trainer.distributed import is_first_attempt
+from trainer.distributed import LAUNCH_ID_ENV, is_first_attempt, launch_id
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 from trainer.metrics import free_path
 from trainer.optim import optimizers_holding_state
@@ -343,9 +343,9 @@ class ChecksummedWriter(FileSystemWriter):
         super().finish(metadata, kept)
 
 
-def write_marker(path: str, step: int, checksums: dict[str, str]) -> None:
+def write_marker(path: str, step: int, checksums: dict[str, str], launch: str = "") -> None:
     """Lists every file with its size and CRC-32: the writers' CRCs where they reported one, else
-    (``.metadata``, ``config.toml``) read back here."""
+    (``.metadata``, ``config.toml``) read back here; and the launch that saved it."""
     files, crcs = {}, {}
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
@@ -355,7 +355,7 @@ def write_marker(path: str, step: int, checksums: dict[str, str]) -> None:
     tmp = os.path.join(path, COMPLETE_MARKER + ".tmp")
     try:
         with open(tmp, "w") as f:
-            json.dump({"step": step, "files": files, "crc32": crcs}, f, indent=1)
+            json.dump({"step": step, "files": files, "crc32": crcs, "launch": launch}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, COMPLETE_MARKER))
@@ -574,6 +574,7 @@ class CheckpointManager:
         # trainer.distributed.set_collective_timeout switches every group to the training one.
         timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
         self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._launch: str | None = None  # launch_id(), asked at the first load
         self._pending: _Save | None = None
         self._staging: concurrent.futures.Future | None = None
         self._purger = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-purge")
@@ -660,7 +661,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            write_marker(path, step, getattr(writer, "checksums", {}))
+            write_marker(path, step, getattr(writer, "checksums", {}), os.environ.get(LAUNCH_ID_ENV, ""))
         except OSError as e:
             raise CheckpointError(f"completing {path} failed: {typed_first_line(e)}") from None
         logger.info("checkpoint saved: %s", path)
@@ -704,7 +705,7 @@ class CheckpointManager:
                 load_hf_weights(self.model_parts, path)
         else:
             whole = not self.config.initial_load_model_only
-            parts = self._wanted_parts() if whole else ["model"]
+            parts = self._wanted_parts(path) if whole else ["model"]
             self._load_checked(path, parts, require_marker=False, option="checkpoint.initial_load_path")
             if whole:
                 logger.info("initial state loaded from %s", path)
@@ -739,18 +740,20 @@ class CheckpointManager:
         # Only the launch's first attempt goes back to load_step: it moves the newer checkpoints aside
         # before loading, so those that torchrun's restarts find newer are this launch's own saves.
         first = is_first_attempt()
-        check_resume(self.config if first else replace(self.config, load_step=-1), self.folder)
+        # A restart's checkpoints were saved by this launch, or refused by its first attempt.
+        restart = replace(self.config, load_step=-1, exclude_from_loading=[])
+        check_resume(self.config if first else restart, self.folder)
         if first and self.config.load_step >= 0:
             path = complete_checkpoint_at(self.folder, self.config.load_step)
             self._tidy_after_resume(self.config.load_step, chosen=True)
-            self._load_checked(path, self._wanted_parts())
+            self._load_checked(path, self._wanted_parts(path))
             return self.config.load_step
         return self._resume_newest()
 
     def _resume_newest(self) -> int | None:
         for step, path in complete_checkpoints(self.folder):
             try:
-                self._load_checked(path, self._wanted_parts())
+                self._load_checked(path, self._wanted_parts(path))
             except CheckpointError as e:
                 logger.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
                 continue
@@ -765,14 +768,20 @@ class CheckpointManager:
         self.wait()
         for step, path in complete_checkpoints(self.folder):
             try:
-                self._load_checked(path, [p for p in self._wanted_parts() if p != "dataloader"])
+                self._load_checked(path, [p for p in self._wanted_parts(path) if p != "dataloader"])
             except CheckpointError as e:
                 logger.warning("cannot roll back to %s: %s", path, e)
                 continue
             return step
         raise CheckpointError(f"no complete checkpoint to roll back to in {self.folder}")
 
-    def _wanted_parts(self) -> list[str]:
+    def _wanted_parts(self, path: str) -> list[str]:
+        """The parts to load from ``path``: all of a checkpoint this launch saved (torchrun's restart
+        goes on from it), else all but those exclude_from_loading names."""
+        if self._launch is None:
+            self._launch = launch_id(self.group)
+        if self._launch and _read_marker(path, require_marker=False).get("launch") == self._launch:
+            return list(CHECKPOINT_PARTS)
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
     def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:

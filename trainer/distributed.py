@@ -71,6 +71,18 @@ def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
     return f"{folder} (this rank's last: {last['profiling_name']} #{last['collective_seq_id']} of {last['process_group'][1]})"
 
 
+LAUNCH_ID_ENV = "TESSERA_LAUNCH_ID"
+"""Set by trainer.launch: one id for a launch and all of torchrun's restarts of it."""
+
+
+def launch_id(group: dist.ProcessGroup | None = None) -> str:
+    """The id of this launch as rank 0 has it (each node's launcher makes its own): what a
+    checkpoint's marker records to say which launch saved it; '' under torchrun alone."""
+    ids = [os.environ.get(LAUNCH_ID_ENV, "")]
+    dist.broadcast_object_list(ids, group=group, group_src=0)
+    return ids[0]
+
+
 def is_first_attempt() -> bool:
     """Whether this is the launch's first start of the ranks, not torchrun's restart of them."""
     return _torchrun_attempt() == "0"

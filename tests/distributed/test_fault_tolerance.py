@@ -523,3 +523,23 @@ def test_whole_job_killed_and_started_again_by_hand(tmp_path, reference):
     result = launch_train(dump, 2, *CHECKPOINTED)
     assert f"resumed from step {newest}" in result.stdout + result.stderr
     assert losses_by_step(read_metrics(dump)) == reference[1]
+
+
+def test_a_fine_tune_restarted_by_torchrun_trains_as_the_uninterrupted_one(tmp_path, reference):
+    """A job started from another run's checkpoint without its optimizer, data position and step
+    (exclude_from_loading): torchrun's restart after a killed rank loads the launch's own newest
+    checkpoint whole, and every loss is the uninterrupted job's (before, the restart left those
+    parts out of it again: the data read again from the start and the optimizer reset, mid-run)."""
+    start = os.path.join(reference[0], "checkpoint", "step-4")
+    fine_tune = [*CHECKPOINTED, "--checkpoint.initial_load_path", start, "--checkpoint.initial_load_model_only=false"]
+    fine_tune += ["--checkpoint.exclude_from_loading", "optimizer,dataloader,train_state", "--metrics.log_freq", "1"]
+    uninterrupted = run_script(str(tmp_path / "uninterrupted"), *fine_tune)
+    assert resumed_from(uninterrupted.stdout + uninterrupted.stderr) == []
+    expected = losses_by_step(read_metrics(str(tmp_path / "uninterrupted")))
+    assert expected[1] != reference[1][5]  # step 1 trains on the data's first batch, not step 5's
+    killed = ["--debug.fail_at_step", "7"]
+    result = run_script(str(tmp_path / "killed"), *fine_tune, *killed, env={"LOG_RANK": "0,1"}, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "injecting 'kill'" in output, output[-4000:]
+    assert resumed_from(output) == [4]
+    assert losses_by_step(read_metrics(str(tmp_path / "killed"))) == expected

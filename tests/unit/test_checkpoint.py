@@ -337,6 +337,32 @@ def test_a_restart_goes_on_from_its_own_saves_not_back_to_the_chosen_load_step(t
     assert aside == ["step-2.not-resumed", "step-3.not-resumed"]  # the first attempt's, none since
 
 
+def test_a_restart_loads_the_launchs_own_checkpoints_whole(tmp_path, monkeypatch):
+    """exclude_from_loading is for what a launch starts from: torchrun's restart of it loads the
+    checkpoints it saved whole (before, it left the optimizer and the data position out again,
+    mid-run, and a train_state left out refused the restart after the steps)."""
+    Run(str(tmp_path / "pretrained")).train(2)
+    options = dict(initial_load_path=str(tmp_path / "pretrained" / "checkpoint" / "step-2"))
+    options.update(initial_load_model_only=False, exclude_from_loading=["optimizer", "dataloader", "train_state"])
+    monkeypatch.setenv("TESSERA_LAUNCH_ID", "launch-a")
+    first = Run(str(tmp_path / "finetune"), **options)
+    first.manager.load_at_start()
+    assert first.step == 0 and first.data.position == 0 and not first.optimizer.state
+    first.train(2)
+    saved = first.snapshot()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = Run(str(tmp_path / "finetune"), seed=1, **options)
+    assert restarted.manager.resume() == 2
+    assert_same(restarted.snapshot(), saved)
+    # Another launch's first attempt leaves out what it is told to (train_state: refused, as before).
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TESSERA_LAUNCH_ID", "launch-b")
+    options["exclude_from_loading"] = ["optimizer", "dataloader"]
+    relaunched = Run(str(tmp_path / "finetune"), seed=1, **options)
+    assert relaunched.manager.resume() == 2
+    assert relaunched.step == 2 and relaunched.data.position == 0 and not relaunched.optimizer.state
+
+
 def test_options_a_resume_brings_back_from_the_checkpoint_are_named_when_typed_otherwise(tmp_path, caplog):
     """The optimizer's settings and the LR schedule come back from the checkpoint (the resumed run
     steps as the saved one would): a resume whose config sets them otherwise names each in one
