@@ -227,6 +227,8 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
     datasets.disable_progress_bars()
     try:
         yield from datasets.load_dataset(path, streaming=True, **options)
+    except EOFError as error:  # gzip's word for a shard whose download or copy was cut short
+        raise ValueError(f"{source}: a compressed file ends early, cut short ({typed_first_line(error)})") from None
     except (datasets.exceptions.DatasetsError, pyarrow.ArrowException, ValueError, OSError, KeyError) as error:
         raise ValueError(f"{source}: {typed_first_line(error)}") from None
 

@@ -217,3 +217,16 @@ def test_preflight_names_a_broken_json_shard_once(
         line = preflight_error(capsys, "--training.dataset", str(path))
     assert line.startswith(f"error: training.dataset: {path}: ArrowInvalid: JSON parse error")
     assert [r.getMessage() for r in caplog.records if r.name.startswith("datasets")] == []
+
+
+def test_a_gzipped_shard_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A C4 shard whose download stopped part way: gzip's EOFError was a traceback, before launch and
+    in every rank of every attempt."""
+    records = "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(2000))
+    compressed = gzip.compress(records.encode())
+    path = tmp_path / "c4-train.00000-of-01024.json.gz"
+    path.write_bytes(compressed[: len(compressed) // 2])
+    line = preflight_error(capsys, "--training.dataset", str(path))
+    assert line.startswith(f"error: training.dataset: {path}: a compressed file ends early, cut short (EOFError: ")
+    with pytest.raises(ValueError, match="cut short"):
+        list(corpus_texts(Corpus(str(path))))
