@@ -287,19 +287,22 @@ def corpus_identity(corpus: Corpus) -> dict[str, Any]:
     return dataclasses.asdict(pin_revision(corpus))
 
 
-def check_corpus(corpus: Corpus) -> None:
+def check_corpus(corpus: Corpus) -> str | None:
     """Cheap checks before launch: every path exists, every Parquet/Arrow shard's schema has the
-    text field as a string, the hub answers, and the first document reads."""
+    text field as a string, the hub answers, and the first document reads; returns that document
+    (None for the default corpus, which takes seconds to extract)."""
     if corpus.dataset == DEFAULT_DATASET:
-        return
+        return None
     if is_local(corpus.dataset):
         files = local_corpus_files(corpus.dataset)
         for path in files:
             _check_shard_schema(path, corpus.text_field)
         if all(path.stat().st_size == 0 for path in files):
             raise ValueError(f"{corpus.dataset}: empty, no text to train on")
-    if next(corpus_texts(corpus), None) is None:
+    first = next(corpus_texts(corpus), None)
+    if first is None:
         raise ValueError(f"{corpus.dataset}: no documents")
+    return first
 
 
 def _check_shard_schema(path: Path, text_field: str) -> None:

@@ -381,17 +381,31 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     from trainer.hf_checkpoint import check_hf_folder, is_hf_folder, job_model_args, weights_only_problem
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
-    problems = [problem for option in options if (problem := _dataset_problem(config, option))]
+    problems: list[str] = []
+    first_documents: dict[str, str] = {}
     for option in options:
+        try:
+            if (document := check_corpus(corpus_of(config, option))) is not None:
+                first_documents[option] = document
+        except (ValueError, OSError) as e:
+            problems.append(_dataset_problem(config, option, e))
         _warn_hub_options_unused(config, option)
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
     vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
     if config.model.tokenizer_path:
         try:
-            vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
+            tokenizer = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir)
+            vocab_size = tokenizer.vocab_size
         except (ValueError, OSError) as e:
             problems.append(f"model.tokenizer_path: {e}")
             vocab_size = None
+        else:
+            # A tokenizer that cannot encode the corpus would fail in every rank of every attempt.
+            for option, document in first_documents.items():
+                try:
+                    tokenizer.encode(document)
+                except ValueError as e:
+                    problems.append(f"{option}: {e}")
     args = None
     try:
         args = job_model_args(config, vocab_size)  # says when the tokenizer's vocabulary replaces the flavor's
@@ -446,16 +460,11 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
         logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
 
 
-def _dataset_problem(config: JobConfig, option: str) -> str | None:
+def _dataset_problem(config: JobConfig, option: str, error: Exception) -> str:
+    """The line for the corpus of ``option`` that ``error`` says is missing or broken."""
     name = getattr(config, option.partition(".")[0]).dataset
-    try:
-        check_corpus(corpus_of(config, option))
-    except (ValueError, OSError) as e:
-        hint = (
-            f" ('{name}' is torchtitan's; give local files with --{option}_path)" if name in TORCHTITAN_DATASETS else ""
-        )
-        return f"{option}: {e}{hint}"
-    return None
+    hint = f" ('{name}' is torchtitan's; give local files with --{option}_path)" if name in TORCHTITAN_DATASETS else ""
+    return f"{option}: {error}{hint}"
 
 
 USAGE = "usage: python -m trainer.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"

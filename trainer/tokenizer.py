@@ -189,6 +189,7 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def __init__(self, path: str) -> None:
         json_path, config_path = hf_tokenizer_files(path)
+        self._json_path = json_path
         json_bytes = _read_model_file(json_path)
         config_bytes = _read_model_file(config_path) if os.path.isfile(config_path) else b""
         config = _parse_hf_config(config_bytes, config_path)
@@ -208,7 +209,11 @@ class HuggingFaceTokenizer(Tokenizer):
         )
 
     def _encode_text(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as error:  # the library raises a bare Exception (a WordLevel model without [UNK], say)
+            reason = (str(error).strip().splitlines() or ["no reason given"])[0]
+            raise ValueError(f"tokenizer {self._json_path} cannot encode its text: {reason}") from None
 
     def decode(self, ids: list[int]) -> str:
         """Text of the token ids ``ids`` (special tokens included)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -435,6 +436,26 @@ def test_hf_unknown_bos_or_eos_names_the_folder(tmp_path: Path) -> None:
     folder = write_hf_folder(tmp_path / "hf", train_hf_tokenizer(["<|pad|>", "<s>"]), {"pad_token": "<|pad|>"})
     message = _one_line_error(ValueError, folder)
     assert "EOS" in message and "</s>" in message
+
+
+def test_a_tokenizer_that_cannot_encode_a_text_is_one_line_before_launch(tmp_path: Path, capsys) -> None:
+    """A word-level tokenizer without an unknown token fails on the first word it lacks: one line
+    naming the tokenizer, before launch from the corpus's first document (in the ranks, from any);
+    it was the library's bare Exception, a traceback in every rank of every attempt."""
+    from trainer import preflight
+
+    tokenizer = tokenizers.Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "cat": 2}))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = write_hf_folder(tmp_path / "hf", tokenizer, None)
+    loaded = load_tokenizer(str(folder))
+    assert loaded.encode("cat cat") == [2, 2]
+    message = f"tokenizer {folder / 'tokenizer.json'} cannot encode its text: WordLevel error: Missing [UNK] token"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        loaded.encode("cat dog")
+    (tmp_path / "corpus.txt").write_text("cat dog")
+    options = ["--model.tokenizer_path", str(folder), "--training.dataset", str(tmp_path / "corpus.txt")]
+    assert preflight.main(["--world-size", "1", *options]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: training.dataset: {message}")
 
 
 @pytest.mark.skipif(
