@@ -194,7 +194,9 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+    # JSON Lines ends a record at '\n' alone: str.splitlines would also cut the U+2028, U+2029 and
+    # U+0085 that JSON strings may hold unescaped (web text does; json.dumps(ensure_ascii=False) keeps them).
+    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -272,6 +273,16 @@ def test_jsonl_txt_and_folder_corpora(tmp_path: Path) -> None:
     assert list(local_corpus_texts(str(corpus))) == ["first", "line 3", "second file", "nested"]
     assert list(local_corpus_texts(str(corpus / "b.txt"))) == ["second file"]
     assert list(local_corpus_texts(str(corpus / "a/z.jsonl"))) == ["first", "line 3"]
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
+    """Valid JSON Lines, as json.dumps(ensure_ascii=False) writes web text: each record ends at
+    '\\n' alone (CRLF too). U+2028, U+2029 and U+0085 inside a string cut the line in two until
+    2026-11-29, and the file was refused as invalid JSON."""
+    texts = ["one\u2028two", "para\u2029graph", "next\x85line"]
+    lines = [json.dumps({"text": text}, ensure_ascii=False) for text in texts]
+    path = write_corpus(tmp_path, {"web.jsonl": "\r\n".join(lines) + "\r\n"}) / "web.jsonl"
+    assert list(local_corpus_texts(str(path))) == texts
 
 
 @pytest.mark.parametrize(
