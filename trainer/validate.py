@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.job_config import JobConfig, first_line
 from models.builder import BuiltModel
@@ -24,6 +25,16 @@ class Validator:
         self.parallel_dims = parallel_dims
         self.tokenizer = tokenizer
         self.loss = loss
+        if config.validation.enable:
+            # Tokenized and counted now: a held-out corpus too short for one window would otherwise
+            # be refused at the first validation, after validation.freq steps of training.
+            self._loader()
+
+    def _loader(self) -> StatefulDataLoader:
+        """A loader at the start of the validation windows (each validation reads the same ones)."""
+        return config_dataloader(
+            self.config, "validation.dataset", self.tokenizer, self.parallel_dims, self.config.debug.seed + 1
+        )
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
         """The mean token loss after ``step``, over all data-parallel ranks (a global value, the same
@@ -39,9 +50,7 @@ class Validator:
 
     @torch.no_grad()
     def _mean_loss(self, model: BuiltModel, device: torch.device) -> torch.Tensor:
-        loader = config_dataloader(
-            self.config, "validation.dataset", self.tokenizer, self.parallel_dims, self.config.debug.seed + 1
-        )
+        loader = self._loader()
         for part in model.parts:
             part.eval()
         total = torch.zeros((), device=device)

@@ -14,6 +14,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainer.corpus
+from config.job_config import ConfigError
 from config.manager import load_config
 from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer
@@ -27,6 +28,7 @@ from trainer.data import (
     packed_dataloader,
 )
 from trainer.tokenizer import Tokenizer
+from trainer.validate import Validator
 
 SEQ_LEN = 3
 NUM_WINDOWS = 7
@@ -132,6 +134,21 @@ def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, ch
     own = ["--validation.seq_len", "8", "--validation.local_batch_size", "6"]
     assert shape("validation.dataset", *own) == (6, 8)
     assert shape("training.dataset", *own) == shape("validation.dataset") == (4, 16)
+
+
+def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
+    tmp_path: Path, char_tokenizer: CharTokenizer
+) -> None:
+    """Found when the validator is built, as the run starts; until 2026-11-29 at the first
+    validation, after validation.freq steps of training."""
+    corpus = write_corpus(tmp_path, {"held_out.txt": "abc"})
+    options = ["--training.seq_len", "8", "--job.cache_dir", str(tmp_path / "cache")]
+    options += ["--validation.dataset", str(corpus / "held_out.txt")]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    message = r"^validation.dataset: dataset .*held_out.txt: corpus has 5 tokens, fewer than one window"
+    with pytest.raises(ConfigError, match=message):
+        Validator(load_config([*options, "--validation.enable"]), dims, char_tokenizer, loss=None)
+    Validator(load_config(options), dims, char_tokenizer, loss=None)  # validation off: not read
 
 
 def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
