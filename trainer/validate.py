@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -10,10 +12,12 @@ from config.job_config import JobConfig, first_line
 from models.builder import BuiltModel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import local_loss
-from trainer.data import config_dataloader
+from trainer.data import PackedTokenDataset, config_dataloader
 from trainer.loss import Loss
 from trainer.preflight import is_out_of_memory, out_of_memory_error
 from trainer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Validator:
@@ -28,7 +32,7 @@ class Validator:
         if config.validation.enable:
             # Tokenized and counted now: a held-out corpus too short for one window would otherwise
             # be refused at the first validation, after validation.freq steps of training.
-            self._loader()
+            _warn_of_repeated_windows(self._loader().dataset, config.validation.steps)
 
     def _loader(self) -> StatefulDataLoader:
         """A loader at the start of the validation windows (each validation reads the same ones)."""
@@ -69,3 +73,19 @@ class Validator:
         for part in model.parts:
             part.train()
         return total / (tokens * self.parallel_dims.dp_degree)
+
+
+def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
+    """A held-out corpus of fewer windows than a validation reads is read round again within it:
+    its loss weighs some windows twice or more, which the user would not guess from the option."""
+    wanted = steps * windows.global_batch_size
+    if windows.num_windows < wanted:
+        logger.warning(
+            "validation.dataset: %d windows of seq_len + 1 = %d tokens, fewer than the %d that validation.steps "
+            "%d x %d sequences read: each validation reads some windows more than once",
+            windows.num_windows,
+            windows.seq_len + 1,
+            wanted,
+            steps,
+            windows.global_batch_size,
+        )

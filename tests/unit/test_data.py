@@ -151,6 +151,25 @@ def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     Validator(load_config(options), dims, char_tokenizer, loss=None)  # validation off: not read
 
 
+def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warning(
+    tmp_path: Path, char_tokenizer: CharTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """28 tokens are 3 windows of 9; 2 steps of 2 sequences read 4, one of them twice (without a
+    word until 2026-11-29)."""
+    corpus = write_corpus(tmp_path, {"held_out.txt": "abcdefghijklmnopqrstuvwxyz"})
+    options = ["--training.seq_len", "8", "--training.local_batch_size", "2", "--job.cache_dir", str(tmp_path)]
+    options += ["--validation.enable", "--validation.dataset", str(corpus / "held_out.txt")]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    with caplog.at_level("WARNING"):
+        Validator(load_config([*options, "--validation.steps", "1"]), dims, char_tokenizer, loss=None)
+        assert caplog.messages == []
+        Validator(load_config([*options, "--validation.steps", "2"]), dims, char_tokenizer, loss=None)
+    assert caplog.messages == [
+        "validation.dataset: 3 windows of seq_len + 1 = 9 tokens, fewer than the 4 that validation.steps 2 x 2 "
+        "sequences read: each validation reads some windows more than once"
+    ]
+
+
 def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path, {"tiny.txt": "abc"})
     with pytest.raises(ValueError, match=r"tiny.txt.*5 tokens.*seq_len \+ 1 = 9"):
