@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError
+from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError, first_line
 from parallelisms.device import PeakFlops, peak_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -224,11 +224,17 @@ _TENSORBOARD_TAGS = {
 
 def check_wandb() -> None:
     """ConfigError naming metrics.enable_wandb when this host cannot start W&B runs: no wandb
-    package, or no API key where runs go to W&B's servers (WANDB_MODE neither offline nor disabled)."""
+    package, a WANDB_* variable W&B does not take (WANDB_MODE=ofline), or no API key where runs go
+    to W&B's servers (WANDB_MODE neither offline nor disabled)."""
     try:
         import wandb
     except ImportError:
         raise ConfigError("metrics.enable_wandb: the wandb package is not installed here (pip install wandb)") from None
+    try:
+        # Read as wandb.init reads them: in the ranks a refused one is only a warning, and no W&B run.
+        wandb.Settings().update_from_env_vars(dict(os.environ))
+    except ValueError as e:  # pydantic's ValidationError
+        raise ConfigError(f"metrics.enable_wandb: W&B refuses its WANDB_* settings ({_settings_problems(e)})") from None
     if os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
         return
     silent = os.environ.get("WANDB_SILENT")
@@ -242,6 +248,16 @@ def check_wandb() -> None:
             del os.environ["WANDB_SILENT"]
         else:
             os.environ["WANDB_SILENT"] = silent
+
+
+def _settings_problems(error: ValueError) -> str:
+    """Each refused setting of a pydantic ValidationError on one line: ``mode='ofline': Input should
+    be ...``; other errors' first line."""
+    if not hasattr(error, "errors"):
+        return first_line(error)
+    return "; ".join(
+        f"{'.'.join(map(str, problem['loc']))}={problem.get('input')!r}: {problem['msg']}" for problem in error.errors()
+    )
 
 
 def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:

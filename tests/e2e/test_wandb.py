@@ -107,3 +107,20 @@ def test_no_wandb_package_is_one_line_before_launch(tmp_path):
         result.stderr.strip()
         == "error: metrics.enable_wandb: the wandb package is not installed here (pip install wandb)"
     )
+
+
+@pytest.mark.parametrize(
+    ("variables", "refused"),
+    [
+        ({"WANDB_MODE": "ofline"}, "mode='ofline': Input should be 'online', 'offline'"),
+        ({"WANDB_MODE": "offline", "WANDB_SILENT": "perhaps"}, "silent='perhaps': Input should be a valid boolean"),
+    ],
+)
+def test_a_wandb_variable_wandb_does_not_take_is_one_line_before_launch(tmp_path, variables, refused):
+    """A mistyped WANDB_MODE was a traceback of W&B's settings before launch; with WANDB_MODE=offline
+    another bad variable passed, and the ranks trained without a W&B run after a warning."""
+    result = preflight(dict(os.environ, PYTHONPATH=REPO, **variables), tmp_path)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith(f"error: metrics.enable_wandb: W&B refuses its WANDB_* settings ({refused}")
+    assert "\n" not in line
