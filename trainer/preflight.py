@@ -27,7 +27,7 @@ from config.job_config import (
     written_by_a_run,
 )
 from config.manager import batch_layout, load_config, typed_options, warn_no_effect_at_degrees
-from trainer.corpus import TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
+from trainer.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
 from trainer.tokenizer import build_tokenizer
 
 # torch and the modules that use it are imported inside the functions, once the options have
@@ -390,6 +390,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
         except (ValueError, OSError) as e:
             problems.append(_dataset_problem(config, option, e))
         _warn_hub_options_unused(config, option)
+    _warn_validation_of_another_corpus(config)
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
     vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
     if config.model.tokenizer_path:
@@ -458,6 +459,19 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
     dataset = corpus_of(config, option).dataset
     if unused and (dataset == "python_docs" or is_local(dataset)):
         logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
+
+
+def _warn_validation_of_another_corpus(config: JobConfig) -> None:
+    """Validation left on the default corpus while training reads another: its loss would be of the
+    Python documentation, which nothing in the run's output says."""
+    training = config.training.dataset
+    if config.validation.enable and config.validation.dataset == DEFAULT_DATASET and training != DEFAULT_DATASET:
+        logger.warning(
+            "validation.dataset is %s while training.dataset is %s: the validation loss is of the Python "
+            "documentation; give validation.dataset the held-out part of the training corpus",
+            DEFAULT_DATASET,
+            training,
+        )
 
 
 def _dataset_problem(config: JobConfig, option: str, error: Exception) -> str:

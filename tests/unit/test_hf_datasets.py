@@ -117,6 +117,22 @@ def test_a_split_or_config_for_local_files_is_a_warning(shards: Path, caplog: py
     ]
 
 
+def test_validation_left_on_the_default_corpus_while_training_reads_another_is_a_warning(
+    shards: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its loss would be of the Python documentation, without a word until 2026-11-29."""
+    with caplog.at_level("WARNING"):
+        assert preflight.main(["--world-size", "1", "--validation.enable"]) == 0
+        assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), "--validation.enable"]) == 0
+        held_out = ["--validation.enable", "--validation.dataset", str(shards / "part-2.parquet")]
+        assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), *held_out]) == 0
+        assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), "--validation.steps", "2"]) == 0
+    assert [r.getMessage() for r in caplog.records if "validation.dataset" in r.getMessage()] == [
+        f"validation.dataset is python_docs while training.dataset is {shards}: the validation loss is of the "
+        "Python documentation; give validation.dataset the held-out part of the training corpus"
+    ]
+
+
 def test_preflight_names_a_missing_shard(shards: Path, capsys: pytest.CaptureFixture) -> None:
     listed = f"{shards / 'part-0.parquet'},{shards / 'part-9.parquet'}"
     line = preflight_error(capsys, "--training.dataset", listed)
