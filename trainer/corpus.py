@@ -175,7 +175,7 @@ def _corpus_files(path: str) -> list[Path]:
     if root.is_dir():
         files = sorted(
             p
-            for p in root.rglob("*")
+            for p in _files_under(root)
             if corpus_suffix(p) in CORPUS_SUFFIXES and p.name not in _SAVE_TO_DISK_METADATA and p.is_file()
         )
         if not files:
@@ -184,6 +184,22 @@ def _corpus_files(path: str) -> list[Path]:
     if corpus_suffix(root) not in CORPUS_SUFFIXES:
         raise ValueError(f"dataset file {path} is not one of {_SUFFIX_NAMES}")
     return [root]
+
+
+def _files_under(root: Path) -> Iterator[Path]:
+    """Every file in ``root`` and its subfolders, symlinked ones too (a corpus folder of links to
+    shards kept elsewhere; rglob left them out without a word), each real folder once, and none
+    that holds ``root`` (a link back up would read the folders around the corpus)."""
+    real_root = os.path.realpath(root)
+    seen: set[str] = set()
+    for directory, subdirectories, file_names in os.walk(root, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen or (directory != str(root) and os.path.commonpath([real, real_root]) == real):
+            subdirectories[:] = []
+            continue
+        seen.add(real)
+        subdirectories.sort()  # the first name to reach a folder reads it, whatever the listing order
+        yield from (Path(directory, name) for name in file_names)
 
 
 def _read_text(path: Path) -> str:

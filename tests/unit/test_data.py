@@ -321,6 +321,17 @@ def test_jsonl_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
     assert list(local_corpus_texts(str(path))) == texts
 
 
+def test_a_corpus_folder_reads_its_symlinked_folders_once_and_no_folder_around_it(tmp_path: Path) -> None:
+    """A folder of links to shards kept elsewhere: until 2026-11-29 the linked folders were left out
+    without a word (linked files were read)."""
+    corpus = write_corpus(tmp_path / "corpus", {"own/a.txt": "own"})
+    write_corpus(tmp_path / "elsewhere", {"b.txt": "linked folder", "single/c.txt": "linked file"})
+    (corpus / "linked").symlink_to(tmp_path / "elsewhere")
+    (corpus / "again").symlink_to(corpus / "own")  # read once: again/ comes first
+    (corpus / "up").symlink_to(tmp_path)  # a link back up: not the folders around the corpus
+    assert list(local_corpus_texts(str(corpus))) == ["own", "linked folder", "linked file"]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
