@@ -311,6 +311,14 @@ def test_jsonl_txt_and_folder_corpora(tmp_path: Path) -> None:
     assert list(local_corpus_texts(str(corpus / "a/z.jsonl"))) == ["first", "line 3"]
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path: Path) -> None:
+    """Files saved by Windows editors begin with one: a .jsonl was refused ('Unexpected UTF-8 BOM
+    (decode using utf-8-sig)') and a .txt trained on it as a character."""
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfplain text")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a record"}\n')
+    assert list(local_corpus_texts(f"{tmp_path / 'a.txt'},{tmp_path / 'b.jsonl'}")) == ["plain text", "a record"]
+
+
 def test_jsonl_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
     """Valid JSON Lines, as json.dumps(ensure_ascii=False) writes web text: each record ends at
     '\\n' alone (CRLF too). U+2028, U+2029 and U+0085 inside a string cut the line in two until
