@@ -845,7 +845,7 @@ class CheckpointManager:
         if self.rank == 0 and (changes := self._restored_option_changes(path, list(state))):
             logger.warning(
                 "%s brings back the optimizer settings and LR schedule it was saved with; these options differ "
-                "and do not count: %s",
+                "and do not count for them: %s",
                 path,
                 ", ".join(changes),
             )
@@ -864,7 +864,14 @@ class CheckpointManager:
             section, key = option.split(".")
             if option == "training.steps" and own.get("lr_scheduler", {}).get("total_steps") is not None:
                 continue  # the schedule's length is lr_scheduler.total_steps
-            if (value := own.get(section, {}).get(key)) != (before := saved.get(section, {}).get(key)):
+            if (value := own.get(section, {}).get(key)) == (before := saved.get(section, {}).get(key)):
+                continue
+            if option == "training.steps":  # it counts for the steps run, not for the schedule
+                changes.append(
+                    f"training.steps {value} (saved: {before}; the run goes to step {value}, its LR schedule "
+                    f"is the saved one of {before} steps, at its final rate after those)"
+                )
+            else:
                 changes.append(f"{option} {value} (saved: {before})")
         return changes
 
