@@ -162,9 +162,16 @@ def local_corpus_files(path: str) -> list[Path]:
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
     if not files:
         raise ValueError(f"dataset {path!r} names no files")
-    kinds = {DATASETS_BUILDERS.get(corpus_suffix(p), "text") for p in files}
-    if len(kinds) > 1:
-        raise ValueError(f"dataset {path} mixes {', '.join(sorted(kinds))} files; give files of one format")
+    by_kind: dict[str, list[Path]] = {}
+    for file in files:
+        by_kind.setdefault(DATASETS_BUILDERS.get(corpus_suffix(file), "text"), []).append(file)
+    if len(by_kind) > 1:
+        # The fewest first: a stray LICENSE.txt among Parquet shards, say.
+        kinds = sorted(by_kind.items(), key=lambda item: (len(item[1]), item[0]))
+        shown = "; ".join(
+            f"{kind}: {len(group)} ({group[0]}{', ...' if len(group) > 1 else ''})" for kind, group in kinds
+        )
+        raise ValueError(f"dataset {path} mixes formats ({shown}); give files of one format")
     return files
 
 

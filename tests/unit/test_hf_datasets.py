@@ -64,10 +64,16 @@ def test_token_stream_of_parquet_matches_hand_computation(tmp_path: Path, char_t
 
 
 def test_formats_do_not_mix(tmp_path: Path) -> None:
-    write_parquet(tmp_path / "a.parquet", ["a"])
-    (tmp_path / "b.json").write_text(json.dumps({"text": "b"}) + "\n")
-    with pytest.raises(ValueError, match="mixes json, parquet files"):
+    """The line names a file of each format, the rarest first: a stray LICENSE.txt among shards."""
+    for i in range(3):
+        write_parquet(tmp_path / f"part-{i}.parquet", ["a"])
+    (tmp_path / "LICENSE.txt").write_text("terms")
+    with pytest.raises(ValueError) as error:
         local_corpus_files(str(tmp_path))
+    assert str(error.value) == (
+        f"dataset {tmp_path} mixes formats (text: 1 ({tmp_path / 'LICENSE.txt'}); "
+        f"parquet: 3 ({tmp_path / 'part-0.parquet'}, ...)); give files of one format"
+    )
 
 
 def test_torchtitan_names_and_the_hub(tmp_path: Path) -> None:
