@@ -11,6 +11,7 @@ import fcntl
 import functools
 import importlib
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from config.job_config import JobConfig, first_line, typed_first_line
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DATASET = "python_docs"
 # Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
@@ -196,17 +199,29 @@ def _corpus_files(path: str) -> list[Path]:
 def _files_under(root: Path) -> Iterator[Path]:
     """Every file in ``root`` and its subfolders, symlinked ones too (a corpus folder of links to
     shards kept elsewhere; rglob left them out without a word), each real folder once, and none
-    that holds ``root`` (a link back up would read the folders around the corpus)."""
+    that holds ``root`` (a link back up would read the folders around the corpus). Hidden ones
+    (.ipynb_checkpoints, .git) are left out, with a warning: their copies would train twice."""
     real_root = os.path.realpath(root)
     seen: set[str] = set()
+    hidden: list[str] = []
     for directory, subdirectories, file_names in os.walk(root, followlinks=True):
         real = os.path.realpath(directory)
         if real in seen or (directory != str(root) and os.path.commonpath([real, real_root]) == real):
             subdirectories[:] = []
             continue
         seen.add(real)
-        subdirectories.sort()  # the first name to reach a folder reads it, whatever the listing order
-        yield from (Path(directory, name) for name in file_names)
+        hidden += [os.path.join(directory, name) for name in subdirectories if name.startswith(".")]
+        hidden += [
+            os.path.join(directory, name)
+            for name in file_names
+            if name.startswith(".") and corpus_suffix(Path(name)) in CORPUS_SUFFIXES
+        ]
+        # Sorted: the first name to reach a folder reads it, whatever the listing order.
+        subdirectories[:] = sorted(name for name in subdirectories if not name.startswith("."))
+        yield from (Path(directory, name) for name in file_names if not name.startswith("."))
+    if hidden:
+        more = f" and {len(hidden) - 4} more" if len(hidden) > 4 else ""
+        logger.warning("%s: hidden files and folders are not read: %s%s", root, ", ".join(sorted(hidden)[:4]), more)
 
 
 def _read_text(path: Path) -> str:

@@ -311,6 +311,17 @@ def test_jsonl_txt_and_folder_corpora(tmp_path: Path) -> None:
     assert list(local_corpus_texts(str(corpus / "a/z.jsonl"))) == ["first", "line 3"]
 
 
+def test_hidden_files_and_folders_of_a_corpus_folder_are_not_read(tmp_path: Path, caplog) -> None:
+    """A notebook's .ipynb_checkpoints copy of a shard trained a second time, without a word."""
+    corpus = write_corpus(tmp_path, {"a.jsonl": '{"text": "shard"}\n'})
+    write_corpus(corpus / ".ipynb_checkpoints", {"a-checkpoint.jsonl": '{"text": "copy"}\n'})
+    write_corpus(corpus, {".draft.txt": "hidden", ".DS_Store": "not a corpus file"})
+    with caplog.at_level("WARNING", logger="trainer.corpus"):
+        assert list(local_corpus_texts(str(corpus))) == ["shard"]
+    hidden = f"{corpus / '.draft.txt'}, {corpus / '.ipynb_checkpoints'}"
+    assert caplog.messages == [f"{corpus}: hidden files and folders are not read: {hidden}"]
+
+
 def test_a_byte_order_mark_is_not_text(tmp_path: Path) -> None:
     """Files saved by Windows editors begin with one: a .jsonl was refused ('Unexpected UTF-8 BOM
     (decode using utf-8-sig)') and a .txt trained on it as a character."""
