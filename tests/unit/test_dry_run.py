@@ -92,12 +92,15 @@ def test_compiled_simple_fsdp_adds_its_two_largest_neighbouring_buckets():
     assert eager["buckets"] is None and eager["peak_bytes"] == report["peak_bytes"]
 
 
-def test_auto_buckets_without_the_devices_figures_is_one_line():
+def _dry_run_command(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m trainer.dry_run argv``, finished."""
+    command = [sys.executable, "-m", "trainer.dry_run", *argv]
     env = dict(os.environ, PYTHONPATH=REPO)
-    argv = ["--world-size", "8", *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "auto"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", *argv], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_auto_buckets_without_the_devices_figures_is_one_line():
+    proc = _dry_run_command("--world-size", "8", *SIMPLE_FSDP_COMPILED, "--compile.bucketing", "auto")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: compile.bucketing auto in a dry run: set comm.alpha_us, comm.bandwidth_gbps and "
@@ -108,15 +111,7 @@ def test_auto_buckets_without_the_devices_figures_is_one_line():
 def test_a_world_larger_than_a_process_group_holds_is_one_line():
     """NNODES 999,999 x NGPU 9,999, each in its range: the fake process group's size is a C++ int,
     and its constructor ended the dry run in a traceback."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.dry_run", "--world-size", str(999_999 * 9_999)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _dry_run_command("--world-size", str(999_999 * 9_999))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "error: world size 9,998,990,001 (NNODES x NGPU) is more than the 2,147,483,647 ranks a torch "
