@@ -84,9 +84,11 @@ if [ -n "$CONFIG_FILE_GIVEN" ]; then
 fi
 
 if [ "${COMM_MODE:-}" = fake ]; then
-  # A dry run ends as the real run would: LOG_RANK too, where NGPU gives the node's ranks. It
-  # checks the config as the real launch would, in its one process.
-  [ -z "${NGPU:-}" ] || check_log_rank "$NGPU"
+  # A dry run ends as the real run would, LOG_RANK included. It checks the config as the real
+  # launch would, in its one process.
+  if [ "$LOG_RANK" != 0 ]; then # the default needs no count; else count NGPU=auto as the launch would
+    check_log_rank "${NGPU:-$("$PY" -c 'from trainer.preflight import launch_sizes; print(launch_sizes({"--nnodes": "1"})[1])')}"
+  fi
   exec "$PY" -m trainer.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
     ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi

@@ -569,6 +569,10 @@ ENVIRONMENT_CASES = [
     ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
     # A dry run ends as the real run would (it ran, and ended 0).
     ({"COMM_MODE": "fake", "LOG_RANK": "3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
+    (  # NGPU=auto: CPU processes 2 here, as the launch counts them
+        {"COMM_MODE": "fake", "LOG_RANK": "3", "NGPU": ""},
+        "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)",
+    ),
     ({"NNODES": "2"}, "error: RDZV_ENDPOINT: set it to host:port of the first node for a job of 2 nodes"),
     ({"COMM_MODE": "real"}, "error: COMM_MODE: 'real' is not a mode; the one there is: fake (or fake_backend)"),
     ({"CONFIG_FILE": "/nowhere/job.toml"}, "error: CONFIG_FILE: /nowhere/job.toml: no such file"),
