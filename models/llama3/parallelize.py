@@ -59,6 +59,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
     reports tell what each compiled graph holds), else None."""
     _check_tied(model.args, parallel_dims)
+    _check_block_bucketing(parallel_dims, config)
     _convert(model, parallel_dims, config)
     # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
     # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
@@ -323,6 +324,7 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     with user_input("model"):
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
+    _check_block_bucketing(parallel_dims, config)
     if "float8" in config.model.converters:
         with user_input("model.converters"):
             check_float8(device_type(), config.float8.emulate)
@@ -362,6 +364,24 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
             units = plan_units(Transformer(model_args), tokens=1, param_dtype=torch.float32)
         with user_input("compile.manual_buckets"):
             plan_manual(units, c.manual_buckets)
+
+
+def _check_block_bucketing(parallel_dims: ParallelDims, config: JobConfig) -> None:
+    """Block bucketing merges a block's gradient reductions in its compiled backward; beside tensor
+    parallelism's all-reduces there, torch's merge fails to order the bucket (an AssertionError in
+    every rank's first backward, then a restart)."""
+    c = config.compile
+    if (
+        c.compiles_model
+        and c.bucketing == "block"
+        and config.parallelism.data_parallel_impl == "simple_fsdp"
+        and parallel_dims.dp_enabled
+        and parallel_dims.tp_enabled
+    ):
+        raise ConfigError(
+            f"compile.bucketing block: not with data and tensor parallelism together (degrees {parallel_dims.dp_degree} "
+            f"and {parallel_dims.tp}); manual or auto buckets SimpleFSDP under tensor parallelism"
+        )
 
 
 def _check_tied(model_args: TransformerModelArgs, parallel_dims: ParallelDims) -> None:
