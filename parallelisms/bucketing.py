@@ -176,6 +176,8 @@ def module_path(node: fx.Node) -> str | None:
         return None
     path = list(stack.values())[-1][0]
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)  # layers['0'] -> layers.0
+    # A submodule dynamo reached through its parent's dict (a checkpoint wrapper's, compiled alone).
+    path = path.replace("__dict__._modules.", "")
     path = re.sub(r"^L\.self\.?|^L\['self'\]\.?|^self\.?", "", path)
     return clean_name(path)
 

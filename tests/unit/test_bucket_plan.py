@@ -473,3 +473,22 @@ def test_an_auto_plan_saved_at_the_first_start_is_every_ranks_plan_at_the_next(t
         new, reused, replanned, calls, folder_written = results[rank * 5 : rank * 5 + 5]
         assert (new, reused, replanned, folder_written) == (1.0, 1.0, 1.0, 1.0), (rank, list(results))
         assert calls == 2  # the first start and the changed key, not the restart
+
+
+def test_a_checkpointed_blocks_collective_is_attributed_to_its_unit():
+    """Compiled alone (block bucketing), a checkpointed block's submodules are reached through the
+    wrapper's dict; its gathers were attributed to no unit (a RuntimeError in every rank's first step)."""
+    from torch import fx
+
+    from models.llama3.parallelize import BLOCK_BUCKETS
+    from parallelisms.bucketing import module_path, unit_of
+
+    graph = fx.Graph()
+    shard = graph.placeholder("shard")
+    gather = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (shard, 2, "0"))
+    wrapper = "L['self'].__dict__['_modules']['_checkpoint_wrapped_module']"  # as dynamo records it
+    gather.meta["nn_module_stack"] = {
+        "1": (wrapper, torch.nn.Module),
+        "2": (f"{wrapper}.attention_norm", torch.nn.Module),
+    }
+    assert unit_of(module_path(gather), [unit for bucket in BLOCK_BUCKETS for unit in bucket]) == "attention_norm"
