@@ -65,12 +65,14 @@ def apply_ac(
         determinism_check=determinism_check,
         debug=debug,
     )
-    for index, (name, block) in enumerate(list(blocks.items())):
+    for name, block in list(blocks.items()):
         if mode == "full":
             wrapped = wrap(block)
         elif selective_option == "op":
             wrapped = wrap(block, context_fn=_op_policy_context)
-        elif (index + 1) % int(selective_option) == 0:
+        # Counted by the block's number in the model, not on this pipeline stage, which holds a
+        # part of them: every N-th block is the same blocks under any split.
+        elif (int(name) + 1) % int(selective_option) == 0:
             wrapped = wrap(block)
         else:
             continue

@@ -80,6 +80,16 @@ def test_every_nth_layer_is_wrapped(option):
         assert wrapped == [str(i) for i in range(ARGS.n_layers) if (i + 1) % n == 0]
 
 
+def test_every_nth_block_of_a_pipeline_stage_counts_the_models_blocks():
+    """A stage holding blocks 3 to 5 checkpoints 3 and 5 for every 2nd, as the whole model does; it
+    counted its own blocks (4), and for every 3rd block with 2 blocks a stage checkpointed none."""
+    model = Transformer(dataclasses.replace(ARGS, n_layers=6))
+    for name in ("0", "1", "2"):
+        del model.layers[name]
+    apply_ac(model.layers, "selective", "2")
+    assert [name for name, block in model.layers.items() if type(block).__name__ == "CheckpointWrapper"] == ["3", "5"]
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_early_stop_ends_a_blocks_recomputation_once_backward_has_what_it_needs(early_stop):
     model = Transformer(ARGS)
