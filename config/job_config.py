@@ -54,6 +54,12 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def first_few(items: list[str], limit: int = 4) -> str:
+    """The first ``limit`` of ``items``, and how many more, for a one-line message."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def typed_first_line(error: BaseException) -> str:
     """'Type: first line' of an error, or its type's name alone when it says nothing."""
     text = str(error).strip()

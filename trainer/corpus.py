@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.job_config import JobConfig, first_line, typed_first_line
+from config.job_config import JobConfig, first_few, first_line, typed_first_line
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,7 @@ def _files_under(root: Path) -> Iterator[Path]:
         subdirectories[:] = sorted(name for name in subdirectories if not name.startswith("."))
         yield from (Path(directory, name) for name in file_names if not name.startswith("."))
     if hidden:
-        more = f" and {len(hidden) - 4} more" if len(hidden) > 4 else ""
-        logger.warning("%s: hidden files and folders are not read: %s%s", root, ", ".join(sorted(hidden)[:4]), more)
+        logger.warning("%s: hidden files and folders are not read: %s", root, first_few(sorted(hidden)))
 
 
 def _read_text(path: Path) -> str:

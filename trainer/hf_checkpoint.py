@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import Checkpoint, JobConfig, user_input
+from config.job_config import Checkpoint, JobConfig, first_few, user_input
 from models.builder import model_args
 from models.llama3.hf_adapter import (
     args_from_hf_config,
@@ -408,12 +408,7 @@ def job_model_args(config: JobConfig, vocab_size: int | None = None) -> Transfor
 
 
 def _listed(keys: list[str], limit: int = 4) -> str:
-    return _first_few([f"'{key}'" for key in keys], limit)
-
-
-def _first_few(items: list[str], limit: int = 4) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+    return first_few([f"'{key}'" for key in keys], limit)
 
 
 # The dtypes of the weights a folder may hold: the floating-point ones torch computes in.
@@ -430,7 +425,7 @@ def _dtype_problems(files: dict[str, StoredWeight]) -> list[str]:
     ]
     if not wrong:
         return []
-    return [f"{_first_few(wrong)}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
+    return [f"{first_few(wrong)}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
 
 
 def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, StoredWeight], bool]:
