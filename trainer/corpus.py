@@ -248,9 +248,12 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
 def _record_texts(records: Iterable[dict[str, Any]], source: str, text_field: str) -> Iterator[str]:
     for index, record in enumerate(records):
         text = record.get(text_field)
-        if not isinstance(text, str):
+        if text_field in record and not isinstance(text, str):
+            held = "null" if text is None else f"a {type(text).__name__}"
+            raise ValueError(f"{source}: record {index}'s field {text_field!r} is {held}, not text")
+        if text is None:
             fields = ", ".join(record) or "none"
-            raise ValueError(f"{source}: record {index} has no string field {text_field!r} (its fields: {fields})")
+            raise ValueError(f"{source}: record {index} has no field {text_field!r} (its fields: {fields})")
         yield text
 
 

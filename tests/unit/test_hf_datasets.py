@@ -170,7 +170,17 @@ def test_preflight_names_a_json_record_without_the_field(tmp_path: Path, capsys:
     path = tmp_path / "records.json"
     path.write_text(json.dumps({"content": "x"}) + "\n")
     line = preflight_error(capsys, "--training.dataset", str(path))
-    assert line == f"error: training.dataset: {path}: record 0 has no string field 'text' (its fields: content)"
+    assert line == f"error: training.dataset: {path}: record 0 has no field 'text' (its fields: content)"
+
+
+def test_a_later_record_whose_text_is_null_is_named_as_such(tmp_path: Path) -> None:
+    """The pre-launch check reads the first record; a later one is refused in the ranks, by what it holds."""
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps({"text": "a document"}) + "\n" + json.dumps({"text": None, "id": 7}) + "\n")
+    corpus = corpus_of(load_config(["--training.dataset", str(path)]), "training.dataset")
+    with pytest.raises(ValueError) as raised:
+        list(corpus_texts(corpus))
+    assert str(raised.value) == f"{path}: record 1's field 'text' is null, not text"
 
 
 def test_preflight_says_when_the_hub_cannot_answer(capsys: pytest.CaptureFixture) -> None:
