@@ -204,7 +204,7 @@ def _files_under(root: Path) -> Iterator[Path]:
     real_root = os.path.realpath(root)
     seen: set[str] = set()
     hidden: list[str] = []
-    for directory, subdirectories, file_names in os.walk(root, followlinks=True):
+    for directory, subdirectories, file_names in os.walk(root, onerror=_refuse_unreadable, followlinks=True):
         real = os.path.realpath(directory)
         if real in seen or (directory != str(root) and os.path.commonpath([real, real_root]) == real):
             subdirectories[:] = []
@@ -221,6 +221,11 @@ def _files_under(root: Path) -> Iterator[Path]:
         yield from (Path(directory, name) for name in file_names if not name.startswith("."))
     if hidden:
         logger.warning("%s: hidden files and folders are not read: %s", root, first_few(sorted(hidden)))
+
+
+def _refuse_unreadable(error: OSError) -> None:
+    # os.walk passes over a folder it cannot list: its shards would be left out without a word.
+    raise ValueError(f"{error.filename}: cannot read this folder of the corpus ({error.strerror})")
 
 
 def _read_text(path: Path) -> str:

@@ -351,6 +351,23 @@ def test_a_corpus_folder_reads_its_symlinked_folders_once_and_no_folder_around_i
     assert list(local_corpus_texts(str(corpus))) == ["own", "linked folder", "linked file"]
 
 
+def test_a_corpus_subfolder_that_cannot_be_read_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """os.walk passed over it: its shards were left out without a word. (Root reads any folder,
+    so the refusal to list it is played by scandir.)"""
+    corpus = write_corpus(tmp_path, {"a.txt": "read", "locked/b.txt": "unreadable"})
+    scandir = os.scandir
+
+    def refuse_locked(path):
+        if str(path) == str(corpus / "locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse_locked)
+    with pytest.raises(ValueError) as raised:
+        list(local_corpus_texts(str(corpus)))
+    assert str(raised.value) == f"{corpus / 'locked'}: cannot read this folder of the corpus (Permission denied)"
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
