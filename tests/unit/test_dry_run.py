@@ -238,7 +238,8 @@ def test_estimate_matches_a_real_runs_tracked_peak(tmp_path, world, argv, tolera
     # On gloo a finished collective's buffers live until gloo's worker thread lets go of its work,
     # which on a loaded host can come after the caller has allocated the next reduce-scatter's
     # (seen on the pipeline case: the previous reduce-scatter's two 2 MiB buffers still alive, 5%
-    # over). The program's own peak is the least over runs: up to three.
+    # over). The worker yields after every wait to let go of them; the program's own peak is the
+    # least over runs: up to three.
     reals = []
     while len(reals) < 3 and not (reals and matches(reals[-1])):
         reals.append(_real_peak(world, argv, str(tmp_path / f"real{len(reals)}.json"), rank))
