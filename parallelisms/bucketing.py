@@ -24,11 +24,12 @@ Only the data-parallel collectives are bucketed and prefetched. With tensor para
 also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
 reduce-scatters of their gradients): each depends on the compute before it, and the next one of
 the same block on the result of the previous, so they can neither share a buffer nor be issued
-early. The data-parallel process groups are recognised from the collectives themselves: a
-*parameter gather* all-gathers a graph input through views and casts only, a *gradient
-reduction* reduce-scatters or all-reduces a value that only reaches the graph's outputs (through
-views and casts). Every collective on the group of one of these is data-parallel; the others
-(TP's) stay where they are, one per tensor, their waits still sunk to their first use.
+early. The pass is told the data-parallel process groups (``data_parallel_groups``): every
+collective on one of them is data-parallel; the others (TP's) stay where they are, one per
+tensor, their waits still sunk to their first use. (They cannot be told apart by shape: in a
+block's backward graph TP all-gathers saved activations, which are graph inputs as parameters'
+shards are, and all-reduces the gradient of the block's input, a graph output as parameters'
+gradients are.)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch._inductor.fx_passes.bucketing import (
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import flop_registry
 
@@ -80,8 +82,7 @@ VIEW_OPS = {
 }
 
 
-# Ops that may sit between a parameter's shard and its all-gather, or a gradient's reduction and
-# the graph output, besides views.
+# Ops that may sit between a parameter's shard and its all-gather, besides views.
 CAST_OPS = {
     torch.ops.prims.convert_element_type.default,
     torch.ops.aten._to_copy.default,
@@ -92,49 +93,14 @@ def is_view_op(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 
 
-def _is_view_or_cast(node: fx.Node) -> bool:
-    return is_view_op(node) or (node.op == "call_function" and node.target in CAST_OPS)
-
-
 def group_of(collective: fx.Node) -> str:
     """The process group name a functional collective runs on (its last argument)."""
     return str(collective.args[-1])
 
 
-def is_parameter_gather(node: fx.Node) -> bool:
-    """An all-gather of a graph input (a parameter's shard) through views and casts only."""
-    if collective_kind(node) != "all_gather":
-        return False
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        current = stack.pop()
-        if current in seen or current.op in ("placeholder", "get_attr"):
-            continue
-        seen.add(current)
-        if not _is_view_or_cast(current):
-            return False
-        stack.extend(current.all_input_nodes)
-    return True
-
-
-def is_gradient_reduction(node: fx.Node) -> bool:
-    """A reduce-scatter or all-reduce whose result only reaches the graph outputs, through its
-    wait, views and casts (a parameter's gradient)."""
-    if collective_kind(node) not in ("reduce_scatter", "all_reduce"):
-        return False
-    stack, seen, reaches_output = list(node.users), set(), False
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "output":
-            reaches_output = True
-            continue
-        if not (current.op == "call_function" and current.target is WAIT) and not _is_view_or_cast(current):
-            return False
-        stack.extend(current.users)
-    return reaches_output
+def data_parallel_groups(mesh: DeviceMesh) -> list[str]:
+    """The names of ``mesh``'s process groups, as the graphs' collectives name their group."""
+    return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
 
 
 def collective_kind(node: fx.Node) -> str | None:
@@ -209,23 +175,20 @@ class BucketingPass(CustomGraphPass):
     collective per parameter), still with waits sunk when ``reorder``.
     """
 
-    def __init__(self, buckets: list[list[str]] | None, reorder: bool = True):
+    def __init__(self, buckets: list[list[str]] | None, dp_groups: list[str], reorder: bool = True):
         self.buckets = buckets
+        self.dp_groups = dp_groups
         self.reorder = reorder
         self.unit_to_bucket = {u: i for i, units in enumerate(buckets or []) for u in units}
         self.reports: list[GraphReport] = []
-        # Data-parallel process groups seen so far: a backward graph without parameter gathers
-        # (weights kept from forward) may still hold some of their collectives.
-        self.dp_groups: set[str] = set()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.reorder))
+        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.dp_groups, self.reorder))
 
     def __call__(self, graph: fx.Graph) -> None:
         if not any(collective_kind(node) for node in graph.nodes):
             return  # nothing to bucket or order (a nested compile region's subgraph, or no data parallelism)
         report = GraphReport()
-        self._find_dp_groups(graph)
         if self.buckets is not None:
             self._merge(graph)
         stable_topological_sort(graph)
@@ -251,11 +214,6 @@ class BucketingPass(CustomGraphPass):
                     if gather and self.buckets is not None:
                         report.all_gather_buckets.append(self._bucket_of(node))
         self.reports.append(report)
-
-    def _find_dp_groups(self, graph: fx.Graph) -> None:
-        for node in graph.nodes:
-            if is_parameter_gather(node) or is_gradient_reduction(node):
-                self.dp_groups.add(group_of(node))
 
     def _is_data_parallel(self, node: fx.Node) -> bool:
         return collective_kind(node) is not None and group_of(node) in self.dp_groups

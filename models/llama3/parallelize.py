@@ -27,7 +27,7 @@ from parallelisms.bucket_plan import (
     plan_manual,
     saved_or_new_plan,
 )
-from parallelisms.bucketing import BucketingPass
+from parallelisms.bucketing import BucketingPass, data_parallel_groups
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.device import device_type, supports_async_tp
 from parallelisms.float8 import apply_float8, check_filter_fqns, check_float8
@@ -59,7 +59,6 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
     reports tell what each compiled graph holds), else None."""
     _check_tied(model.args, parallel_dims)
-    _check_block_bucketing(parallel_dims, config)
     _convert(model, parallel_dims, config)
     # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
     # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
@@ -102,14 +101,15 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
 
     if not (config.compile.compiles_model and simple_fsdp):
         return None
+    dp_groups = data_parallel_groups(parallel_dims.dp_param_mesh) if parallel_dims.dp_enabled else []
     if config.compile.bucketing == "block":
-        graph_pass = BucketingPass(BLOCK_BUCKETS if parallel_dims.dp_enabled else None)
+        graph_pass = BucketingPass(BLOCK_BUCKETS if parallel_dims.dp_enabled else None, dp_groups)
         apply_compile_per_block(model.layers, config.compile.backend, graph_pass, budget)
         return graph_pass
     plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
-    graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None)
+    graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None, dp_groups)
     for name, template in templates.items():
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
@@ -324,7 +324,6 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     with user_input("model"):
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
-    _check_block_bucketing(parallel_dims, config)
     if "float8" in config.model.converters:
         with user_input("model.converters"):
             check_float8(device_type(), config.float8.emulate)
@@ -364,24 +363,6 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
             units = plan_units(Transformer(model_args), tokens=1, param_dtype=torch.float32)
         with user_input("compile.manual_buckets"):
             plan_manual(units, c.manual_buckets)
-
-
-def _check_block_bucketing(parallel_dims: ParallelDims, config: JobConfig) -> None:
-    """Block bucketing merges a block's gradient reductions in its compiled backward; beside tensor
-    parallelism's all-reduces there, torch's merge fails to order the bucket (an AssertionError in
-    every rank's first backward, then a restart)."""
-    c = config.compile
-    if (
-        c.compiles_model
-        and c.bucketing == "block"
-        and config.parallelism.data_parallel_impl == "simple_fsdp"
-        and parallel_dims.dp_enabled
-        and parallel_dims.tp_enabled
-    ):
-        raise ConfigError(
-            f"compile.bucketing block: not with data and tensor parallelism together (degrees {parallel_dims.dp_degree} "
-            f"and {parallel_dims.tp}); manual or auto buckets SimpleFSDP under tensor parallelism"
-        )
 
 
 def _check_tied(model_args: TransformerModelArgs, parallel_dims: ParallelDims) -> None:

@@ -21,7 +21,7 @@ from models.llama3 import Transformer, llama3_flavors
 from models.llama3.model import TransformerBlock
 from models.llama3.parallelize import BLOCK_BUCKETS, REGIONS, plan_units
 from parallelisms.bucket_plan import CommModel, ComputeModel, default_manual_patterns, plan_auto, plan_manual
-from parallelisms.bucketing import WAIT, BucketingPass, GraphReport, collective_kind, is_view_op
+from parallelisms.bucketing import WAIT, BucketingPass, GraphReport, collective_kind, data_parallel_groups, is_view_op
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from train import exit_without_teardown
@@ -79,7 +79,7 @@ class RecordingPass(BucketingPass):
 def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[list[float], RecordingPass, list[str]]:
     """Losses, the pass with its graphs, and the code Inductor generated (none for aot_eager)."""
     model = build(mesh, reshard)
-    graph_pass = RecordingPass(buckets)
+    graph_pass = RecordingPass(buckets, data_parallel_groups(mesh))
     with torch.device("meta"):
         template = TransformerBlock(ARGS)
     for name in REGIONS:  # as parallelize_llama does
@@ -92,7 +92,7 @@ def compiled_run(mesh, backend: str, buckets, reshard: bool = True) -> tuple[lis
 def block_compiled_run(mesh, backend: str) -> tuple[list[float], RecordingPass, list[str]]:
     """Block bucketing: each block compiled on its own, the rest of the model eager."""
     model = build(mesh, reshard=True)
-    graph_pass = RecordingPass(BLOCK_BUCKETS)
+    graph_pass = RecordingPass(BLOCK_BUCKETS, data_parallel_groups(mesh))
     apply_compile_per_block(model.layers, backend, graph_pass)
     losses, code = run_and_get_code(train, model)
     return losses, graph_pass, code

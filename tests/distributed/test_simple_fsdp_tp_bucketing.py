@@ -75,3 +75,37 @@ def test_manual_buckets_match_single_process(tmp_path):
         got, expected = [r[key] for r in bucketed], [r[key] for r in reference]
         assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)
     assert losses(bucketed)[-1] < losses(bucketed)[0]
+
+
+def test_block_buckets_match_single_process(tmp_path):
+    """Each block compiled on its own, its attention and feed-forward one bucket each. Until
+    2026-11-29 refused: the pass took tensor parallelism's all-reduce of the block input's
+    gradient (a graph output, as parameters' gradients are) for a data-parallel reduction and
+    merged TP's all-reduces into one bucket, an AssertionError in every rank's first backward."""
+    reference = run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8")
+    result = launch_train(
+        str(tmp_path / "block"),
+        4,
+        *STEPS,
+        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+        *("--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.bucketing", "block"),
+        script=TRAIN_AND_REPORT,
+    )
+    reports = compile_reports(result.stdout)
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], result.stdout[-3000:]
+    for report in reports:
+        # One block graph, compiled once for all blocks: its forward and its backward.
+        ((forward, backward),) = report["graph_passes"]
+        # Two buckets, each gathered as one broadcast per data-parallel rank; in backward both
+        # re-gathered and both reduced (one all-to-all each).
+        assert forward["data_parallel"] == {"broadcast": 4}, report
+        assert backward["data_parallel"] == {"broadcast": 4, "all_to_all": 2}, report
+        # TP's collectives stay one per tensor: the block's two norms' outputs gathered, its two
+        # output projections reduce-scattered.
+        tp = {kind: n - forward["data_parallel"].get(kind, 0) for kind, n in forward["collectives"].items()}
+        assert {kind: n for kind, n in tp.items() if n} == {"all_gather": 2, "reduce_scatter": 2}, report
+    block = read_metrics(str(tmp_path / "block"))
+    assert len(block) == len(reference) == 5
+    for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
+        got, expected = [r[key] for r in block], [r[key] for r in reference]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)

@@ -283,14 +283,6 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.manual_buckets", "layers.9"],
         "compile.manual_buckets: Bucket pattern 'layers.9' (in spec 'layers.9') matches no module of",
     ),
-    (  # an AssertionError in every rank's first backward, then a restart
-        "layout",
-        [
-            *("--nproc-per-node", "4", "--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable"),
-            *("--compile.bucketing", "block", "--parallelism.tensor_parallel_degree", "2"),
-        ],
-        "compile.bucketing block: not with data and tensor parallelism together (degrees 2 and 2)",
-    ),
     (  # it left nothing out of float8, without a word
         "layout",
         ["--model.converters", "float8", "--float8.filter_fqns", "output,outptu"],
