@@ -82,13 +82,6 @@ VIEW_OPS = {
 }
 
 
-# Ops that may sit between a parameter's shard and its all-gather, besides views.
-CAST_OPS = {
-    torch.ops.prims.convert_element_type.default,
-    torch.ops.aten._to_copy.default,
-}
-
-
 def is_view_op(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in VIEW_OPS or node.target is operator.getitem)
 

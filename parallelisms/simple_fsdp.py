@@ -59,8 +59,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from parallelisms.bucketing import CAST_OPS
-
 Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
 
 _STORAGE_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
@@ -72,6 +70,9 @@ _STORAGE_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
 GATHER_ANNOTATION = "simple_fsdp_reshard_after_forward"
 """Key of the ``fx.traceback`` annotation on a gather's nodes; its value: reshard after forward."""
 _COLLECTIVES_NAMESPACE = "_c10d_functional"
+# The casts between a parameter's shard and its all-gather (mixed precision): with the collectives,
+# the nodes whose saving or recomputing decides what backward holds.
+_CAST_OPS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 # Collective bookkeeping that returns its input: like a view, it aliases the collective's buffer.
 _ALIASING_COLLECTIVE_OPS = {
     torch.ops._c10d_functional.wait_tensor.default,
@@ -187,7 +188,7 @@ def mark_gathers_for_partitioner(joint: fx.GraphModule) -> None:
         custom = node.meta.get("custom") or {}
         if GATHER_ANNOTATION not in custom or node.meta.get("partitioner_tag") == "is_backward":
             continue
-        carries_decision = node.target in CAST_OPS or getattr(node.target, "namespace", None) == _COLLECTIVES_NAMESPACE
+        carries_decision = node.target in _CAST_OPS or getattr(node.target, "namespace", None) == _COLLECTIVES_NAMESPACE
         if carries_decision:
             reshard = custom[GATHER_ANNOTATION]
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
