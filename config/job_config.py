@@ -236,7 +236,8 @@ class LRScheduler:
     decay_ratio: float | None = None
     """Fraction of all steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
     min_lr_factor: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """The learning rate the decay ends at, as a fraction of the peak: reached one step after the
+    last (the last step is a step short of it), as in torchtitan."""
     total_steps: int | None = None
     """Steps the schedule spans; unset = training.steps. Longer than the run, a short run follows
     the first steps of a long run's schedule."""

@@ -172,15 +172,17 @@ def build_optimizer(
 
 
 class WarmupStableDecay:
-    """LR multiplier for step ``s`` (0-based count of optimizer steps already taken).
+    """LR multiplier for step ``s`` (0-based count of optimizer steps already taken), as
+    torchtitan's schedule gives it.
 
     * warmup, ``s < warmup_steps``: ``(s + 1) / warmup_steps``, so the first step
       uses ``peak / warmup_steps`` (never 0) and step ``warmup_steps - 1`` the peak;
-    * stable: 1 until ``decay_start = total_steps - decay_steps``;
-    * decay, ``decay_start <= s``: ``min + (1 - min) * shape(p)`` with progress
-      ``p = (s - decay_start + 1) / decay_steps``, so the last step
-      (``s = total_steps - 1``) uses exactly ``min_lr_factor * peak``; later
-      steps stay there.
+    * stable: 1 up to and including ``decay_start = total_steps - decay_steps``;
+    * decay, ``decay_start < s``: ``min + (1 - min) * shape(p)`` with progress
+      ``p = (s - decay_start) / decay_steps``. The decay ends one step past the run:
+      the last step (``s = total_steps - 1``) is at ``p = (decay_steps - 1) / decay_steps``,
+      so it still learns with ``min_lr_factor`` 0; later steps (a schedule shorter than
+      the run) stay at ``min_lr_factor * peak``.
 
     A callable object rather than a closure because ``LambdaLR.state_dict`` saves
     the ``__dict__`` of callable objects, so the schedule round-trips through a
@@ -197,9 +199,10 @@ class WarmupStableDecay:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        if step < self.decay_start or self.decay_steps == 0:
+        if step <= self.decay_start or self.decay_steps == 0:
             return 1.0
-        progress = min((step - self.decay_start + 1) / self.decay_steps, 1.0)
+        # Past the schedule's end torchtitan's linear shape would turn the rate negative: hold it.
+        progress = min((step - self.decay_start) / self.decay_steps, 1.0)
         if self.decay_type == "linear":
             remaining = 1.0 - progress
         elif self.decay_type == "cosine":
@@ -220,8 +223,8 @@ def build_lr_scheduler(
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
     """Linear warmup from ``peak / warmup_steps``, an optional stable phase, then a linear, cosine
-    or sqrt (``1 - sqrt(progress)``) decay to ``min_lr_factor * peak`` at the last step; the
-    optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
+    or sqrt (``1 - sqrt(progress)``) decay towards ``min_lr_factor * peak``, which the step after
+    the last would reach (torchtitan's schedule, step for step); the optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
     (WSD); None decays over all steps after warmup. Step it once after each ``optimizer.step()``.
     ``total_steps_option`` is the option that gave ``total_steps``, for messages.
     A run shorter than its warmup and decay (a short trial of a long job's config) gets them cut to

@@ -178,12 +178,50 @@ def _lr_trace(num_steps: int, **scheduler_kwargs) -> list[float]:
 
 
 def test_linear_warmup_then_linear_decay() -> None:
-    # warmup 4 -> 1/4, 2/4, 3/4, 1; decay over the remaining 8 steps: 1 - k/8.
+    # warmup 4 -> 1/4, 2/4, 3/4, 1; the peak once more, then decay over 8 steps ending one step
+    # past the run: 1 - k/8, the last step at 1/8 (it still learns with min_lr_factor 0).
     lrs = _lr_trace(12, warmup_steps=4, total_steps=12, decay_type="linear")
-    expected = [0.25, 0.5, 0.75, 1.0] + [1 - k / 8 for k in range(1, 9)]
+    expected = [0.25, 0.5, 0.75, 1.0, 1.0] + [1 - k / 8 for k in range(1, 8)]
     assert lrs == pytest.approx(expected, abs=1e-12)
     assert lrs[0] > 0
-    assert lrs[-1] == 0.0
+    assert lrs[-1] == pytest.approx(1 / 8)
+
+
+# torchtitan v0.2.2's learning rates (build_lr_schedulers, peak 1), step by step, for
+# (training.steps, warmup_steps, decay_ratio, decay_type, min_lr_factor, total_steps); the first
+# is its debug_model.toml. Computed with torchtitan 0.2.2 installed.
+TORCHTITAN_RATES = [
+    ((10, 2, 0.8, "linear", 0.0, None), [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]),
+    (
+        (8, 2, None, "cosine", 0.1, None),
+        [0.5, 1.0, 1.0, 0.9397114317029974, 0.775, 0.55, 0.3250000000000001, 0.16028856829700258],
+    ),
+    (
+        (8, 0, None, "sqrt", 0.0, None),
+        [1.0, 0.6464466094067263, 0.5, 0.38762756430420553, 0.2928932188134524, 0.20943058495790512]
+        + [0.1339745962155614, 0.06458565330651467],
+    ),
+    ((8, 2, 0.5, "linear", 0.2, None), [0.5, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6000000000000001, 0.4]),
+    ((3, 3, None, "linear", 0.0, None), [1 / 3, 2 / 3, 1.0]),
+    ((4, 1, 0.5, "linear", 0.0, 6), [1.0, 1.0, 1.0, 1.0]),
+]
+
+
+@pytest.mark.parametrize(("options", "expected"), TORCHTITAN_RATES)
+def test_the_schedule_gives_torchtitans_rates_at_every_step(options, expected) -> None:
+    """torchtitan's options mean torchtitan's rates: its decay ends one step past the run, so the
+    decay starts a step later than it would to reach min_lr_factor at the last step. Equal to
+    1e-15 (the same operations, which round alike)."""
+    steps, warmup, ratio, shape, minimum, total = options
+    lrs = _lr_trace(
+        steps,
+        warmup_steps=warmup,
+        total_steps=steps if total is None else total,
+        decay_ratio=ratio,
+        decay_type=shape,
+        min_lr_factor=minimum,
+    )
+    assert lrs == pytest.approx(expected, abs=1e-15, rel=0)
 
 
 def test_warmup_starts_small_but_not_zero() -> None:
@@ -191,27 +229,30 @@ def test_warmup_starts_small_but_not_zero() -> None:
     assert lrs == pytest.approx([1e-3, 2e-3])
 
 
-def test_cosine_decay_reaches_min_lr() -> None:
-    lrs = _lr_trace(10, warmup_steps=2, total_steps=10, decay_type="cosine", min_lr_factor=0.1)
-    # decay over 8 steps; step 3 is at progress 2/8, step 5 half way, step 9 the end.
-    assert lrs[:2] == pytest.approx([0.5, 1.0])
-    assert lrs[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
-    assert lrs[5] == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lrs[9] == pytest.approx(0.1)
+def test_cosine_decay_reaches_min_lr_one_step_past_the_run() -> None:
+    lrs = _lr_trace(11, warmup_steps=2, total_steps=10, decay_type="cosine", min_lr_factor=0.1)
+    # decay over 8 steps from step 2 (0-based); step 4 is at progress 2/8, step 6 half way, step 9
+    # (the last) at 7/8, and step 10, past the run, at the end.
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert lrs[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert lrs[6] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lrs[10] == pytest.approx(0.1)
 
 
 def test_sqrt_decay() -> None:
     lrs = _lr_trace(10, warmup_steps=2, total_steps=10, decay_type="sqrt")
-    assert lrs[3] == pytest.approx(1 - math.sqrt(2 / 8))
-    assert lrs[4] == pytest.approx(1 - math.sqrt(3 / 8))
-    assert lrs[9] == pytest.approx(0.0)
+    assert lrs[3] == pytest.approx(1 - math.sqrt(1 / 8))
+    assert lrs[4] == pytest.approx(1 - math.sqrt(2 / 8))
+    assert lrs[9] == pytest.approx(1 - math.sqrt(7 / 8))
 
 
 def test_wsd_warmup_stable_decay_with_decay_ratio() -> None:
-    # 10 steps, decay_ratio 0.4 -> 4 decay steps starting at step 6.
+    # 10 steps, decay_ratio 0.4 -> 4 decay steps after step 6 (0-based), the 4th one step past the
+    # schedule; there torchtitan's linear shape would go on below the minimum, this one stays.
     lrs = _lr_trace(12, warmup_steps=2, total_steps=10, decay_type="linear", decay_ratio=0.4, min_lr_factor=0.2)
-    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
-    expected += [0.2 + 0.8 * (1 - k / 4) for k in range(1, 5)]
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    expected += [0.2 + 0.8 * (1 - k / 4) for k in range(1, 4)]
     expected += [0.2, 0.2]  # past total_steps the lr stays at the minimum
     assert lrs == pytest.approx(expected)
 
@@ -227,7 +268,7 @@ def test_a_run_shorter_than_its_schedule_cuts_warmup_and_decay_with_a_warning(ca
     with caplog.at_level(logging.WARNING, logger="trainer.optim"):
         assert _lr_trace(4, warmup_steps=10, total_steps=4) == pytest.approx([0.25, 0.5, 0.75, 1.0])
         lrs = _lr_trace(5, warmup_steps=2, total_steps=5, decay_ratio=0.8, min_lr_factor=0.1)
-    assert lrs == pytest.approx([0.5, 1.0, 0.7, 0.4, 0.1])
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.7, 0.4])
     assert "lr_scheduler.warmup_steps 10 exceeds training.steps 4: warming up over all 4 steps" in caplog.text
     assert "lr_scheduler.decay_ratio 0.8 gives 4 decay steps, more than the 3 after 2 of warmup" in caplog.text
 
