@@ -458,12 +458,12 @@ def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
     if ignored := [f"--{key} ({reasons[key]})" for key in sorted(given & reasons.keys())]:
         logger.warning("no effect in this run: %s", "; ".join(ignored))
     steps = config.training.steps
-    windows = {"validation.freq": (config.validation.enable, config.validation.freq, "validation")}
-    windows["profiling.profile_freq"] = (config.profiling.enable_profiling, config.profiling.profile_freq, "trace")
-    windows["debug.fail_at_step"] = (config.debug.fail_at_step >= 0, config.debug.fail_at_step, "injected failure")
+    windows = {"validation.freq": (config.validation.enable, config.validation.freq, "only validation after step 1")}
+    windows["profiling.profile_freq"] = (config.profiling.enable_profiling, config.profiling.profile_freq, "no trace")
+    windows["debug.fail_at_step"] = (config.debug.fail_at_step >= 0, config.debug.fail_at_step, "no injected failure")
     for key, (enabled, freq, what) in windows.items():
         if enabled and freq > steps:
-            logger.warning("%s %d is more than training.steps %d: no %s in this run", key, freq, steps, what)
+            logger.warning("%s %d is more than training.steps %d: %s in this run", key, freq, steps, what)
     schedule = config.lr_scheduler.total_steps
     if schedule is not None and schedule < steps:
         logger.warning(

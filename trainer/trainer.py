@@ -31,7 +31,7 @@ from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, cli
 from trainer.preflight import check_output_folders, claim_folders, write_run_file
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.tokenizer import build_tokenizer
-from trainer.validate import Validator
+from trainer.validate import Validator, validation_due
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class Trainer:
             self.metrics.log(step, {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)})
         if self.checkpointer is not None:
             self.checkpointer.save(step, config.training.steps)
-        if config.validation.enable and step % config.validation.freq == 0:
+        if config.validation.enable and validation_due(step, config.validation.freq):
             loss = self._sum_over_ranks(self.validator.validate(self.model, self.device, step))
             self.metrics.log_validation(step, loss.item())
 

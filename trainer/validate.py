@@ -20,6 +20,12 @@ from trainer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def validation_due(step: int, freq: int) -> bool:
+    """Whether training step ``step`` (1-based) is followed by a validation: every ``freq`` steps
+    and after step 1, as torchtitan's validation.freq (the loss before training has moved far)."""
+    return step == 1 or step % freq == 0
+
+
 class Validator:
     """Evaluates ``validation.steps`` batches of ``validation.dataset`` (with another seed than
     training's, so it reads other windows of the same corpus)."""
@@ -31,7 +37,7 @@ class Validator:
         self.loss = loss
         if config.validation.enable:
             # Tokenized and counted now: a held-out corpus too short for one window would otherwise
-            # be refused at the first validation, after validation.freq steps of training.
+            # be refused at the first validation, after the first step of training.
             _warn_of_repeated_windows(self._loader().dataset, config.validation.steps)
 
     def _loader(self) -> StatefulDataLoader:

@@ -353,7 +353,7 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
         "no effect in this run: --checkpoint.interval (checkpoint.enable is false); --compile.bucketing "
         "(compile.enable is false); --float8.emulate (model.converters has no float8); "
         "--parallelism.pipeline_parallel_schedule (no pipeline parallelism)",
-        "validation.freq 5 is more than training.steps 3: no validation in this run",
+        "validation.freq 5 is more than training.steps 3: only validation after step 1 in this run",
         "lr_scheduler.total_steps 1 is less than training.steps 3: steps 2 to 3 train at the final learning rate",
     ]
     caplog.clear()

@@ -28,7 +28,7 @@ from trainer.data import (
     packed_dataloader,
 )
 from trainer.tokenizer import Tokenizer
-from trainer.validate import Validator
+from trainer.validate import Validator, validation_due
 
 SEQ_LEN = 3
 NUM_WINDOWS = 7
@@ -134,6 +134,13 @@ def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, ch
     own = ["--validation.seq_len", "8", "--validation.local_batch_size", "6"]
     assert shape("validation.dataset", *own) == (6, 8)
     assert shape("training.dataset", *own) == shape("validation.dataset") == (4, 16)
+
+
+@pytest.mark.parametrize(("freq", "steps"), [(4, [1, 4, 8]), (1, list(range(1, 11))), (20, [1])])
+def test_validation_follows_step_one_and_every_freq_steps(freq: int, steps: list[int]) -> None:
+    """torchtitan's validation.freq: a validation after step 1 and after every freq-th step (until
+    2026-11-29 none after step 1, so a run's first validation loss came freq steps later)."""
+    assert [step for step in range(1, 11) if validation_due(step, freq)] == steps
 
 
 def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
