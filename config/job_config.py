@@ -327,8 +327,9 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget"] = "none"
     """Recompute activations in backward: none, full (every block), selective, or memory_budget
     (under compile: the compiler picks what to recompute to fit activation_checkpoint.memory_budget)."""
-    selective_ac_option: str = "op"
-    """For selective mode: 'op' (save compute-heavy ops) or N (checkpoint every N-th block)."""
+    selective_ac_option: str = "2"
+    """For selective mode: N (checkpoint every N-th block of the model; torchtitan's default 2) or
+    'op' (every block, saving its compute-heavy ops' outputs and recomputing the rest)."""
     memory_budget: float = 0.5
     """For memory_budget mode, from 0 to 1: the activations kept for backward, as a fraction
     between what full checkpointing keeps (0) and what compiling without checkpointing keeps (1);

@@ -238,7 +238,12 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         config,
         parallelism=parallelism,
         training=training,
-        activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode=layout.ac),
+        # The time model's selective is the op-level policy (every second matmul recomputed).
+        activation_checkpoint=dataclasses.replace(
+            config.activation_checkpoint,
+            mode=layout.ac,
+            selective_ac_option="op" if layout.ac == "selective" else config.activation_checkpoint.selective_ac_option,
+        ),
         # Per-block compile for FSDP2 (the GPU default) and whole-model compile for SimpleFSDP,
         # whose bucketing (which the time model counts on) is a compiler pass.
         compile=dataclasses.replace(

@@ -73,7 +73,10 @@ RESTARTS = {
     # One process: no mesh in the graph, only the op-level checkpoint's policy.
     "op_level_checkpoint": (
         1,
-        [*("--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective")],
+        [
+            *("--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective"),
+            *("--activation_checkpoint.selective_ac_option", "op"),
+        ],
     ),
 }
 
