@@ -457,6 +457,15 @@ def _warn_no_effect(config: JobConfig, given: set[str]) -> None:
     reasons = _no_effect(config)
     if ignored := [f"--{key} ({reasons[key]})" for key in sorted(given & reasons.keys())]:
         logger.warning("no effect in this run: %s", "; ".join(ignored))
+    ck = config.checkpoint
+    if ck.enable and not ck.export_hf and ck.export_dtype != "float32" and "checkpoint.export_dtype" not in given:
+        # Set in a file (typed, the line above names it): torchtitan would save its last checkpoint
+        # model-only in this dtype, which Tessera's whole last checkpoint does not.
+        logger.warning(
+            "checkpoint.export_dtype %s is the dtype of the Hugging Face export alone (checkpoint.export_hf), "
+            "which is off: the last checkpoint is saved whole, as trained",
+            ck.export_dtype,
+        )
     steps = config.training.steps
     windows = {"validation.freq": (config.validation.enable, config.validation.freq, "only validation after step 1")}
     windows["profiling.profile_freq"] = (config.profiling.enable_profiling, config.profiling.profile_freq, "no trace")

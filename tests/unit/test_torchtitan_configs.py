@@ -145,6 +145,27 @@ def test_missing_features_are_named_in_one_line(tmp_path, caplog):
         assert name in message
 
 
+def test_an_export_dtype_without_the_hf_export_is_a_warning_from_a_file_too(tmp_path, caplog):
+    """torchtitan saves its last checkpoint model-only in checkpoint.export_dtype; Tessera's last
+    checkpoint is whole and export_dtype is the Hugging Face export's: set in a file with that
+    export off, it is one warning (it was ignored without a word)."""
+    text = TITAN_DEBUG.replace("[checkpoint]\nenable = false", "[checkpoint]\nenable = true")
+    bf16 = write(tmp_path, text.replace('export_dtype = "float32"', 'export_dtype = "bfloat16"'))
+    for options, warned in (([], True), (["--checkpoint.last_save_in_hf"], False), (["--checkpoint.no-enable"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="config.manager"):
+            load_config(["--job.config_file", bf16, *options])
+        found = [m for m in caplog.messages if m.startswith("checkpoint.export_dtype bfloat16")]
+        assert found == (
+            [
+                "checkpoint.export_dtype bfloat16 is the dtype of the Hugging Face export alone "
+                "(checkpoint.export_hf), which is off: the last checkpoint is saved whole, as trained"
+            ]
+            if warned
+            else []
+        ), options
+
+
 def test_every_unknown_option_in_one_message_and_suggestions_only_when_close(tmp_path):
     text = TITAN_DEBUG.replace("steps = 10\n", "steps = 10\nstepz = 3\n", 1)
     text = text.replace("[checkpoint]\n", "[checkpoint]\nsave_every_step = true\n") + "[wandb]\nproject = 'x'\n"
