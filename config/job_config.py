@@ -187,8 +187,9 @@ class Training:
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the forward/backward compute: bfloat16, float32, or auto: bfloat16 where the device
     multiplies it fast (GPUs with bf16, CPUs with AVX512-BF16 or AMX), else float32. Weights,
-    gradients and optimizer state stay float32 (see training.dtype). Data parallelism casts the
-    parameters; without it the forward runs under autocast."""
+    gradients and optimizer state stay float32 (see training.dtype). Sharded data parallelism
+    (FSDP2, HSDP, SimpleFSDP) casts the parameters; without it (one process, DDP, TP or PP alone)
+    the forward runs under autocast, as torchtitan's."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights, gradients and optimizer state. bfloat16 (torchtitan's pure bf16) halves
     their memory and keeps no float32 copy, so small updates can round away; the compute then runs

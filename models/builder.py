@@ -39,7 +39,7 @@ class BuiltModel:
     compute_dtype: torch.dtype
     """The dtype the matmuls run in (``training.mixed_precision_param``, decided)."""
     autocast: bool
-    """The parts' forwards run under ``torch.autocast`` (no data parallelism to cast the weights,
+    """The parts' forwards run under ``torch.autocast`` (no sharding wrapper to cast the weights,
     which are not in the compute dtype): the activations between blocks stay in the weights' dtype."""
     graph_passes: list[BucketingPass] = field(default_factory=list)
     """SimpleFSDP's compile passes, one per compiled part: what each compiled graph holds."""
@@ -128,13 +128,29 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
     return dataclasses.replace(config, training=dataclasses.replace(training, mixed_precision_param=param))
 
 
+def wrapper_casts_parameters(config: JobConfig, parallel_dims: ParallelDims) -> bool:
+    """Whether the data-parallel wrapper casts the parameters to training.mixed_precision_param:
+    sharding (FSDP2, HSDP) and SimpleFSDP do. Without data parallelism and under FSDP2's DDP
+    (replicas alone) autocast casts the forward's matmuls instead, as torchtitan does for both."""
+    if not parallel_dims.dp_enabled:
+        return False
+    return parallel_dims.fsdp_enabled or config.parallelism.data_parallel_impl == "simple_fsdp"
+
+
 def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
     """One line when mixed precision is on: what casts, and what stays float32."""
     param, reduce = config.training.mixed_precision_param, config.training.mixed_precision_reduce
-    if parallel_dims.dp_enabled and (param, reduce) != (config.training.dtype, "float32"):
-        logger.info("mixed precision: %s parameters in forward and backward, gradients reduced in %s", param, reduce)
-    elif not parallel_dims.dp_enabled and param != config.training.dtype:
-        logger.info("mixed precision: forward under %s autocast, float32 weights and gradients", param)
+    if wrapper_casts_parameters(config, parallel_dims):
+        if (param, reduce) != (config.training.dtype, "float32"):
+            logger.info(
+                "mixed precision: %s parameters in forward and backward, gradients reduced in %s", param, reduce
+            )
+        return
+    reduced = f" (reduced in {reduce})" if parallel_dims.dp_enabled and reduce != "float32" else ""
+    if param != config.training.dtype:
+        logger.info("mixed precision: forward under %s autocast, float32 weights and gradients%s", param, reduced)
+    elif reduced:
+        logger.info("mixed precision: gradients reduced in %s", reduce)
 
 
 def build_model(
@@ -171,12 +187,11 @@ def build_model(
         )
     model.configure_attention(upcast, query_chunk)
     _log_precision(config, parallel_dims)
-    # Data parallelism casts the parameters; without it, as in torchtitan, autocast casts the
-    # forward's matmuls (backward follows the forward's dtypes). Weights already in the compute
-    # dtype need neither.
-    autocast = not parallel_dims.dp_enabled and compute_dtype != getattr(torch, config.training.dtype)
+    # A sharding wrapper casts the parameters; without one, as in torchtitan, autocast casts the
+    # forward's matmuls (backward follows). Weights already in the compute dtype need neither.
+    casts = wrapper_casts_parameters(config, parallel_dims) or compute_dtype == getattr(torch, config.training.dtype)
     flops = spec.flops_per_token_fn(args, model, config.training.seq_len)
-    built = BuiltModel([], args, flops, compute_dtype, autocast)
+    built = BuiltModel([], args, flops, compute_dtype, autocast=not casts)
 
     def materialize(module: nn.Module) -> nn.Module:
         graph_pass = spec.parallelize_fn(module, parallel_dims, config)
@@ -186,7 +201,7 @@ def build_model(
         with fake_mode or contextlib.nullcontext(), torch.no_grad():
             module.to_empty(device=device)
             module.init_weights(buffer_device=device, seed=config.debug.seed)
-        if autocast:
+        if built.autocast:
             module.forward = torch.autocast(device.type, dtype=compute_dtype)(module.forward)
         return module.train()
 

@@ -173,7 +173,8 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
             blocks=list(model.layers.values()),
         )
     else:
-        apply_ddp(model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # DDP leaves the parameters in their dtype: autocast casts the forward (models/builder.py).
+        apply_ddp(model, dp_mesh, param_dtype=getattr(torch, config.training.dtype), reduce_dtype=reduce_dtype)
 
 
 def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:

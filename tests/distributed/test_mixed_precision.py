@@ -30,6 +30,7 @@ SHORT = [
 ]
 BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
 SIMPLE_FSDP = ["--parallelism.data_parallel_impl", "simple_fsdp"]
+DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -144,3 +145,20 @@ def pure_bf16_run(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["fsdp2", "simple_fsdp"])
 def test_pure_bf16_losses_match_one_process(layout, pure_bf16_run):
     assert pure_bf16_run(layout) == pytest.approx(pure_bf16_run("reference"), rel=TOLERANCE, abs=0)
+
+
+def test_ddp_runs_under_autocast_as_torchtitans_and_one_processs(tmp_path):
+    """torchtitan's DDP (replicas alone) leaves the weights float32 and runs the forward under
+    autocast, as one process does; until 2026-11-29 Tessera's cast the parameters as FSDP2 does.
+    Under autocast, step 1 (the weights as initialized) differs from one process only by how the
+    ranks' halves of the batch sum: measured 0 to 1e-7 relative, where casting the parameters gave
+    3e-5 (seq 64, 6 blocks)."""
+    runs = {
+        "reference": (1, ["--training.local_batch_size", "8"]),
+        "ddp2": (2, ["--training.local_batch_size", "4", *DDP]),
+    }
+    batch = RunBatch(str(tmp_path), {name: (n, [*options, *BF16, *SHORT]) for name, (n, options) in runs.items()})
+    assert AUTOCAST_LINE in batch.log("ddp2")
+    got, expected = losses(batch.records("ddp2")), losses(batch.records("reference"))
+    assert got[0] == pytest.approx(expected[0], rel=1e-6, abs=0)
+    assert got == pytest.approx(expected, rel=TOLERANCE, abs=0)

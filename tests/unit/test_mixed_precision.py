@@ -120,15 +120,23 @@ def test_auto_is_bfloat16_exactly_where_the_cpu_has_bf16_instructions(caplog):
 def test_precision_is_one_line(caplog):
     without_dp = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=2)
     with_dp = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=4)
+    ddp = ParallelDims(dp_replicate=2, dp_shard=1, tp=1, pp=1, world_size=2)  # autocast, as torchtitan's DDP
     float32 = load_config(["--training.mixed_precision_param", "float32"])
     with caplog.at_level(logging.INFO, logger="models.builder"):
         _log_precision(load_config(BF16), without_dp)
         _log_precision(load_config(BF16), with_dp)
         _log_precision(float32, with_dp)  # float32: nothing to say
         _log_precision(float32, without_dp)
+        _log_precision(load_config(BF16), ddp)
+        _log_precision(load_config([*BF16, "--training.mixed_precision_reduce", "bfloat16"]), ddp)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", "mixed precision: forward under bfloat16 autocast, float32 weights and gradients"),
         ("INFO", "mixed precision: bfloat16 parameters in forward and backward, gradients reduced in float32"),
+        ("INFO", "mixed precision: forward under bfloat16 autocast, float32 weights and gradients"),
+        (
+            "INFO",
+            "mixed precision: forward under bfloat16 autocast, float32 weights and gradients (reduced in bfloat16)",
+        ),
     ]
 
 
