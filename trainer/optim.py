@@ -224,8 +224,9 @@ def build_lr_scheduler(
 ) -> LambdaLR:
     """Linear warmup from ``peak / warmup_steps``, an optional stable phase, then a linear, cosine
     or sqrt (``1 - sqrt(progress)``) decay towards ``min_lr_factor * peak``, which the step after
-    the last would reach (torchtitan's schedule, step for step); the optimizer's ``lr`` is the peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying
-    (WSD); None decays over all steps after warmup. Step it once after each ``optimizer.step()``.
+    the last would reach (torchtitan's schedule, step for step); the optimizer's ``lr`` is the
+    peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying (WSD); None decays over
+    all steps after warmup. Step it once after each ``optimizer.step()``.
     ``total_steps_option`` is the option that gave ``total_steps``, for messages.
     A run shorter than its warmup and decay (a short trial of a long job's config) gets them cut to
     fit, with a warning, as torchtitan does. ValueError names a bad ``lr_scheduler.*`` value."""
