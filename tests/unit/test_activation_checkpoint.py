@@ -23,6 +23,11 @@ def build(mode: str, option: str) -> Transformer:
     return model
 
 
+def checkpointed(model: Transformer) -> list[str]:
+    """The names of the blocks ``apply_ac`` wrapped."""
+    return [name for name, block in model.layers.items() if type(block).__name__ == "CheckpointWrapper"]
+
+
 def train(model: Transformer, steps: int = 3) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(0)
@@ -72,7 +77,7 @@ def test_unwrapped_names_stay_in_the_state_dict():
 @pytest.mark.parametrize("option", ["op", "1", "3"])
 def test_every_nth_layer_is_wrapped(option):
     model = build("selective", option)
-    wrapped = [name for name, block in model.layers.items() if type(block).__name__ == "CheckpointWrapper"]
+    wrapped = checkpointed(model)
     if option == "op":
         assert len(wrapped) == ARGS.n_layers
     else:
@@ -87,7 +92,7 @@ def test_every_nth_block_of_a_pipeline_stage_counts_the_models_blocks():
     for name in ("0", "1", "2"):
         del model.layers[name]
     apply_ac(model.layers, "selective", "2")
-    assert [name for name, block in model.layers.items() if type(block).__name__ == "CheckpointWrapper"] == ["3", "5"]
+    assert checkpointed(model) == ["3", "5"]
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
@@ -172,7 +177,7 @@ def test_every_nth_block_past_the_last_is_a_warning_before_launch(caplog):
     assert caplog.messages == [
         "activation_checkpoint.selective_ac_option 5 is more than the model's 4 blocks: no block is checkpointed"
     ]
-    assert not [b for b in build("selective", "5").layers.values() if type(b).__name__ == "CheckpointWrapper"]
+    assert not checkpointed(build("selective", "5"))
 
 
 def test_selective_without_an_option_checkpoints_every_second_block_as_torchtitan():
@@ -182,5 +187,5 @@ def test_selective_without_an_option_checkpoints_every_second_block_as_torchtita
     ac = load_config(["--activation_checkpoint.mode", "selective"]).activation_checkpoint
     model = Transformer(ARGS)
     apply_ac(model.layers, ac.mode, ac.selective_ac_option)
-    wrapped = [name for name, block in model.layers.items() if type(block).__name__ == "CheckpointWrapper"]
+    wrapped = checkpointed(model)
     assert wrapped == ["1", "3"]
