@@ -1,4 +1,5 @@
-"""SimpleFSDP x tensor parallel (dp2 x tp2, 4 ranks) compiled whole-model with bucketed collectives.
+"""SimpleFSDP x tensor parallel (dp2 x tp2, 4 ranks) compiled with bucketed collectives: the whole
+model (manual buckets) or each block on its own (block buckets).
 
 Only the data-parallel collectives are bucketed; TP's collectives on activations stay one per
 tensor (see parallelisms/bucketing.py). Manual buckets give the losses and gradient norms of one
@@ -6,6 +7,7 @@ process training on the same global batch, and the compiled graphs hold one data
 all-gather and one reduce-scatter per bucket: 8 (one per block, tok_embeddings, norm + output)
 where bucketing none has one per parameter, 57. The counts are read from the graph pass's reports
 of the trained model itself (tests/distributed/train_and_report.py runs train.py's Trainer).
+Both layouts are checked against one reference run.
 """
 
 from __future__ import annotations
@@ -30,27 +32,46 @@ PARAMETERS = 6 * 9 + 3
 BUCKETS = 6 + 2  # the default manual buckets: each block, tok_embeddings, norm + output
 
 
-def test_manual_buckets_match_single_process(tmp_path):
-    reference = run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """One process training on the same global batch."""
+    return run_train(str(tmp_path_factory.mktemp("one")), 1, *STEPS, "--training.local_batch_size", "8")
+
+
+def launch_dp2_tp2(folder: str, *compile_options: str) -> list[dict]:
+    """Every rank's compile report of a dp2 x tp2 SimpleFSDP run compiled with ``compile_options``."""
     result = launch_train(
-        str(tmp_path / "bucketed"),
+        folder,
         4,
         *STEPS,
-        "--training.local_batch_size",
-        "4",
-        "--parallelism.data_parallel_impl",
-        "simple_fsdp",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--compile.enable",
-        "--compile.backend",
-        "aot_eager",
-        "--compile.bucketing",
-        "manual",
+        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+        *("--parallelism.tensor_parallel_degree", "2", "--compile.enable", *compile_options),
         script=TRAIN_AND_REPORT,
     )
     reports = compile_reports(result.stdout)
     assert [r["rank"] for r in reports] == [0, 1, 2, 3], result.stdout[-3000:]
+    return reports
+
+
+def tp_collectives(forward: dict) -> dict[str, int]:
+    """A forward graph's collectives that are not data-parallel (TP's), by kind."""
+    tp = {kind: n - forward["data_parallel"].get(kind, 0) for kind, n in forward["collectives"].items()}
+    return {kind: n for kind, n in tp.items() if n}
+
+
+def assert_matches_reference(folder: str, reference: list[dict]) -> list[dict]:
+    records = read_metrics(folder)
+    assert len(records) == len(reference) == 5
+    # Measured (manual): losses within 6.1e-8 (the reductions sum in another order), gradient norms 8.5e-5.
+    for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
+        got, expected = [r[key] for r in records], [r[key] for r in reference]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)
+    return records
+
+
+def test_manual_buckets_match_single_process(tmp_path, reference):
+    folder = str(tmp_path / "bucketed")
+    reports = launch_dp2_tp2(folder, "--compile.backend", "aot_eager", "--compile.bucketing", "manual")
     for report in reports:
         assert report["parameters"] == PARAMETERS and report["compiled_parts"] == 1, report
         assert report["graph_breaks"] == 0, report
@@ -65,35 +86,18 @@ def test_manual_buckets_match_single_process(tmp_path):
         # TP's own collectives stay one per tensor: sequence parallel gathers each norm's output
         # (2 per block and the final norm's) and reduce-scatters each block's two output
         # projections and the embedding's output.
-        tp = {kind: n - forward["data_parallel"].get(kind, 0) for kind, n in forward["collectives"].items()}
-        tp = {kind: n for kind, n in tp.items() if n}
-        assert tp == {"all_gather": 13, "reduce_scatter": 13}, report
-    bucketed = read_metrics(str(tmp_path / "bucketed"))
-    assert len(bucketed) == len(reference) == 5
-    # Measured: losses within 6.1e-8 (the reductions sum in another order), gradient norms 8.5e-5.
-    for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
-        got, expected = [r[key] for r in bucketed], [r[key] for r in reference]
-        assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)
+        assert tp_collectives(forward) == {"all_gather": 13, "reduce_scatter": 13}, report
+    bucketed = assert_matches_reference(folder, reference)
     assert losses(bucketed)[-1] < losses(bucketed)[0]
 
 
-def test_block_buckets_match_single_process(tmp_path):
+def test_block_buckets_match_single_process(tmp_path, reference):
     """Each block compiled on its own, its attention and feed-forward one bucket each. Until
     2026-11-29 refused: the pass took tensor parallelism's all-reduce of the block input's
     gradient (a graph output, as parameters' gradients are) for a data-parallel reduction and
     merged TP's all-reduces into one bucket, an AssertionError in every rank's first backward."""
-    reference = run_train(str(tmp_path / "one"), 1, *STEPS, "--training.local_batch_size", "8")
-    result = launch_train(
-        str(tmp_path / "block"),
-        4,
-        *STEPS,
-        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
-        *("--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.bucketing", "block"),
-        script=TRAIN_AND_REPORT,
-    )
-    reports = compile_reports(result.stdout)
-    assert [r["rank"] for r in reports] == [0, 1, 2, 3], result.stdout[-3000:]
-    for report in reports:
+    folder = str(tmp_path / "block")
+    for report in launch_dp2_tp2(folder, "--compile.bucketing", "block"):
         # One block graph, compiled once for all blocks: its forward and its backward.
         ((forward, backward),) = report["graph_passes"]
         # Two buckets, each gathered as one broadcast per data-parallel rank; in backward both
@@ -102,10 +106,5 @@ def test_block_buckets_match_single_process(tmp_path):
         assert backward["data_parallel"] == {"broadcast": 4, "all_to_all": 2}, report
         # TP's collectives stay one per tensor: the block's two norms' outputs gathered, its two
         # output projections reduce-scattered.
-        tp = {kind: n - forward["data_parallel"].get(kind, 0) for kind, n in forward["collectives"].items()}
-        assert {kind: n for kind, n in tp.items() if n} == {"all_gather": 2, "reduce_scatter": 2}, report
-    block = read_metrics(str(tmp_path / "block"))
-    assert len(block) == len(reference) == 5
-    for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
-        got, expected = [r[key] for r in block], [r[key] for r in reference]
-        assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) <= rtol, (key, got, expected)
+        assert tp_collectives(forward) == {"all_gather": 2, "reduce_scatter": 2}, report
+    assert_matches_reference(folder, reference)
