@@ -1,7 +1,7 @@
 """Benchmark: Tessera against torchtitan v0.2.2 on the same model, tokenizer, data and batch.
 
-    python bench/vs_torchtitan.py --titan DIR [--launcher PATH] [--rounds N] [--steps N]
-                                  [--variants v1,v2,...] [--quick]
+    python bench/vs_torchtitan.py --titan DIR [--launcher PATH] [--model NAME] [--rounds N]
+                                  [--steps N] [--variants v1,v2,...] [--quick]
 
 DIR is a torchtitan install made by ``../shared/anchors/torchtitan-v0.2.2/setup.sh DIR`` (its venv,
 and the working folder holding torchtitan's debug config, test tokenizer and c4_test stand-in);
@@ -9,7 +9,10 @@ PATH is the CPU launcher next to that script (``titan_cpu.py``), found there by 
 
 Both sides train torchtitan's debug model (dim 256, 6 layers, 16 heads, the test tokenizer's 2,004
 tokens) on the same documents, seq 512, local batch 4, no activation checkpointing, through
-``torchrun`` with gloo and ``OMP_NUM_THREADS=1`` per rank. A variant is one setting on both sides:
+``torchrun`` with gloo and ``OMP_NUM_THREADS=1`` per rank. ``--model debugmodel_wide`` trains
+Tessera's wider flavor instead (dim 1024, 4 layers) at seq 128, local batch 2, as
+``bench/dp_compare.py`` does; torchtitan, which has no model of that size, gets one with the same
+dimensions through ``bench/titan_flavor.py``. A variant is one setting on both sides:
 precision matched (fp32 or bf16) or each side's defaults, 1 or 2 ranks, eager or compiled. Each
 round runs every variant on both sides back to back, the side going first alternating between
 rounds, so that a ratio compares runs made under the same load. A run's figure is its median
@@ -17,7 +20,8 @@ tokens/s per rank from step 3 on (both sides log every step); the table gives th
 rounds and the spread of the per-round ratios.
 
 Prints the table (also written as Markdown to ``bench/results/vs_torchtitan.md``) and writes
-``bench/results/vs_torchtitan.json`` (every run's per-step tokens/s and losses, machine info).
+``bench/results/vs_torchtitan.json`` (every run's per-step tokens/s and losses, machine info); for
+the wider model ``vs_torchtitan_debugmodel_wide.md`` and ``.json``.
 Both are rewritten after every variant, so a run that stops early keeps what it measured.
 Logs go to ``bench/results/vs_torchtitan_logs/``. On an idle 2-core machine one round of the 13
 variants takes about 20 minutes.
@@ -47,8 +51,27 @@ DEFAULT_LAUNCHER = os.path.join(REPO, "..", "shared", "anchors", "torchtitan-v0.
 TITAN_CONFIG = "torchtitan/models/llama3/train_configs/debug_model.toml"
 FIRST_TIMED_STEP = 3
 
-# Both sides: torchtitan's debug model and data at the issue's shape, logged every step.
-COMMON = "--training.seq_len 512 --training.local_batch_size 4 --activation_checkpoint.mode none --metrics.log_freq 1"
+FLAVOR_LAUNCHER = os.path.join(REPO, "bench", "titan_flavor.py")
+# Both sides, every model: no activation checkpointing, logged every step.
+COMMON = "--activation_checkpoint.mode none --metrics.log_freq 1"
+# Per model, its sequence length and local batch: the issue's for the debug model, dp_compare's for
+# the wide one (whose steps take 16x the debug model's time per token).
+MODEL_SHAPES = {
+    "debugmodel": "--training.seq_len 512 --training.local_batch_size 4",
+    "debugmodel_wide": "--training.seq_len 128 --training.local_batch_size 2",
+}
+# The fields a torchtitan llama3 model has, set from Tessera's flavor for a model torchtitan lacks.
+TITAN_MODEL_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "norm_eps",
+    "rope_theta",
+)
 FP32 = "--training.mixed_precision_param float32"
 BF16 = "--training.mixed_precision_param bfloat16"
 SIMPLE_FSDP_AUTO = "--parallelism.data_parallel_impl simple_fsdp --compile.enable --compile.bucketing auto"
@@ -104,6 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--titan", required=True, help="folder made by setup.sh (venv/ and run/)")
     parser.add_argument("--launcher", default=DEFAULT_LAUNCHER, help="torchtitan's CPU launcher (titan_cpu.py)")
+    parser.add_argument("--model", default="debugmodel", choices=list(MODEL_SHAPES), help="the flavor both sides train")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
@@ -154,16 +178,30 @@ def find_titan(folder: str, launcher: str) -> Titan:
     return titan
 
 
-def command(side: str, variant: Variant, titan: Titan, steps: int, dump_folder: str) -> tuple[list[str], str]:
-    """(the launch's command line, its working folder) for one side of ``variant``."""
-    flags = f"{COMMON} --training.steps {steps} {variant.titan if side == 'torchtitan' else variant.tessera}".split()
+def titan_model_fields(model: str) -> str:
+    """Tessera's flavor ``model`` as the JSON of torchtitan's model fields (for titan_flavor.py)."""
+    from models.llama3 import llama3_flavors
+
+    flavor = llama3_flavors[model]
+    return json.dumps({name: getattr(flavor, name) for name in TITAN_MODEL_FIELDS})
+
+
+def command(
+    side: str, variant: Variant, model: str, titan: Titan, steps: int, dump_folder: str
+) -> tuple[list[str], str]:
+    """(the launch's command line, its working folder) for one side of ``variant`` on ``model``."""
+    options = variant.titan if side == "torchtitan" else variant.tessera
+    flags = f"{COMMON} {MODEL_SHAPES[model]} --model.flavor {model} --training.steps {steps} {options}".split()
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={variant.nproc}"]
     if side == "torchtitan":
         config = ["--job.config_file", TITAN_CONFIG, "--metrics.disable_color_printing"]
+        launcher = [titan.launcher]
+        if model != "debugmodel":  # a size torchtitan does not have: registered before it starts
+            launcher = [FLAVOR_LAUNCHER, titan.launcher, model, titan_model_fields(model)]
         return [
             titan.python,
             *torchrun,
-            titan.launcher,
+            *launcher,
             *config,
             *flags,
             "--job.dump_folder",
@@ -187,12 +225,15 @@ def read_steps(side: str, log_text: str, dump_folder: str) -> list[dict[str, flo
 def run(side: str, name: str, titan: Titan, args: argparse.Namespace, round_index: int, scratch: str) -> dict[str, Any]:
     """One launch; returns its steps, median tokens/s and wall time."""
     variant = VARIANTS[name]
-    dump_folder = os.path.join(scratch, f"{name}-{side}-{round_index}")
+    dump_folder = os.path.join(scratch, f"{args.model}-{name}-{side}-{round_index}")
     # A folder left by an earlier run of the script: Tessera appends to its metrics.jsonl (the old
     # steps would count in the median) and would reuse its saved bucket plan.
     shutil.rmtree(dump_folder, ignore_errors=True)
-    argv, cwd = command(side, variant, titan, args.steps, dump_folder)
-    log_path = os.path.join(RESULTS_DIR, "vs_torchtitan_logs", f"{name}-{side}-round{round_index}.log")
+    argv, cwd = command(side, variant, args.model, titan, args.steps, dump_folder)
+    log_name = f"{name}-{side}-round{round_index}.log"
+    if args.model != "debugmodel":
+        log_name = f"{args.model}-{log_name}"
+    log_path = os.path.join(RESULTS_DIR, "vs_torchtitan_logs", log_name)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO if side == "tessera" else "")
     start = time.perf_counter()
     with open(log_path, "w") as log:
@@ -246,13 +287,13 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+def markdown(rows: list[dict[str, Any]], info: dict[str, Any], model: str) -> str:
     """The table as the README gives it: the median ratio over the rounds and their range, in bold
     for the defaults."""
     rounds = sorted({row["rounds"] for row in rows})
     lines = [
         f"Measured {info['date']} on {info['cpu_model']} ({info['usable_cores']} cores), torch {info['torch']}, "
-        f"{'/'.join(map(str, rounds))} rounds.",
+        f"model {model}, {'/'.join(map(str, rounds))} rounds.",
         "",
         "| variant | ranks | torchtitan tokens/s | Tessera tokens/s | Tessera / torchtitan |",
         "|---|---|---|---|---|",
@@ -297,8 +338,8 @@ def write_results(results: dict[str, list[dict[str, Any]]], info: dict[str, Any]
     """Writes the table (Markdown) and every run (JSON) of the variants measured so far; returns the table."""
     rows = summarize({name: rounds for name, rounds in results.items() if rounds})
     info["loadavg_end"] = os.getloadavg()
-    table = markdown(rows, info)
-    suffix = "_quick" if args.quick else ""
+    table = markdown(rows, info, args.model)
+    suffix = ("" if args.model == "debugmodel" else f"_{args.model}") + ("_quick" if args.quick else "")
     with open(os.path.join(RESULTS_DIR, f"vs_torchtitan{suffix}.md"), "w") as f:
         f.write(table)
     with open(os.path.join(RESULTS_DIR, f"vs_torchtitan{suffix}.json"), "w") as f:
