@@ -13,12 +13,18 @@ What it adds to torchrun:
   here that ends in one line and the shell's exit code for the signal (130 for SIGINT).
 - Ranks that failed on every attempt end in torchrun's table of failures, exit code 1, without the
   agent's traceback around it.
+- A multi-node job whose rendezvous this host is to serve, on a port another program already
+  listens on, is refused in one line (exit 2): torchrun's agent would take that program for the
+  rendezvous and wait on it without a word.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -41,11 +47,21 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
+from config.job_config import print_error
 from trainer.distributed import ERROR_FILE_ENV, LAUNCH_ID_ENV, adopt_posted_refusal, record_refusal
 from trainer.preflight import out_of_memory_error
 
+RENDEZVOUS_PORT = 29400
+"""torchrun's port when ``--rdzv-endpoint`` names none."""
+TORCHRUN_COMMANDS = ("trainer.launch", "torch.distributed.run", "torchrun")
+"""What a torchrun agent's command line holds: the program another node of the job runs on the
+same host (tests, or a node per GPU group), whose rendezvous this one joins."""
+
 
 def main(argv: list[str]) -> int:
+    if holder := _foreign_rendezvous_holder(argv):
+        print_error(holder)
+        return 2
     descriptor, error_file = tempfile.mkstemp(prefix="tessera-error-")
     os.close(descriptor)
     os.environ[ERROR_FILE_ENV] = error_file  # the ranks inherit it
@@ -116,6 +132,73 @@ class _Agent(LocalElasticAgent):
                 f"the kernel's out-of-memory killer ended rank {killed[0]} (its host ran out of memory)"
             )
         )
+
+
+def _foreign_rendezvous_holder(argv: list[str]) -> str | None:
+    """When ``--rdzv-endpoint`` names this host and a program other than a torchrun agent listens on
+    its port: the line that says so. None otherwise, also when the listener's program cannot be
+    seen (another user's, or no ``/proc``)."""
+    endpoint = next((a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint=")), None)
+    if endpoint is None:
+        return None
+    # host[:port], the host a name, an IPv4 address or a bracketed IPv6 one (run_train.sh checked).
+    host, port_text = re.fullmatch(r"\[?(.*?)\]?(?::(\d+))?", endpoint).groups()
+    port = int(port_text) if port_text else RENDEZVOUS_PORT
+    if not _is_this_host(host, port):
+        return None
+    for pid, command in _listeners(port):
+        if not any(name in command for name in TORCHRUN_COMMANDS):
+            return (
+                f"RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by "
+                f"another program (pid {pid}: {command[:80]}); choose a free port"
+            )
+    return None
+
+
+def _is_this_host(host: str, port: int) -> bool:
+    """Whether ``host`` is one of this machine's addresses: a socket binds to its own addresses only."""
+    try:
+        addresses = {info[4][0]: info[0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    for address, family in addresses.items():
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def _listeners(port: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each process seen listening on TCP ``port`` of this host (Linux)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        # local address as hex "ADDRESS:PORT", state 0A is LISTEN, the socket's inode in column 9.
+        inodes |= {row[9] for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A"}
+    if not inodes:
+        return []
+    found = []
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:  # another user's process, or one that has ended
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            pid = int(fd.split("/")[2])
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found.append((pid, command))
+    return found
 
 
 def _host_oom_kills() -> int | None:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import threading
@@ -618,6 +619,29 @@ def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
     result = subprocess.run(script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True)
     assert (result.returncode, result.stderr.strip().splitlines()) == (2, [line]), result.stderr[-2000:]
     assert "[rank" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_rendezvous_port_another_program_holds_is_one_line(tmp_path):
+    """This host is to serve the job's rendezvous, on a port that another program (here this test)
+    listens on: one line naming the program, exit 2 (torchrun's agent took it for the rendezvous and
+    waited on it, silently, until killed)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "NNODES": "2"}
+        env["RDZV_ENDPOINT"] = f"127.0.0.1:{port}"
+        result = subprocess.run(
+            script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(
+        f"error: RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by "
+        f"another program (pid {os.getpid()}: "
+    )
+    assert lines[0].endswith("); choose a free port")
 
 
 ENVIRONMENT_WARNINGS = [
