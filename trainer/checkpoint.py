@@ -78,7 +78,7 @@ from config.job_config import (
 )
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
-from trainer.distributed import LAUNCH_ID_ENV, is_first_attempt, launch_id
+from trainer.distributed import is_first_attempt, launch_id
 from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 from trainer.metrics import free_path
 from trainer.optim import optimizers_holding_state
@@ -574,7 +574,6 @@ class CheckpointManager:
         # trainer.distributed.set_collective_timeout switches every group to the training one.
         timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
         self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self._launch: str | None = None  # launch_id(), asked at the first load
         self._pending: _Save | None = None
         self._staging: concurrent.futures.Future | None = None
         self._purger = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-purge")
@@ -661,7 +660,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            write_marker(path, step, getattr(writer, "checksums", {}), os.environ.get(LAUNCH_ID_ENV, ""))
+            write_marker(path, step, getattr(writer, "checksums", {}), launch_id())
         except OSError as e:
             raise CheckpointError(f"completing {path} failed: {typed_first_line(e)}") from None
         logger.info("checkpoint saved: %s", path)
@@ -778,9 +777,7 @@ class CheckpointManager:
     def _wanted_parts(self, path: str) -> list[str]:
         """The parts to load from ``path``: all of a checkpoint this launch saved (torchrun's restart
         goes on from it), else all but those exclude_from_loading names."""
-        if self._launch is None:
-            self._launch = launch_id(self.group)
-        if self._launch and _read_marker(path, require_marker=False).get("launch") == self._launch:
+        if launch_id() and _read_marker(path, require_marker=False).get("launch") == launch_id():
             return list(CHECKPOINT_PARTS)
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import pickle
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -72,15 +73,12 @@ def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
 
 
 LAUNCH_ID_ENV = "TESSERA_LAUNCH_ID"
-"""Set by trainer.launch: one id for a launch and all of torchrun's restarts of it."""
+"""One id for a torchrun launch and all its restarts (every node's), which a checkpoint's marker
+records to say which launch saved it; unset without torchrun."""
 
 
-def launch_id(group: dist.ProcessGroup | None = None) -> str:
-    """The id of this launch as rank 0 has it (each node's launcher makes its own): what a
-    checkpoint's marker records to say which launch saved it; '' under torchrun alone."""
-    ids = [os.environ.get(LAUNCH_ID_ENV, "")]
-    dist.broadcast_object_list(ids, group=group, group_src=0)
-    return ids[0]
+def launch_id() -> str:
+    return os.environ.get(LAUNCH_ID_ENV, "")
 
 
 def is_first_attempt() -> bool:
@@ -97,6 +95,10 @@ def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
     store = _torchrun_store(timeout)
+    # The first rank to ask names the launch, in the store that the restarts and the other nodes
+    # share; under the run's id, as jobs on one rendezvous port share a store.
+    key = f"tessera/launch/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    os.environ[LAUNCH_ID_ENV] = store.compare_set(key, "", uuid.uuid4().hex).decode()
     store = dist.PrefixStore(f"tessera/attempt_{_torchrun_attempt()}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 

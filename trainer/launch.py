@@ -27,7 +27,6 @@ import signal
 import socket
 import sys
 import tempfile
-import uuid
 
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
@@ -48,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 from config.job_config import print_error
-from trainer.distributed import ERROR_FILE_ENV, LAUNCH_ID_ENV, adopt_posted_refusal, record_refusal
+from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
 from trainer.preflight import out_of_memory_error
 
 RENDEZVOUS_PORT = 29400
@@ -65,9 +64,6 @@ def main(argv: list[str]) -> int:
     descriptor, error_file = tempfile.mkstemp(prefix="tessera-error-")
     os.close(descriptor)
     os.environ[ERROR_FILE_ENV] = error_file  # the ranks inherit it
-    # A restart knows the checkpoints this launch saved by it (they load whole, exclude_from_loading
-    # was for what the launch started from).
-    os.environ[LAUNCH_ID_ENV] = uuid.uuid4().hex
     launcher_api.LocalElasticAgent = _Agent  # the class torchrun builds its agent from
     try:
         code, failures = _run(argv)

@@ -528,7 +528,7 @@ def test_whole_job_killed_and_started_again_by_hand(tmp_path, reference):
 def test_a_fine_tune_restarted_by_torchrun_trains_as_the_uninterrupted_one(tmp_path, reference):
     """A job started from another run's checkpoint without its optimizer, data position and step
     (exclude_from_loading): torchrun's restart after a killed rank loads the launch's own newest
-    checkpoint whole, and every loss is the uninterrupted job's (before, the restart left those
+    checkpoint whole, through run_train.sh and under torchrun alone, and every loss is the uninterrupted job's (before, the restart left those
     parts out of it again: the data read again from the start and the optimizer reset, mid-run)."""
     start = os.path.join(reference[0], "checkpoint", "step-4")
     fine_tune = [*CHECKPOINTED, "--checkpoint.initial_load_path", start, "--checkpoint.initial_load_model_only=false"]
@@ -543,3 +543,13 @@ def test_a_fine_tune_restarted_by_torchrun_trains_as_the_uninterrupted_one(tmp_p
     assert result.returncode == 0 and "injecting 'kill'" in output, output[-4000:]
     assert resumed_from(output) == [4]
     assert losses_by_step(read_metrics(str(tmp_path / "killed"))) == expected
+    # torchrun alone, without run_train.sh's launcher (and with TINY_RUN's shape): the restart goes
+    # on from step 4 and its steps 5 and 6 repeat the first attempt's bitwise (the data read again
+    # from the start gave other losses).
+    result = launch_train(str(tmp_path / "torchrun"), 2, *fine_tune, *killed, max_restarts=1)
+    output = result.stdout + result.stderr
+    assert "injecting 'kill'" in output and resumed_from(output) == [4], output[-4000:]
+    records = read_metrics(str(tmp_path / "torchrun"))
+    assert attempts(records) == [list(range(1, 7)), list(range(5, STEPS + 1))]
+    first, restarted = records[4:6], records[6:8]
+    assert [r["loss"] for r in first] == [r["loss"] for r in restarted]
