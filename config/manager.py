@@ -30,6 +30,7 @@ from config.job_config import (
     Parallelism,
     Training,
     Validation,
+    written_by_a_run,
 )
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,16 @@ def load_config(argv: list[str]) -> JobConfig:
         if value is None and field_type is not None and _unwrap_optional(field_type)[0] is not bool:
             raise ConfigError(f"--{key} needs a value")
     config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
-    sources = [(_read_toml(config_file), f" in {config_file}")] if config_file else []
+    file_settings = _read_toml(config_file) if config_file else []
+    sources = [(file_settings, f" in {config_file}")] if config_file else []
+    # A run's resolved config names the file it was made from; any other file thinks it reads one.
+    if (nested := dict(file_settings).get("job.config_file")) and not written_by_a_run(config_file):
+        logger.warning(
+            "job.config_file = %r in %s has no effect: a config file does not read another "
+            "(the command line's --job.config_file names the one file read)",
+            nested,
+            config_file,
+        )
     last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
     sources.append((list(last.items()), ""))
     config, unknown, foreign = JobConfig(), [], {}

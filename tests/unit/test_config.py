@@ -1,10 +1,11 @@
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
 
-from config.job_config import ConfigError, JobConfig, print_error, typed_first_line
+from config.job_config import RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, print_error, typed_first_line
 from config.manager import batch_layout, help_text, load_config, to_toml
 from trainer.preflight import check
 
@@ -489,3 +490,25 @@ def test_a_home_relative_path_is_the_home_folders(tmp_path):
 def test_an_error_without_text_is_named_once():
     assert typed_first_line(EOFError()) == "EOFError"
     assert typed_first_line(OSError("disk full\nmore detail")) == "OSError: disk full"
+
+
+def test_a_config_file_named_inside_a_config_file_is_a_warning(tmp_path, caplog):
+    """torchtitan reads one file, the command line's, and so does Tessera: a file that names
+    another under [job] is one warning (it was ignored without a word); a run's resolved config,
+    which names the file it was made from, is not."""
+    nested = write(tmp_path, '[job]\nconfig_file = "base.toml"\n[training]\nsteps = 3\n')
+    resolved = tmp_path / "config.toml"
+    resolved.write_text(RESOLVED_CONFIG_HEADER + '[job]\nconfig_file = "base.toml"\n[training]\nsteps = 3\n')
+    for path, expected in ((nested, 1), (str(resolved), 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="config.manager"):
+            config = load_config(["--job.config_file", path])
+        assert config.training.steps == 3 and config.job.config_file == path
+        warned = [m for m in caplog.messages if m.startswith("job.config_file")]
+        assert (
+            warned
+            == [
+                f"job.config_file = 'base.toml' in {path} has no effect: a config file does not read another "
+                "(the command line's --job.config_file names the one file read)"
+            ][:expected]
+        ), path
