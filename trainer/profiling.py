@@ -20,20 +20,23 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[torch.profiler.profile | None]:
-    """Yields a profiler whose ``step()`` the loop calls once per step, or None when disabled."""
+def maybe_profile(
+    config: Profiling, dump_folder: str, rank: int, last_step: int
+) -> Iterator[torch.profiler.profile | None]:
+    """Yields a profiler whose ``step()`` the loop calls once per step, or None when disabled;
+    its windows and trace names count the run's steps from ``last_step`` (a resume's)."""
     if not config.enable_profiling:
         yield None
         return
     trace_dir = os.path.join(dump_folder, config.save_traces_folder)
-    saved: set[int] = set()
+    ending = False
 
     def save_trace(prof: torch.profiler.profile) -> None:
-        # When a window records from its first step, the profiler's exit saves the one begun after
-        # the last step, under that step's number: it holds no step, and would replace that step's.
-        if prof.step_num in saved:
+        # The profiler's exit saves the window it is in. One whose recording begins with the step
+        # after the last holds no step (and its name may be the last window's, which it replaced).
+        freq = config.profile_freq
+        if ending and prof.step_num % freq == (freq - config.profiler_active) % freq:
             return
-        saved.add(prof.step_num)
         step_dir = os.path.join(trace_dir, f"iteration_{prof.step_num}")
         os.makedirs(step_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_dir, f"rank{rank}_trace.json"))
@@ -52,8 +55,13 @@ def maybe_profile(config: Profiling, dump_folder: str, rank: int) -> Iterator[to
         )
     wait = config.profile_freq - config.profiler_active - warmup
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=config.profiler_active)
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
+    prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace)
+    # Counted from the resumed step, as torchtitan does: counted from 0, a resumed run's traces
+    # replaced the earlier run's of the same name.
+    prof.step_num = last_step
+    with prof:
         yield prof
+        ending = True
 
 
 # Allocator events kept in the history (torchtitan's number): a few steps of a large model.

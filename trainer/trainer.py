@@ -244,7 +244,7 @@ class Trainer:
         first_step = self.step + 1
         profiling, dump = config.profiling, config.job.dump_folder
         with (
-            maybe_profile(profiling, dump, self.rank) as profiler,
+            maybe_profile(profiling, dump, self.rank, self.step) as profiler,
             maybe_snapshot_memory(profiling, dump, self.rank, self.device, self.step) as snapshots,
         ):
             while self.step < config.training.steps:

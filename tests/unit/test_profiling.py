@@ -16,11 +16,11 @@ from trainer import profiling
 from trainer.profiling import maybe_profile, maybe_snapshot_memory
 
 
-def _recorded_steps(tmp_path, steps: int, **options) -> dict[str, list[int]]:
-    """Runs ``steps`` tiny steps under the profiler; returns each trace folder's recorded steps
-    (counted from 1, as the trainer counts them)."""
+def _recorded_steps(tmp_path, steps: int, last_step: int = 0, **options) -> dict[str, list[int]]:
+    """Runs ``steps`` tiny steps under the profiler, after ``last_step``; returns each trace
+    folder's recorded steps (counted from 1, as the trainer counts them)."""
     config = Profiling(enable_profiling=True, **options)
-    with maybe_profile(config, str(tmp_path), rank=0) as profiler:
+    with maybe_profile(config, str(tmp_path), rank=0, last_step=last_step) as profiler:
         for _ in range(steps):
             torch.ones(8, 8) @ torch.ones(8, 8)
             profiler.step()
@@ -39,8 +39,22 @@ def test_each_window_records_its_last_active_steps(tmp_path):
         "iteration_4": [3, 4],
         "iteration_8": [7, 8],
     }
+    # A run that ends as a window's recording begins saves no trace of it (it saved one holding
+    # no step, under the last step's name); one that ends within the recording keeps its steps.
+    options = dict(profile_freq=4, profiler_active=2, profiler_warmup=1)
+    assert _recorded_steps(tmp_path / "ends_as_one_begins", 6, **options) == {"iteration_4": [3, 4]}
+    assert _recorded_steps(tmp_path / "ends_within", 7, **options) == {"iteration_4": [3, 4], "iteration_7": [7, 8]}
     # The defaults: one step a window; a warm-up longer than the window leaves is cut to fit.
     assert _recorded_steps(tmp_path / "one", 4, profile_freq=2) == {"iteration_2": [2], "iteration_4": [4]}
+
+
+def test_a_resumed_run_profiles_the_steps_it_is_at(tmp_path):
+    """Resumed after step 4 (and 5), the windows and trace names count the run's steps, as
+    torchtitan's do: from step 0, they recorded steps 7-8 as iteration_4, in place of the trace the
+    run before the resume had saved under that name."""
+    options = dict(profile_freq=4, profiler_active=2, profiler_warmup=1)
+    assert _recorded_steps(tmp_path / "at4", 4, last_step=4, **options) == {"iteration_8": [7, 8]}
+    assert _recorded_steps(tmp_path / "at5", 5, last_step=5, **options) == {"iteration_8": [7, 8]}
 
 
 def test_the_last_steps_trace_is_kept_when_every_step_is_recorded(tmp_path):
