@@ -78,15 +78,16 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     blocks: list[nn.Module],
+    reshard_last_block: bool = False,
 ) -> None:
     """Shards ``model`` over ``dp_mesh``: one FSDP unit per block in ``blocks`` plus the root.
 
-    A 1-D mesh gives FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh gives HSDP.
+    A 1-D mesh gives FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh gives HSDP. Resharding after
+    forward keeps the last block gathered (backward needs it at once) unless ``reshard_last_block``.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(blocks):
-        # The last block's parameters are needed again at once by backward: keep them gathered.
-        reshard = reshard_after_forward and i < len(blocks) - 1
+        reshard = reshard_after_forward and (reshard_last_block or i < len(blocks) - 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     shard_group = dp_mesh.get_group(dp_mesh.ndim - 1)  # FSDP2 reduce-scatters over the shard dimension

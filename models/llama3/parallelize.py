@@ -171,6 +171,8 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
             reduce_dtype=reduce_dtype,
             reshard_after_forward=_reshard_after_forward(parallel_dims, config),
             blocks=list(model.layers.values()),
+            # torchtitan's "always" reshards every block; by default the last stays gathered.
+            reshard_last_block=config.parallelism.fsdp_reshard_after_forward == "always",
         )
     else:
         # DDP leaves the parameters in their dtype: autocast casts the forward (models/builder.py).

@@ -83,6 +83,7 @@ def build(
     *,
     param_dtype: torch.dtype = torch.float32,
     reshard: bool = True,
+    reshard_last_block: bool = False,
     ac: str = "none",
     dp_mesh: DeviceMesh | None = None,
     tp_mesh: DeviceMesh | None = None,
@@ -117,6 +118,7 @@ def build(
             reduce_dtype=torch.float32,
             reshard_after_forward=reshard,
             blocks=blocks,
+            reshard_last_block=reshard_last_block,
         )
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -336,6 +338,20 @@ class CollectiveRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def check_fsdp2_reshard_policy() -> dict[str, Any]:
+    """FSDP2 resharding after forward: the blocks but the last by default, every block when asked
+    (torchtitan's "always"); a resharded block's weights are its shards (DTensors) after forward."""
+    resharded = {}
+    for reshard_last_block in (False, True):
+        model = build("fsdp2", reshard_last_block=reshard_last_block)
+        model(torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len)))
+        blocks = model.layers.values()
+        resharded[reshard_last_block] = [isinstance(block.attention.wq.weight, DTensor) for block in blocks]
+    last = len(model.layers) - 1
+    assert resharded == {False: [True] * last + [False], True: [True] * (last + 1)}, resharded
+    return {"resharded_blocks": {str(k): v for k, v in resharded.items()}}
+
+
 def measure_reshard(reshard: bool, ac: str = "none") -> tuple[dict[str, Any], list[torch.Tensor]]:
     """One forward/backward: gathered block weights alive after forward, all-gathers in backward;
     also returns the full gradients."""
@@ -484,6 +500,7 @@ def checks(out_dir: str) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         ("state_dict", check_state_dict),
         ("materialized", check_materialized),
         *([("reshard_memory", check_reshard_memory)] if WORLD == 2 else []),
+        *([("fsdp2_reshard_policy", check_fsdp2_reshard_policy)] if WORLD == 2 else []),
         ("dcp", lambda: check_dcp(out_dir)),
         *([("bf16", check_bf16)] if WORLD == 2 else []),
         *([("tensor_parallel", check_tensor_parallel)] if WORLD >= 4 else []),

@@ -22,7 +22,16 @@ TIMEOUT_SECONDS = 300
 # The worker's checks at each world size (simple_fsdp_checks.checks): 4 ranks add HSDP and TP and
 # leave out the checks whose counts and tolerances do not depend on the world size.
 CHECKS = {
-    2: ["parity_replicate", "parity_fully_shard", "state_dict", "materialized", "reshard_memory", "dcp", "bf16"],
+    2: [
+        "parity_replicate",
+        "parity_fully_shard",
+        "state_dict",
+        "materialized",
+        "reshard_memory",
+        "fsdp2_reshard_policy",
+        "dcp",
+        "bf16",
+    ],
     4: [
         "parity_replicate",
         "parity_fully_shard",
