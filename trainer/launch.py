@@ -15,7 +15,9 @@ What it adds to torchrun:
   agent's traceback around it.
 - A multi-node job whose rendezvous this host is to serve, on a port another program already
   listens on, is refused in one line (exit 2): torchrun's agent would take that program for the
-  rendezvous and wait on it without a word.
+  rendezvous and wait on it without a word. A rendezvous that fails (no store answering at the
+  endpoint, nodes missing at the deadline) is one line too, exit 2, without the agent's retries'
+  C++ stacks and its traceback.
 """
 
 from __future__ import annotations
@@ -38,15 +40,24 @@ if __name__ == "__main__":
     # Ctrl-C while torch is imported (a second or so), before torchrun's agent takes the signal:
     # one line, not a KeyboardInterrupt traceback. Hence the imports below this.
     signal.signal(signal.SIGINT, _stopped_while_starting)
+    # The agent's store client logs each retry of an unanswered rendezvous, and its end, with a C++
+    # stack; the failure reaches Python, one line below. Read once, when torch loads: the ranks
+    # keep the user's level.
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        import torch  # noqa: F401
+
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.run import main as torchrun
 
-from config.job_config import print_error
+from config.job_config import first_line, print_error
 from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
 from trainer.preflight import out_of_memory_error
 
@@ -93,6 +104,17 @@ def _run(argv: list[str]) -> tuple[int, str]:
         return 128 + int(e.sigval), ""
     except ChildFailedError as e:
         return 1, e.format_msg()
+    except RendezvousError as e:
+        endpoint = _rendezvous_endpoint(argv)
+        cause = first_line(e.__cause__ or e)
+        if isinstance(e, RendezvousConnectionError):
+            print_error(
+                f"RDZV_ENDPOINT: no rendezvous answered at {endpoint} (is the first node's run_train.sh "
+                f"started, and that port open to this node?): {cause}"
+            )
+        else:
+            print_error(f"NNODES: the rendezvous at {endpoint} did not gather the job's nodes: {cause}")
+        return 2, ""
     return 0, ""
 
 
@@ -134,7 +156,7 @@ def _foreign_rendezvous_holder(argv: list[str]) -> str | None:
     """When ``--rdzv-endpoint`` names this host and a program other than a torchrun agent listens on
     its port: the line that says so. None otherwise, also when the listener's program cannot be
     seen (another user's, or no ``/proc``)."""
-    endpoint = next((a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint=")), None)
+    endpoint = _rendezvous_endpoint(argv)
     if endpoint is None:
         return None
     # host[:port], the host a name, an IPv4 address or a bracketed IPv6 one (run_train.sh checked).
@@ -149,6 +171,11 @@ def _foreign_rendezvous_holder(argv: list[str]) -> str | None:
                 f"another program (pid {pid}: {command[:80]}); choose a free port"
             )
     return None
+
+
+def _rendezvous_endpoint(argv: list[str]) -> str | None:
+    """``--rdzv-endpoint``'s value, as run_train.sh passes it (None for a job of one node)."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint=")), None)
 
 
 def _is_this_host(host: str, port: int) -> bool:

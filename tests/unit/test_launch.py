@@ -1,0 +1,49 @@
+"""trainer/launch.py (run_train.sh's torchrun): a failed rendezvous is one line, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+from trainer import launch
+
+ARGV = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--nproc-per-node=1", "train.py"]
+
+
+def _raising(error: BaseException):
+    def torchrun(argv: list[str]) -> None:
+        raise error
+
+    return torchrun
+
+
+def _connection_error() -> RendezvousConnectionError:
+    try:
+        try:
+            raise RuntimeError("Ping failed, invalid value returned from server.\nframe #0: ...")
+        except RuntimeError as cause:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.") from cause
+    except RendezvousConnectionError as error:
+        return error
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (
+            _connection_error(),
+            "error: RDZV_ENDPOINT: no rendezvous answered at node0:29500 (is the first node's run_train.sh "
+            "started, and that port open to this node?): Ping failed, invalid value returned from server.",
+        ),
+        (
+            RendezvousTimeoutError("The node 'n1' rendezvous 'job42' has timed out."),
+            "error: NNODES: the rendezvous at node0:29500 did not gather the job's nodes: "
+            "The node 'n1' rendezvous 'job42' has timed out.",
+        ),
+    ],
+)
+def test_a_failed_rendezvous_is_one_line_naming_the_setting(monkeypatch, capsys, error, line):
+    """torchrun's agent ended in its traceback (after a C++ stack for every retry of the store)."""
+    monkeypatch.setattr(launch, "torchrun", _raising(error))
+    assert launch._run(ARGV) == (2, "")
+    assert capsys.readouterr().err.splitlines() == [line]
