@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import signal
 import socket
 import sys
@@ -55,14 +54,14 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun
 
 from config.job_config import first_line, print_error
 from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
 from trainer.preflight import out_of_memory_error
 
-RENDEZVOUS_PORT = 29400
-"""torchrun's port when ``--rdzv-endpoint`` names none."""
 TORCHRUN_COMMANDS = ("trainer.launch", "torch.distributed.run", "torchrun")
 """What a torchrun agent's command line holds: the program another node of the job runs on the
 same host (tests, or a node per GPU group), whose rendezvous this one joins."""
@@ -159,9 +158,7 @@ def _foreign_rendezvous_holder(argv: list[str]) -> str | None:
     endpoint = _rendezvous_endpoint(argv)
     if endpoint is None:
         return None
-    # host[:port], the host a name, an IPv4 address or a bracketed IPv6 one (run_train.sh checked).
-    host, port_text = re.fullmatch(r"\[?(.*?)\]?(?::(\d+))?", endpoint).groups()
-    port = int(port_text) if port_text else RENDEZVOUS_PORT
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)  # as torchrun reads it
     if not _is_this_host(host, port):
         return None
     for pid, command in _listeners(port):
