@@ -52,6 +52,13 @@ AC = {
     "selective_2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
     # No checkpoint regions: the partitioner recomputes as much as it can.
     "memory_budget_0": ["--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0"],
+    # Between 0 and 1 the partitioner sizes every value it could save, SimpleFSDP's meshes included.
+    "memory_budget_0.3": [
+        "--activation_checkpoint.mode",
+        "memory_budget",
+        "--activation_checkpoint.memory_budget",
+        "0.3",
+    ],
 }
 # (layout, compiled, ac)
 CASES = [

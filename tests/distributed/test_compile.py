@@ -54,12 +54,14 @@ def test_compiled_simple_fsdp(backend, expected):
 
 
 RESTARTS = {
-    # SimpleFSDP's graphs hold its DeviceMesh and its gather regions (a selective checkpoint).
+    # SimpleFSDP's graphs hold its DeviceMesh and its gathers' annotations; a block's graph also
+    # holds the op-level checkpoint's policy.
     "simple_fsdp_block": (
         2,
         [
             *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
-            *("--compile.bucketing", "block"),
+            *("--compile.bucketing", "block", "--activation_checkpoint.mode", "selective"),
+            *("--activation_checkpoint.selective_ac_option", "op"),
         ],
     ),
     # The whole model, its blocks' attention and feed-forward as nested compile regions.
@@ -68,14 +70,6 @@ RESTARTS = {
         [
             *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
             *("--compile.bucketing", "manual"),
-        ],
-    ),
-    # One process: no mesh in the graph, only the op-level checkpoint's policy.
-    "op_level_checkpoint": (
-        1,
-        [
-            *("--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective"),
-            *("--activation_checkpoint.selective_ac_option", "op"),
         ],
     ),
 }
