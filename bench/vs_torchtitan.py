@@ -23,7 +23,7 @@ Prints the table (also written as Markdown to ``bench/results/vs_torchtitan.md``
 ``bench/results/vs_torchtitan.json`` (every run's per-step tokens/s and losses, machine info); for
 the wider model ``vs_torchtitan_debugmodel_wide.md`` and ``.json``.
 Both are rewritten after every variant, so a run that stops early keeps what it measured.
-Logs go to ``bench/results/vs_torchtitan_logs/``. On an idle 2-core machine one round of the 13
+Logs go to ``bench/results/vs_torchtitan_logs/``, named by model, variant, side and round. On an idle 2-core machine one round of the 13
 variants takes about 20 minutes.
 """
 
@@ -60,6 +60,9 @@ MODEL_SHAPES = {
     "debugmodel": "--training.seq_len 512 --training.local_batch_size 4",
     "debugmodel_wide": "--training.seq_len 128 --training.local_batch_size 2",
 }
+# The one model torchtitan has itself, the default: any other is registered in torchtitan before it
+# starts, and its name is added to the result files' names.
+TITAN_OWN_MODEL = "debugmodel"
 # The fields a torchtitan llama3 model has, set from Tessera's flavor for a model torchtitan lacks.
 TITAN_MODEL_FIELDS = (
     "dim",
@@ -127,7 +130,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--titan", required=True, help="folder made by setup.sh (venv/ and run/)")
     parser.add_argument("--launcher", default=DEFAULT_LAUNCHER, help="torchtitan's CPU launcher (titan_cpu.py)")
-    parser.add_argument("--model", default="debugmodel", choices=list(MODEL_SHAPES), help="the flavor both sides train")
+    parser.add_argument(
+        "--model", default=TITAN_OWN_MODEL, choices=list(MODEL_SHAPES), help="the flavor both sides train"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
@@ -196,7 +201,7 @@ def command(
     if side == "torchtitan":
         config = ["--job.config_file", TITAN_CONFIG, "--metrics.disable_color_printing"]
         launcher = [titan.launcher]
-        if model != "debugmodel":  # a size torchtitan does not have: registered before it starts
+        if model != TITAN_OWN_MODEL:
             launcher = [FLAVOR_LAUNCHER, titan.launcher, model, titan_model_fields(model)]
         return [
             titan.python,
@@ -230,10 +235,7 @@ def run(side: str, name: str, titan: Titan, args: argparse.Namespace, round_inde
     # steps would count in the median) and would reuse its saved bucket plan.
     shutil.rmtree(dump_folder, ignore_errors=True)
     argv, cwd = command(side, variant, args.model, titan, args.steps, dump_folder)
-    log_name = f"{name}-{side}-round{round_index}.log"
-    if args.model != "debugmodel":
-        log_name = f"{args.model}-{log_name}"
-    log_path = os.path.join(RESULTS_DIR, "vs_torchtitan_logs", log_name)
+    log_path = os.path.join(RESULTS_DIR, "vs_torchtitan_logs", f"{args.model}-{name}-{side}-round{round_index}.log")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO if side == "tessera" else "")
     start = time.perf_counter()
     with open(log_path, "w") as log:
@@ -339,7 +341,7 @@ def write_results(results: dict[str, list[dict[str, Any]]], info: dict[str, Any]
     rows = summarize({name: rounds for name, rounds in results.items() if rounds})
     info["loadavg_end"] = os.getloadavg()
     table = markdown(rows, info, args.model)
-    suffix = ("" if args.model == "debugmodel" else f"_{args.model}") + ("_quick" if args.quick else "")
+    suffix = ("" if args.model == TITAN_OWN_MODEL else f"_{args.model}") + ("_quick" if args.quick else "")
     with open(os.path.join(RESULTS_DIR, f"vs_torchtitan{suffix}.md"), "w") as f:
         f.write(table)
     with open(os.path.join(RESULTS_DIR, f"vs_torchtitan{suffix}.json"), "w") as f:
