@@ -15,7 +15,8 @@ What it adds to torchrun:
   agent's traceback around it.
 - A multi-node job whose rendezvous this host is to serve, on a port another program already
   listens on, is refused in one line (exit 2): torchrun's agent would take that program for the
-  rendezvous and wait on it without a word. A rendezvous that fails (no store answering at the
+  rendezvous and wait on it without a word. A listener whose program this user cannot see is
+  asked a store's question first, and joined when it answers. A rendezvous that fails (no store answering at the
   endpoint, nodes missing at the deadline) is one line too, exit 2, without the agent's retries'
   C++ stacks and its traceback.
 """
@@ -28,6 +29,8 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+from datetime import timedelta
 
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
@@ -49,6 +52,7 @@ if __name__ == "__main__":
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 import torch.distributed.launcher.api as launcher_api
+from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -153,21 +157,49 @@ class _Agent(LocalElasticAgent):
 
 def _foreign_rendezvous_holder(argv: list[str]) -> str | None:
     """When ``--rdzv-endpoint`` names this host and a program other than a torchrun agent listens on
-    its port: the line that says so. None otherwise, also when the listener's program cannot be
-    seen (another user's, or no ``/proc``)."""
+    its port: the line that says so. None otherwise. A listener whose program cannot be seen
+    (another user's, or in another PID namespace, as another node's container can be) is joined
+    when it answers as torch's store does, refused when it does not."""
     endpoint = _rendezvous_endpoint(argv)
     if endpoint is None:
         return None
     host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)  # as torchrun reads it
     if not _is_this_host(host, port):
         return None
-    for pid, command in _listeners(port):
+    taken = f"RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by"
+    listening, seen = _listeners(port)
+    for pid, command in seen:
         if not any(name in command for name in TORCHRUN_COMMANDS):
-            return (
-                f"RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by "
-                f"another program (pid {pid}: {command[:80]}); choose a free port"
-            )
+            return f"{taken} another program (pid {pid}: {command[:80]}); choose a free port"
+    if listening and not seen and not _answers_as_store(host, port):
+        return (
+            f"{taken} a program this user cannot see, which does not answer as a rendezvous store "
+            f"within {STORE_PROBE_SECONDS} s; choose a free port"
+        )
     return None
+
+
+STORE_PROBE_SECONDS = 10
+"""How long a listener this user cannot see is given to answer as torch's store (a store answers
+in milliseconds)."""
+
+
+def _answers_as_store(host: str, port: int) -> bool:
+    """Whether the program listening on ``host:port`` answers a question to torch's TCPStore. Asked
+    from a thread given up after STORE_PROBE_SECONDS: a store client waits on a listener that
+    never replies beyond its own timeout."""
+    answered = threading.Event()
+
+    def ask() -> None:
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_PROBE_SECONDS))
+            store.check(["tessera/probe"])
+            answered.set()
+        except Exception:  # reset, refused, not a store: no answer
+            pass
+
+    threading.Thread(target=ask, daemon=True).start()
+    return answered.wait(STORE_PROBE_SECONDS)
 
 
 def _rendezvous_endpoint(argv: list[str]) -> str | None:
@@ -191,8 +223,9 @@ def _is_this_host(host: str, port: int) -> bool:
     return False
 
 
-def _listeners(port: int) -> list[tuple[int, str]]:
-    """(pid, command line) of each process seen listening on TCP ``port`` of this host (Linux)."""
+def _listeners(port: int) -> tuple[bool, list[tuple[int, str]]]:
+    """Whether a socket listens on TCP ``port`` of this host, and (pid, command line) of each
+    process seen holding such a socket (Linux; another user's processes cannot be seen)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -203,7 +236,7 @@ def _listeners(port: int) -> list[tuple[int, str]]:
         # local address as hex "ADDRESS:PORT", state 0A is LISTEN, the socket's inode in column 9.
         inodes |= {row[9] for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A"}
     if not inodes:
-        return []
+        return False, []
     found = []
     for fd in glob.glob("/proc/[0-9]*/fd/*"):
         try:
@@ -218,7 +251,7 @@ def _listeners(port: int) -> list[tuple[int, str]]:
             except OSError:
                 continue
             found.append((pid, command))
-    return found
+    return True, found
 
 
 def _host_oom_kills() -> int | None:
