@@ -265,6 +265,28 @@ def test_the_default_split_weights_the_first_and_last_stages_as_torchtitan():
     assert [len(stage) for stage in layout.stage_layers] == [15, 16, 16, 16, 16, 16, 16, 15]
 
 
+# The blocks torchtitan v0.2.2 placed on each of 2 pipeline ranks, stage by stage, under each schedule
+# (its log's "PP rank r is building stage_idx s with modules [...]", debug config, microbatches of
+# one sequence; a hand run on 2026-11-29). The ends also hold the embeddings and the output.
+TORCHTITAN_STAGES_PER_RANK = {
+    "GPipe": [[(0, 1, 2)], [(3, 4, 5)]],
+    "1F1B": [[(0, 1, 2)], [(3, 4, 5)]],
+    "Interleaved1F1B": [[(0,), (3, 4)], [(1, 2), (5,)]],
+    "LoopedBFS": [[(0,), (3, 4)], [(1, 2), (5,)]],
+    "InterleavedZeroBubble": [[(0,), (3, 4)], [(1, 2), (5,)]],
+    "ZBVZeroBubble": [[(0,), (5,)], [(1, 2), (3, 4)]],
+}
+
+
+@pytest.mark.parametrize("schedule", TORCHTITAN_STAGES_PER_RANK)
+def test_every_schedule_places_the_blocks_as_torchtitan(schedule):
+    layout = _layout(
+        "--parallelism.pipeline_parallel_schedule", schedule, "--parallelism.pipeline_parallel_microbatch_size", "1"
+    )
+    placed = [[layout.stage_layers[stage] for stage in layout.stage_indices(rank)] for rank in range(2)]
+    assert placed == TORCHTITAN_STAGES_PER_RANK[schedule]
+
+
 def test_layers_per_stage_counts_stages_as_torchtitan():
     """ceil((blocks + the first and last stages' weights) / layers_per_stage) stages, the blocks
     shared as in the default split. Before, it was blocks per stage and had to divide the blocks:
