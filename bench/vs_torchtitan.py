@@ -23,8 +23,8 @@ Prints the table (also written as Markdown to ``bench/results/vs_torchtitan.md``
 ``bench/results/vs_torchtitan.json`` (every run's per-step tokens/s and losses, machine info); for
 the wider model ``vs_torchtitan_debugmodel_wide.md`` and ``.json``.
 Both are rewritten after every variant, so a run that stops early keeps what it measured.
-Logs go to ``bench/results/vs_torchtitan_logs/``, named by model, variant, side and round. On an idle 2-core machine one round of the 13
-variants takes about 20 minutes.
+Logs go to ``bench/results/vs_torchtitan_logs/``, named by model, variant, side and round. On an
+idle 2-core machine one round of the 13 variants takes about 20 minutes.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ What it adds to torchrun:
 - A multi-node job whose rendezvous this host is to serve, on a port another program already
   listens on, is refused in one line (exit 2): torchrun's agent would take that program for the
   rendezvous and wait on it without a word. A listener whose program this user cannot see is
-  asked a store's question first, and joined when it answers. A rendezvous that fails (no store answering at the
-  endpoint, nodes missing at the deadline) is one line too, exit 2, without the agent's retries'
-  C++ stacks and its traceback.
+  asked a store's question first, and joined when it answers. A rendezvous that fails (no store
+  answering at the endpoint, nodes missing at the deadline) is one line too, exit 2, without the
+  agent's retries' C++ stacks and its traceback.
 """
 
 from __future__ import annotations
