@@ -192,7 +192,7 @@ def _corpus_files(path: str) -> list[Path]:
             raise ValueError(f"dataset folder {path} contains no {_SUFFIX_NAMES} files")
         return files
     if corpus_suffix(root) not in CORPUS_SUFFIXES:
-        raise ValueError(f"dataset file {path} is not one of {_SUFFIX_NAMES}")
+        raise ValueError(f"dataset file {path} does not end in one of {_SUFFIX_NAMES}")
     return [root]
 
 

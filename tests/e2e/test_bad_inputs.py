@@ -347,7 +347,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("files", ["--training.dataset", "{d}/bad.jsonl"], "invalid JSON"),
     ("files", ["--training.dataset", "{d}/no_text.jsonl"], "expected an object with a string 'text' field"),
-    ("files", ["--training.dataset", "{d}/corpus.csv"], "is not one of .txt, .jsonl, .parquet, .arrow, .json"),
+    ("files", ["--training.dataset", "{d}/corpus.csv"], "does not end in one of .txt, .jsonl, .parquet, .arrow, .json"),
     ("files", ["--validation.enable", "--validation.dataset", "{d}/missing_val.jsonl"], "validation.dataset"),
     ("files", ["--model.tokenizer_path", "{d}/missing_tokenizer"], "tokenizer path not found"),
     ("files", ["--model.hf_assets_path", "{d}/empty_folder"], "has no tokenizer.json"),

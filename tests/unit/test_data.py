@@ -406,7 +406,7 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
     empty = write_corpus(tmp_path / "empty", {"readme.md": "no corpus here"})
     with pytest.raises(ValueError, match="empty contains no .txt, .jsonl, .parquet"):
         list(local_corpus_texts(str(empty)))
-    with pytest.raises(ValueError, match="readme.md is not one of .txt, .jsonl"):
+    with pytest.raises(ValueError, match="readme.md does not end in one of .txt, .jsonl"):
         list(local_corpus_texts(str(empty / "readme.md")))
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="latin1.txt: not UTF-8"):
