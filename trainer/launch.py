@@ -198,7 +198,7 @@ def _answers_as_store(host: str, port: int) -> bool:
         except Exception:  # reset, refused, not a store: no answer
             pass
 
-    threading.Thread(target=ask, daemon=True).start()
+    threading.Thread(target=ask, name="rendezvous-store-probe", daemon=True).start()
     return answered.wait(STORE_PROBE_SECONDS)
 
 
