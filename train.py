@@ -9,7 +9,7 @@ import signal
 import sys
 
 from config.job_config import ConfigError, first_line, print_error
-from config.manager import help_text, load_config
+from config.manager import help_text, load_config, named_as_given
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)
     except ConfigError as e:
-        return _refuse(e)
+        return _refuse(named_as_given(e, argv))
 
     from trainer.checkpoint import CheckpointError
     from trainer.preflight import is_out_of_memory, out_of_memory_error
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         trainer.train()
         trainer.close()
     except ConfigError as e:
-        return _refuse(e)
+        return _refuse(named_as_given(e, argv))
     except (CheckpointError, NonFiniteError) as e:
         print_error(e)
         return 1

@@ -12,6 +12,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import sys
 import textwrap
 import types
@@ -277,6 +278,22 @@ def load_config(argv: list[str]) -> JobConfig:
     validate(config)
     _warn_no_effect(config, typed_options(argv))
     return config
+
+
+def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
+    """``error`` with each option the user set by one of torchtitan's names (on the command line
+    ``argv`` or in the config file it names) called by that name, the one the user knows."""
+    try:
+        pairs = _parse_cli(argv)
+        config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
+        keys = [key for key, _ in pairs + (_read_toml(config_file) if config_file else [])]
+    except ConfigError:  # the error is this one: nothing was loaded by either name
+        return error
+    names = {torchtitan.ALIASES[key]: key for key in keys if key in torchtitan.ALIASES}
+    if not names:
+        return error
+    option = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")
+    return ConfigError(option.sub(lambda match: names[match.group(1)], str(error)))
 
 
 def typed_options(argv: list[str]) -> set[str]:

@@ -26,7 +26,7 @@ from config.job_config import (
     print_error,
     written_by_a_run,
 )
-from config.manager import batch_layout, load_config, typed_options, warn_no_effect_at_degrees
+from config.manager import batch_layout, load_config, named_as_given, typed_options, warn_no_effect_at_degrees
 from trainer.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
 from trainer.tokenizer import build_tokenizer
 
@@ -540,7 +540,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)  # the options first, before the imports below
     except ConfigError as e:
-        print_error(e)
+        print_error(named_as_given(e, argv))
         return 2
     if (sizes := launch_sizes(launch)) is None:
         print(USAGE, file=sys.stderr)
@@ -549,7 +549,7 @@ def main(argv: list[str]) -> int:
     try:
         check(config, world_size, nproc, frozenset(typed_options(argv)))
     except ConfigError as e:
-        print_error(e)
+        print_error(named_as_given(e, argv))
         return 2
     if "--nnodes" in launch:
         print(nproc, int(accelerators > 0))

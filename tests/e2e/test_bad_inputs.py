@@ -350,7 +350,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--training.dataset", "{d}/corpus.csv"], "does not end in one of .txt, .jsonl, .parquet, .arrow, .json"),
     ("files", ["--validation.enable", "--validation.dataset", "{d}/missing_val.jsonl"], "validation.dataset"),
     ("files", ["--model.tokenizer_path", "{d}/missing_tokenizer"], "tokenizer path not found"),
-    ("files", ["--model.hf_assets_path", "{d}/empty_folder"], "has no tokenizer.json"),
+    # torchtitan's name for model.tokenizer_path, named as given (it named Tessera's option).
+    ("files", ["--model.hf_assets_path", "{d}/empty_folder"], "error: model.hf_assets_path: tokenizer folder"),
     ("files", ["--model.tokenizer_path", "{d}/broken.model"], "tokenizer"),
     ("files", ["--checkpoint.initial_load_path", "{d}/missing_ckpt"], "is not a folder"),
     ("files", ["--checkpoint.initial_load_path", "{d}/empty_folder"], "neither a DCP checkpoint nor a Hugging Face"),

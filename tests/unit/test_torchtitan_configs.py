@@ -10,7 +10,7 @@ import os
 import pytest
 
 from config.job_config import ConfigError
-from config.manager import load_config
+from config.manager import load_config, named_as_given
 from tests.launch import REPO
 from trainer.preflight import check
 
@@ -228,3 +228,15 @@ def test_no_torchtitan_name_shadows_an_option_of_tessera():
 
     tessera = set(_all_keys())
     assert tessera & (set(torchtitan.FOREIGN) | set(torchtitan.ALIASES) | set(torchtitan.NEGATED)) == set()
+
+
+def test_an_error_names_an_option_as_the_user_gave_it(tmp_path):
+    """Given by torchtitan's name, on the command line or in the file, an option is named so in the
+    error line (it was named by Tessera's, which the user never wrote); given by Tessera's, as before."""
+    error = ConfigError("model.tokenizer_path: tokenizer folder x has no tokenizer.json (model.tokenizer_path_b)")
+    renamed = "model.hf_assets_path: tokenizer folder x has no tokenizer.json (model.tokenizer_path_b)"
+    assert str(named_as_given(error, ["--model.hf_assets_path", "x"])) == renamed
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nhf_assets_path = "x"\n')
+    assert str(named_as_given(error, ["--job.config_file", str(config)])) == renamed
+    assert str(named_as_given(error, ["--model.tokenizer_path", "x"])) == str(error)
