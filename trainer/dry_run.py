@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Sched
 from torch.distributed.tensor import DTensor
 
 from config.job_config import ConfigError, JobConfig, print_error
-from config.manager import batch_layout, load_config, typed_options
+from config.manager import batch_layout, load_config, named_as_given, typed_options
 from models.builder import BuiltModel, build_model
 from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims
@@ -443,7 +443,7 @@ def main(argv: list[str]) -> int:
         else:
             reports = [in_child(dry_run, config, world_size, rank) for rank in ranks]
     except ConfigError as e:
-        print_error(e)
+        print_error(named_as_given(e, argv))
         return 2
     print("\n".join(report.summary() for report in reports))
     return 0

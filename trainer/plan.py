@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from config.job_config import ConfigError, JobConfig, print_error, user_input
-from config.manager import help_text, load_config, to_toml
+from config.manager import help_text, load_config, named_as_given, to_toml
 from models.registry import get_model_spec
 from parallelisms.pipeline import plan_pipeline
 from trainer.dry_run import dry_run, in_child, measured_ranks
@@ -419,7 +419,7 @@ def main(argv: list[str]) -> int:
         with user_input("plan.output"), open(config.plan.output, "w") as f:
             f.write(to_toml(best))
     except ConfigError as e:
-        print_error(e)
+        print_error(named_as_given(e, argv))
         return 2
     plan = config.plan
     print(
