@@ -287,9 +287,11 @@ def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
         pairs = _parse_cli(argv)
         config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
         keys = [key for key, _ in pairs + (_read_toml(config_file) if config_file else [])]
-    except ConfigError:  # the error is this one: nothing was loaded by either name
+    except ConfigError:  # unreadable: the error says so, naming no option
         return error
-    names = {torchtitan.ALIASES[key]: key for key in keys if key in torchtitan.ALIASES}
+    # An option given by both names (a contradiction's line names both) keeps its name.
+    aliases = torchtitan.ALIASES
+    names = {aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys}
     if not names:
         return error
     option = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")

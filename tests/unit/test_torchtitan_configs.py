@@ -240,3 +240,9 @@ def test_an_error_names_an_option_as_the_user_gave_it(tmp_path):
     config.write_text('[model]\nhf_assets_path = "x"\n')
     assert str(named_as_given(error, ["--job.config_file", str(config)])) == renamed
     assert str(named_as_given(error, ["--model.tokenizer_path", "x"])) == str(error)
+    # Given by both names, an option is named by each where the line names it.
+    both = ["--model.tokenizer_path", "x", "--model.hf_assets_path", "y"]
+    with pytest.raises(ConfigError) as contradiction:
+        load_config(both)
+    assert str(named_as_given(contradiction.value, both)) == str(contradiction.value)
+    assert '--model.tokenizer_path "x" and --model.hf_assets_path "y"' in str(contradiction.value)
