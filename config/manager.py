@@ -286,16 +286,24 @@ def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
     try:
         pairs = _parse_cli(argv)
         config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
-        keys = [key for key, _ in pairs + (_read_toml(config_file) if config_file else [])]
+        file_keys = [key for key, _ in _read_toml(config_file)] if config_file else []
     except ConfigError:  # unreadable: the error says so, naming no option
         return error
-    # An option given by both names (a contradiction's line names both) keeps its name.
+    cli_keys = [key for key, _ in pairs]
     aliases = torchtitan.ALIASES
-    names = {aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys}
+
+    def alias_names(keys: list[str]) -> dict[str, str]:
+        # An option given by both names in one source (a contradiction's line names both) keeps its name.
+        return {aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys}
+
+    names = alias_names(file_keys)
+    for option in {aliases.get(key, key) for key in cli_keys}:  # the command line's value, and name, win
+        names.pop(option, None)
+    names.update(alias_names(cli_keys))
     if not names:
         return error
-    option = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")
-    return ConfigError(option.sub(lambda match: names[match.group(1)], str(error)))
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")
+    return ConfigError(pattern.sub(lambda match: names[match.group(1)], str(error)))
 
 
 def typed_options(argv: list[str]) -> set[str]:

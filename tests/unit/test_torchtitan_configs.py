@@ -240,6 +240,13 @@ def test_an_error_names_an_option_as_the_user_gave_it(tmp_path):
     config.write_text('[model]\nhf_assets_path = "x"\n')
     assert str(named_as_given(error, ["--job.config_file", str(config)])) == renamed
     assert str(named_as_given(error, ["--model.tokenizer_path", "x"])) == str(error)
+    # The command line's value wins over the file's, and so does the name it used.
+    assert str(named_as_given(error, ["--job.config_file", str(config), "--model.tokenizer_path", "x"])) == str(error)
+    tessera_file = tmp_path / "tessera.toml"
+    tessera_file.write_text('[model]\ntokenizer_path = "x"\n')
+    assert (
+        str(named_as_given(error, ["--job.config_file", str(tessera_file), "--model.hf_assets_path", "x"])) == renamed
+    )
     # Given by both names, an option is named by each where the line names it.
     both = ["--model.tokenizer_path", "x", "--model.hf_assets_path", "y"]
     with pytest.raises(ConfigError) as contradiction:
