@@ -242,6 +242,11 @@ def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
         raise ConfigError(f"{path}: cannot read it: {e}") from None
 
 
+def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
+    """The TOML file the command line's options name (the last --job.config_file given), if any."""
+    return next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
+
+
 def load_config(argv: list[str]) -> JobConfig:
     """Builds the job config from defaults, the TOML file named by --job.config_file (the last
     one given), then the other command-line options, torchtitan's names included. Raises
@@ -254,7 +259,7 @@ def load_config(argv: list[str]) -> JobConfig:
         field_type = _field_type(torchtitan.ALIASES.get(key, key))
         if value is None and field_type is not None and _unwrap_optional(field_type)[0] is not bool:
             raise ConfigError(f"--{key} needs a value")
-    config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
+    config_file = _config_file(pairs)
     file_settings = _read_toml(config_file) if config_file else []
     sources = [(file_settings, f" in {config_file}")] if config_file else []
     # A run's resolved config names the file it was made from; any other file thinks it reads one.
@@ -285,7 +290,7 @@ def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
     ``argv`` or in the config file it names) called by that name, the one the user knows."""
     try:
         pairs = _parse_cli(argv)
-        config_file = next((v for k, v in reversed(pairs) if k == "job.config_file"), None)
+        config_file = _config_file(pairs)
         file_keys = [key for key, _ in _read_toml(config_file)] if config_file else []
     except ConfigError:  # unreadable: the error says so, naming no option
         return error

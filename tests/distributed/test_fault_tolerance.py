@@ -528,8 +528,9 @@ def test_whole_job_killed_and_started_again_by_hand(tmp_path, reference):
 def test_a_fine_tune_restarted_by_torchrun_trains_as_the_uninterrupted_one(tmp_path, reference):
     """A job started from another run's checkpoint without its optimizer, data position and step
     (exclude_from_loading): torchrun's restart after a killed rank loads the launch's own newest
-    checkpoint whole, through run_train.sh and under torchrun alone, and every loss is the uninterrupted job's (before, the restart left those
-    parts out of it again: the data read again from the start and the optimizer reset, mid-run)."""
+    checkpoint whole, through run_train.sh and under torchrun alone, and every loss is the
+    uninterrupted job's (before, the restart left those parts out of it again: the data read again
+    from the start and the optimizer reset, mid-run)."""
     start = os.path.join(reference[0], "checkpoint", "step-4")
     fine_tune = [*CHECKPOINTED, "--checkpoint.initial_load_path", start, "--checkpoint.initial_load_model_only=false"]
     fine_tune += ["--checkpoint.exclude_from_loading", "optimizer,dataloader,train_state", "--metrics.log_freq", "1"]
