@@ -216,7 +216,14 @@ def complete_checkpoints(folder: str) -> list[tuple[int, str]]:
 def check_resume(config: Checkpoint, folder: str) -> None:
     """ConfigError for a resume the options contradict: ``load_step`` with no such checkpoint in
     ``folder``; ``train_state`` excluded while ``folder`` holds checkpoints to resume from (the
-    step count would start again at 1 and the run's saves replace them)."""
+    step count would start again at 1 and the run's saves replace them); and, unless
+    ``load_only``, a step-N entry in ``folder`` that no save here left (``foreign_step_entry``),
+    which a save of that step would write into and keep_latest_k then delete."""
+    if not config.load_only and (foreign := foreign_step_entry(folder)):
+        raise ConfigError(
+            f"checkpoint.folder: {foreign}; a save of that step would write into it: move it away, or give "
+            "another checkpoint.folder or job.dump_folder"
+        )
     if config.load_step >= 0:
         complete_checkpoint_at(folder, config.load_step)
     if "train_state" in config.exclude_from_loading and (found := complete_checkpoints(folder)):
@@ -225,6 +232,28 @@ def check_resume(config: Checkpoint, folder: str) -> None:
             "would start again at 1 and this run's saves replace its checkpoints; to start a new run from it, "
             "give it as checkpoint.initial_load_path with another checkpoint.folder or job.dump_folder"
         )
+
+
+def foreign_step_entry(folder: str) -> str | None:
+    """What is wrong with the first step-N entry of ``folder`` that no save here left, if any: a
+    file, or a folder holding other files than a save writes, or another tool's complete DCP
+    checkpoint (``.metadata`` without a marker or config.toml; torchtitan's has neither)."""
+    if not os.path.isdir(folder):
+        return None
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not _STEP_FOLDER.match(name):
+            continue
+        if not os.path.isdir(path):
+            return f"{path} is a file, where a save writes a folder"
+        if is_complete(path):
+            continue
+        names = os.listdir(path)
+        ours = all(_SAVE_FILE.fullmatch(n) and os.path.isfile(os.path.join(path, n)) for n in names)
+        # A save writes its config.toml first and DCP's .metadata last.
+        if not ours or (".metadata" in names and RESOLVED_CONFIG_FILE not in names):
+            return f"{path} holds files no save of this trainer wrote (another tool's checkpoint, or yours)"
+    return None
 
 
 def check_seed_target(folder: str) -> None:
@@ -409,10 +438,13 @@ def verify_files(path: str, require_marker: bool = True, rank: int = 0, world_si
         file, size = os.path.join(path, name), marker["files"][name]
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} is missing")
-        if os.path.getsize(file) != size:
-            raise CheckpointError(f"{file} is truncated or changed: {os.path.getsize(file)} bytes, expected {size}")
-        if name in expected_crcs and (crc := file_crc32(file)) != expected_crcs[name]:
-            raise CheckpointError(f"{file} is corrupt: its CRC-32 is {crc}, the marker says {expected_crcs[name]}")
+        try:
+            if os.path.getsize(file) != size:
+                raise CheckpointError(f"{file} is truncated or changed: {os.path.getsize(file)} bytes, expected {size}")
+            if name in expected_crcs and (crc := file_crc32(file)) != expected_crcs[name]:
+                raise CheckpointError(f"{file} is corrupt: its CRC-32 is {crc}, the marker says {expected_crcs[name]}")
+        except OSError as e:  # unreadable: every rank's verdict is gathered, none may leave early
+            raise CheckpointError(f"{file}: {e.strerror}") from None
 
 
 def _read_metadata(path: str) -> Metadata:
@@ -671,8 +703,12 @@ class CheckpointManager:
         for _, path in complete_checkpoints(self.folder)[keep:]:
             # The marker goes first: a deletion cut short leaves an incomplete folder, never a
             # complete-looking one with files missing.
-            os.remove(os.path.join(path, COMPLETE_MARKER))
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                os.remove(os.path.join(path, COMPLETE_MARKER))
+                shutil.rmtree(path)
+            except OSError as e:  # in the purge's thread, which nothing waits on for an error
+                logger.warning("deleting %s (keep_latest_k=%d) failed: %s", path, keep, typed_first_line(e))
+                continue
             logger.info("checkpoint deleted (keep_latest_k=%d): %s", keep, path)
 
     # ------------------------------------------------------------------ loading
@@ -705,7 +741,10 @@ class CheckpointManager:
         else:
             whole = not self.config.initial_load_model_only
             parts = self._wanted_parts(path) if whole else ["model"]
-            self._load_checked(path, parts, require_marker=False, option="checkpoint.initial_load_path")
+            try:
+                self._load_checked(path, parts, require_marker=False, option="checkpoint.initial_load_path")
+            except CheckpointError as e:  # the same files again at a restart
+                raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
             if whole:
                 logger.info("initial state loaded from %s", path)
                 return path
@@ -744,20 +783,31 @@ class CheckpointManager:
         check_resume(self.config if first else restart, self.folder)
         if first and self.config.load_step >= 0:
             path = complete_checkpoint_at(self.folder, self.config.load_step)
+            try:
+                self._load_checked(path, self._wanted_parts(path))
+            except CheckpointError as e:  # a restart would fall back to another checkpoint
+                raise ConfigError(f"checkpoint.load_step {self.config.load_step}: {e}") from None
             self._tidy_after_resume(self.config.load_step, chosen=True)
-            self._load_checked(path, self._wanted_parts(path))
             return self.config.load_step
         return self._resume_newest()
 
     def _resume_newest(self) -> int | None:
+        errors = []
         for step, path in complete_checkpoints(self.folder):
             try:
                 self._load_checked(path, self._wanted_parts(path))
             except CheckpointError as e:
                 logger.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
+                errors.append(f"step-{step}: {e}")
                 continue
             self._tidy_after_resume(step)
             return step
+        if errors:
+            # Starting afresh would train from step 1 and save over them.
+            raise ConfigError(
+                f"checkpoint.folder: none of the checkpoints in {self.folder} loads ({'; '.join(errors)}); move them "
+                "away to start afresh"
+            )
         self._tidy_after_resume(None)
         return None
 
@@ -874,33 +924,22 @@ class CheckpointManager:
 
     def _tidy_after_resume(self, loaded_step: int | None, chosen: bool = False) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than
-        the step resumed from (they failed to load, or checkpoint.load_step chose an older one: ``chosen``), so
-        that later saves start from empty folders. A step folder that no save of a run here left
-        (other files in it, or another tool's complete DCP checkpoint) is left alone."""
+        the step resumed from (they failed to load, or checkpoint.load_step chose an older one:
+        ``chosen``), so that later saves start from empty folders (``check_resume`` has refused
+        any other step-N entry). A ``load_only`` run, which saves nothing, changes nothing."""
+        if self.config.load_only:
+            return
         if self.rank == 0:
             for step, path in checkpoint_folders(self.folder):
                 if not is_complete(path):
-                    self._remove_cut_short(path)
+                    logger.info("removing incomplete checkpoint %s", path)
+                    shutil.rmtree(path, ignore_errors=True)
                 elif loaded_step is None or step > loaded_step:
                     aside = free_path(f"{path}.{'not-resumed' if chosen else 'unloadable'}")
                     os.rename(path, aside)
                     why = f"newer than checkpoint.load_step {loaded_step}" if chosen else "unloadable"
                     logger.warning("moved the checkpoint %s (%s) to %s", path, why, aside)
         dist.barrier(group=self.group)
-
-    @staticmethod
-    def _remove_cut_short(path: str) -> None:
-        names = os.listdir(path)
-        ours = all(_SAVE_FILE.fullmatch(name) and os.path.isfile(os.path.join(path, name)) for name in names)
-        # A save writes its config.toml first and DCP's .metadata last: .metadata alone is a
-        # checkpoint another tool completed (torchtitan's has no marker).
-        if ours and (RESOLVED_CONFIG_FILE in names or ".metadata" not in names):
-            logger.info("removing incomplete checkpoint %s", path)
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            logger.warning(
-                "%s holds files no save wrote (another tool's checkpoint, or yours): left alone, not resumed from", path
-            )
 
     def close(self) -> None:
         """Waits for the save in flight and for deletions."""

@@ -316,6 +316,8 @@ class Trainer:
         policy = self.config.training.nonfinite_policy
         what = f"non-finite loss {step_metrics['loss']} or grad norm {step_metrics['grad_norm']} at step {step}"
         if policy == "error":
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # every rank sees the same loss: the save in flight completes
             raise NonFiniteError(f"{what} (training.nonfinite_policy=error)")
         if policy == "skip_step":
             logger.warning("%s: update skipped, batch dropped (training.nonfinite_policy=skip_step)", what)

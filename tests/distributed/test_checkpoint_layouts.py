@@ -22,6 +22,7 @@ from tests.launch import (
     train_command,
     unloadable_checkpoints,
 )
+from trainer.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -129,7 +130,8 @@ def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
 def test_nonfinite_policies(tmp_path, one_process):
     """NaN gradients at step 3. skip_step drops that update and batch; rollback to the step-2
     checkpoint, going on past the bad batch, must end in exactly the same place; error stops
-    with one line."""
+    with one line, once the step-2 save still in the background is complete (until 2026-11-30 it
+    was left without its marker, and a restart resumed from the step before)."""
     common = ["--training.steps", "5", *SMALL, "--debug.fail_at_step", "3", "--debug.failure", "nan"]
     clean = one_process  # a constant learning rate: the run's length does not matter
     skipped = losses_by_step(run_train(str(tmp_path / "skip"), 1, *common, "--training.nonfinite_policy", "skip_step"))
@@ -148,9 +150,17 @@ def test_nonfinite_policies(tmp_path, one_process):
     assert skipped == rolled
     assert [skipped[s] for s in (1, 2)] == [clean[s] for s in (1, 2)] and skipped[3] != clean[3]
 
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async"]
     result = subprocess.run(
-        train_command(str(tmp_path / "error"), 1, *common), cwd=REPO, capture_output=True, text=True, timeout=300
+        train_command(str(tmp_path / "error"), 1, *common, *saving),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 1
     assert "error: non-finite loss" in result.stderr and "at step 3 (training.nonfinite_policy=error)" in result.stderr
     assert "Traceback" not in result.stderr
+    assert complete_checkpoints(str(tmp_path / "error" / "checkpoint")) == [
+        (2, str(tmp_path / "error" / "checkpoint" / "step-2"))
+    ]

@@ -295,10 +295,10 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, reference):
     shard = os.path.join(newest, "__1_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(1000)
-    # Asked for explicitly: a one-line error naming the file.
+    # Asked for explicitly: a one-line error naming the option and the file.
     result = launch_train(dump, 2, *CHECKPOINTED, "--checkpoint.load_step", "12", check=False)
     assert result.returncode != 0
-    assert f"error: {shard} is truncated or changed" in result.stderr
+    assert f"error: checkpoint.load_step 12: {shard} is truncated or changed" in result.stderr
     # Auto-resume: step 8 instead (steps 9-12 logged once each), then the same losses.
     result = launch_train(dump, 2, *CHECKPOINTED)
     assert resumed_from(result.stdout + result.stderr) == [8]

@@ -327,6 +327,11 @@ CASES: list[tuple[str, list[str], str]] = [
         + ["--checkpoint.folder", "{d}/seeded"],
         "checkpoint.create_seed_checkpoint: {d}/seeded/step-0 already holds a checkpoint",
     ),
+    (  # another tool's checkpoint (no marker): a save of step 2 would write into it
+        "checkpoint",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/titan_ckpts"],
+        "checkpoint.folder: {d}/titan_ckpts/step-2 holds files no save of this trainer wrote",
+    ),
     (  # a model card added to an earlier export: the export replaces the folder whole
         "checkpoint",
         ["--checkpoint.enable", "--checkpoint.export_hf", "--checkpoint.folder", "{d}/exported"],
@@ -497,6 +502,7 @@ def _prepare(d) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "narrow_ckpt"))
         dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "seeded" / "step-0"))
+        dcp.save({"tok_embeddings.weight": torch.zeros(2, 3)}, checkpoint_id=str(d / "titan_ckpts" / "step-2"))
     hf = d / "hf_text_sizes"  # sizes as text and a negative epsilon: a TypeError in torch otherwise
     hf.mkdir()
     sizes = {"hidden_size": "256", "num_hidden_layers": 6, "num_attention_heads": 16, "intermediate_size": 768}

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import zlib
 
 import pytest
@@ -28,6 +29,7 @@ from trainer.checkpoint import (
     CheckpointManager,
     ChecksummedWriter,
     TrainState,
+    check_resume,
     checkpoint_folders,
     file_crc32,
     verify_checkpoint,
@@ -211,14 +213,16 @@ def test_every_way_of_loading_checks_the_content(tmp_path, how):
     Run(str(tmp_path)).train(2)
     step_2 = tmp_path / "checkpoint" / "step-2"
     flip_one_byte(next(step_2.glob("*.distcp")))
+    # A checkpoint named by an option is refused naming it (exit 2: a restart meets the same files).
     if how == "load_step":
-        with pytest.raises(CheckpointError, match=re.escape(f"{step_2}/__0_0.distcp is corrupt")):
+        with pytest.raises(ConfigError, match=re.escape(f"checkpoint.load_step 2: {step_2}/__0_0.distcp is corrupt")):
             Run(str(tmp_path), load_step=2).manager.resume()
     elif how == "rollback":
         assert Run(str(tmp_path)).manager.rollback() == 1  # step 2 is named in a warning and skipped
     else:
         fresh = Run(str(tmp_path / "other"), initial_load_path=str(step_2))
-        with pytest.raises(CheckpointError, match=re.escape(f"{step_2}/__0_0.distcp is corrupt")):
+        expected = f"checkpoint.initial_load_path: {step_2}/__0_0.distcp is corrupt"
+        with pytest.raises(ConfigError, match=re.escape(expected)):
             fresh.manager.load_at_start()
 
 
@@ -264,11 +268,16 @@ def test_corrupt_metadata_is_named(tmp_path):
 
 
 def test_explicit_load_step_reports_instead_of_falling_back(tmp_path):
-    Run(str(tmp_path)).train(2)
+    """A load_step that does not load is a refusal naming it, and the newer checkpoints stay where
+    they are: until 2026-11-30 they were moved aside first, the error restarted the job, and the
+    restart, which does not go back to load_step, resumed from an older one."""
+    Run(str(tmp_path)).train(3)
     shard = next((tmp_path / "checkpoint" / "step-2").glob("*.distcp"))
     shard.write_bytes(b"")
-    with pytest.raises(CheckpointError, match=str(shard)):
+    with pytest.raises(ConfigError, match=f"checkpoint.load_step 2: {shard}"):
         Run(str(tmp_path), load_step=2).manager.resume()
+    assert steps_on_disk(str(tmp_path)) == [3, 2, 1]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-1", "step-2", "step-3"]
     with pytest.raises(ConfigError, match="checkpoint.load_step: no complete checkpoint step-7"):
         Run(str(tmp_path), load_step=7).manager.resume()
 
@@ -282,30 +291,74 @@ def test_incomplete_save_is_never_loaded_and_is_removed(tmp_path):
     assert steps_on_disk(str(tmp_path)) == [1]
 
 
-def test_only_a_save_of_a_run_here_cut_short_is_removed(tmp_path, caplog):
+def test_only_a_save_of_a_run_here_cut_short_is_removed(tmp_path):
     """Step folders without the marker are removed only when they hold nothing but what a save
-    writes, begun (its config.toml first) or shards alone: another tool's complete DCP checkpoint
-    (torchtitan's, in the same step-N layout, has no marker) and a folder with a user's file stay,
-    and are not resumed from."""
+    writes, begun (its config.toml first) or shards alone."""
     run = Run(str(tmp_path))
     run.train(3)
     folder = tmp_path / "checkpoint"
     os.remove(folder / "step-3" / COMPLETE_MARKER)  # cut short after DCP's metadata
-    for name in ("step-1", "step-2"):  # another tool's: complete DCP checkpoints, no marker, no config
-        os.remove(folder / name / COMPLETE_MARKER)
-        os.remove(folder / name / "config.toml")
-    (folder / "step-2" / "notes.txt").write_text("mine")
     (folder / "step-5").mkdir()  # cut short before anything was written
     (folder / "step-6").mkdir()  # shards alone: a save cut short before its metadata
     (folder / "step-6" / "__1_0.distcp").write_bytes(b"partial")
-    with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
-        assert Run(str(tmp_path), seed=1).manager.resume() is None
+    assert Run(str(tmp_path), seed=1).manager.resume() == 2
     assert steps_on_disk(str(tmp_path)) == [2, 1]
-    assert (folder / "step-2" / "notes.txt").read_text() == "mine"
-    assert (
-        f"{folder / 'step-1'} holds files no save wrote (another tool's checkpoint, or yours): left alone"
-        in caplog.text
-    )
+
+
+@pytest.mark.parametrize("entry", ["another_tools_checkpoint", "users_file", "file"])
+def test_a_step_entry_no_save_left_is_refused_and_kept(tmp_path, entry):
+    """Another tool's complete DCP checkpoint (torchtitan's, in the same step-N layout, has no
+    marker and no config.toml), a step folder holding a user's file, or a file named step-N: a
+    save of that step would write into it (keep_latest_k then deleted it whole), so the run is
+    refused before it starts, naming it; it stays as it was. A load_only run, which saves nothing,
+    goes on."""
+    Run(str(tmp_path)).train(2)
+    folder = tmp_path / "checkpoint"
+    step_3 = folder / "step-3"
+    if entry == "file":
+        step_3.write_text("mine")
+        why = "is a file, where a save writes a folder"
+    else:
+        shutil.copytree(folder / "step-2", step_3)
+        os.remove(step_3 / COMPLETE_MARKER)
+        if entry == "users_file":
+            (step_3 / "notes.txt").write_text("mine")
+        else:
+            os.remove(step_3 / "config.toml")
+        why = "holds files no save of this trainer wrote"
+    before = sorted(os.listdir(step_3)) if step_3.is_dir() else step_3.read_text()
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint.folder: {step_3} {why}")):
+        check_resume(Checkpoint(enable=True), str(folder))
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint.folder: {step_3} {why}")):
+        Run(str(tmp_path), seed=1).manager.resume()
+    assert Run(str(tmp_path), seed=1, load_only=True).manager.resume() == 2
+    assert (sorted(os.listdir(step_3)) if step_3.is_dir() else step_3.read_text()) == before
+
+
+def test_a_load_only_run_changes_nothing_on_disk(tmp_path):
+    """load_only saves nothing, so it moves and deletes nothing either: a verification run at an
+    older load_step left the newer checkpoints aside, and the next run resumed from the older."""
+    Run(str(tmp_path)).train(3)
+    folder = tmp_path / "checkpoint"
+    os.remove(folder / "step-3" / COMPLETE_MARKER)  # cut short
+    before = sorted(os.listdir(folder))
+    assert Run(str(tmp_path), seed=1, load_only=True, load_step=1).manager.resume() == 1
+    assert sorted(os.listdir(folder)) == before == ["step-1", "step-2", "step-3"]
+
+
+def test_when_no_checkpoint_loads_the_run_is_refused_and_they_are_kept(tmp_path):
+    """Every complete checkpoint corrupt: one error naming each, instead of moving them all aside
+    and training from step 1."""
+    Run(str(tmp_path)).train(2)
+    folder = tmp_path / "checkpoint"
+    for step in (1, 2):
+        flip_one_byte(folder / f"step-{step}" / "__0_0.distcp")
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint.folder: none of the checkpoints in .* loads \(step-2: .*step-2/__0_0.distcp is corrupt.*; step-1: .*step-1/__0_0.distcp is corrupt",
+    ):
+        Run(str(tmp_path), seed=1).manager.resume()
+    assert sorted(os.listdir(folder)) == ["step-1", "step-2"]
 
 
 def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_moved_before(tmp_path, caplog):
