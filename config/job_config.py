@@ -143,7 +143,8 @@ class Model:
     model.hf_assets_path) or tokenizer.json, a sentencepiece .model or a tiktoken BPE file; empty =
     a tokenizer trained on the default corpus."""
     default_tokenizer_vocab_size: int = 2048
-    """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty."""
+    """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty (at least
+    DEFAULT_TOKENIZER_MIN_VOCAB)."""
     converters: list[Literal["float8"]] = field(default_factory=list)
     """Conversions of the model before it is parallelized: float8 trains its nn.Linear layers with
     float8 matmuls (torchao's Float8Linear; needs the torchao package), as [float8] sets."""
@@ -158,6 +159,9 @@ MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default
 # The largest model sizes a run takes, from [model] or a Hugging Face config.json: tensor dims are
 # int32 in places, and 10,000 blocks build in seconds (a billion would hang the pre-launch check).
 MAX_MODEL_SIZE = 2**31 - 1
+# The default corpus's distinct characters, each of which the default tokenizer must hold
+# (tests/unit/test_tokenizer.py checks it against the trainer's own count).
+DEFAULT_TOKENIZER_MIN_VOCAB = 349
 MAX_LAYERS = 10_000
 
 

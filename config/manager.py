@@ -21,6 +21,7 @@ import typing
 from config import torchtitan
 from config.job_config import (
     CHECKPOINT_PARTS,
+    DEFAULT_TOKENIZER_MIN_VOCAB,
     MAX_LAYERS,
     MAX_MODEL_SIZE,
     MODEL_SIZE_FIELDS,
@@ -28,6 +29,7 @@ from config.job_config import (
     Float8,
     Job,
     JobConfig,
+    Model,
     Parallelism,
     Training,
     Validation,
@@ -240,6 +242,10 @@ def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read it: {e}") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
 
 
 def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
@@ -260,6 +266,10 @@ def load_config(argv: list[str]) -> JobConfig:
         if value is None and field_type is not None and _unwrap_optional(field_type)[0] is not bool:
             raise ConfigError(f"--{key} needs a value")
     config_file = _config_file(pairs)
+    if config_file is not None:
+        if not config_file.strip():
+            raise ConfigError("job.config_file: no file given (leave the option out for the defaults alone)")
+        _check_text("job.config_file", config_file)
     file_settings = _read_toml(config_file) if config_file else []
     sources = [(file_settings, f" in {config_file}")] if config_file else []
     # A run's resolved config names the file it was made from; any other file thinks it reads one.
@@ -405,6 +415,7 @@ def _unknown(key: str, origin: str) -> str:
 def _check_foreign(foreign: dict[str, typing.Any]) -> None:
     """One line for torchtitan options of features Tessera lacks: an error when the run cannot go
     without the feature, else a warning; one warning line for the others (left at no effect)."""
+    foreign = {key: _as_neutral_type(key, value) for key, value in foreign.items()}
     wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
     if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
         missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
@@ -415,6 +426,18 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
         logger.warning("not available in Tessera, training without them: %s", missing)
     if ignored := sorted(foreign.keys() - wanted.keys()):
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
+
+
+def _as_neutral_type(key: str, value: typing.Any) -> typing.Any:
+    """A command line's string for a foreign option, read as its neutral value's type ('1' as 1,
+    'false' as False), so that the value leaving the feature off is known as such."""
+    neutral = torchtitan.FOREIGN[key]
+    if not isinstance(value, str) or neutral is torchtitan.ANY or isinstance(neutral, str):
+        return value
+    try:
+        return _convert(key, value, type(neutral), from_cli=True)
+    except ConfigError:
+        return value  # not of the type: named as given, asking for the feature
 
 
 def _no_effect(c: JobConfig) -> dict[str, str]:
@@ -459,6 +482,8 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
         inert("metrics", ("save_tb_folder",), "metrics.enable_tensorboard is false")
     if not c.metrics.enable_tensorboard and not c.metrics.enable_wandb:
         inert("metrics", ("save_for_all_ranks",), "metrics.enable_tensorboard and metrics.enable_wandb are false")
+    if not c.debug.deterministic:
+        inert("debug", ("deterministic_warn_only",), "debug.deterministic is false")
     if c.debug.fail_at_step < 0:
         inert("debug", ("failure",), "debug.fail_at_step is -1")
     if c.debug.failure.endswith("_during_save") and not ck.enable:
@@ -475,6 +500,8 @@ def _no_effect_in_checkpoint_and_compile(c: JobConfig, inert: typing.Callable[..
             ("folder", "interval", "async_mode", "keep_latest_k", "export_dtype"),
             "checkpoint.enable is false",
         )
+    if ck.load_only:
+        inert("checkpoint", ("interval", "async_mode", "keep_latest_k"), "checkpoint.load_only saves nothing")
     if not ck.export_hf:
         inert("checkpoint", ("export_dtype",), "checkpoint.export_hf is false")
     if not ck.initial_load_path:
@@ -550,7 +577,6 @@ def validate(config: JobConfig) -> None:
         **{f"parallelism.{name}": (getattr(c.parallelism, name), 0) for name in PIPELINE_END_WEIGHTS},
         **{f"comm.{name}": (getattr(c.comm, name), 1) for name in ("init_timeout_seconds", "train_timeout_seconds")},
         "comm.trace_buf_size": (c.comm.trace_buf_size, 0),
-        "model.default_tokenizer_vocab_size": (c.model.default_tokenizer_vocab_size, 1),
         **_validation_counts(c.validation),
     }
     for key, (value, smallest) in at_least.items():
@@ -562,9 +588,7 @@ def validate(config: JobConfig) -> None:
     for key, value in {**rates, "compile.bucket_memory_cap_mb": c.compile.bucket_memory_cap_mb}.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-    low, high = c.model.rope_low_freq_factor, c.model.rope_high_freq_factor
-    if low is not None and high is not None and low >= high:  # Llama 3.1's RoPE divides by high - low
-        raise ConfigError(f"model.rope_low_freq_factor {low} is not below model.rope_high_freq_factor {high}")
+    _validate_model(c.model)
     if c.profiling.profiler_active > c.profiling.profile_freq:
         raise ConfigError(
             f"profiling.profiler_active {c.profiling.profiler_active} is more steps than a window of "
@@ -592,8 +616,24 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {lr.decay_ratio}")
 
 
+def _validate_model(model: Model) -> None:
+    """The default tokenizer holds the default corpus's characters, and RoPE's values are usable."""
+    if (vocab := model.default_tokenizer_vocab_size) < DEFAULT_TOKENIZER_MIN_VOCAB and not model.tokenizer_path:
+        raise ConfigError(
+            f"model.default_tokenizer_vocab_size must be at least {DEFAULT_TOKENIZER_MIN_VOCAB} (the default corpus's "
+            f"characters), got {vocab}"
+        )
+    if model.rope_theta is not None and model.rope_theta < 1:
+        # Its powers are RoPE's frequencies: below 1 they grow, past float range for tiny values.
+        raise ConfigError(f"model.rope_theta must be at least 1, got {model.rope_theta}")
+    low, high = model.rope_low_freq_factor, model.rope_high_freq_factor
+    if low is not None and high is not None and low >= high:  # Llama 3.1's RoPE divides by high - low
+        raise ConfigError(f"model.rope_low_freq_factor {low} is not below model.rope_high_freq_factor {high}")
+
+
 def _validate_job(job: Job) -> None:
     """The dump folder is named, and the TensorBoard run's folder is one folder inside it."""
+    _check_text("job.cache_dir (TESSERA_CACHE_DIR)", job.cache_dir)  # the environment's, unchecked
     if not job.dump_folder.strip():  # ' ' would be a folder of that name in the working folder
         raise ConfigError("job.dump_folder: no folder given ('.' is the working folder)")
     name = job.run_name

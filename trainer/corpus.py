@@ -245,6 +245,8 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{line_number}: invalid JSON (nested too deeply)") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise ValueError(f"{path}:{line_number}: expected an object with a string {text_field!r} field")
         yield record[text_field]

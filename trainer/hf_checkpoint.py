@@ -297,7 +297,7 @@ def _read_json(path: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"HF checkpoint: {path} does not exist") from None
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
         raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"HF checkpoint: {path} is not a JSON object")

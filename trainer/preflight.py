@@ -190,6 +190,8 @@ def check_output_folders(config: JobConfig) -> None:
         folders.append(("checkpoint.folder", os.path.join(dump, ckpt.folder)))
     if config.metrics.enable_tensorboard:
         folders.append(("metrics.save_tb_folder", os.path.join(dump, config.metrics.save_tb_folder)))
+        if config.job.run_name:
+            folders.append(("job.run_name", os.path.join(dump, config.metrics.save_tb_folder, config.job.run_name)))
     if config.profiling.enable_profiling:
         folders.append(("profiling.save_traces_folder", os.path.join(dump, config.profiling.save_traces_folder)))
     if config.profiling.enable_memory_snapshot:
@@ -263,7 +265,7 @@ def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]
     if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
         raise ConfigError(f"job.save_config_file: {name} is not a file inside job.dump_folder {dump}")
     saved = os.path.realpath(os.path.join(dump, name))
-    for written in (RESOLVED_CONFIG_FILE, METRICS_FILE):
+    for written in (RESOLVED_CONFIG_FILE, METRICS_FILE, VALIDATION_FILE, FOLDER_LOCK):
         if saved == os.path.realpath(os.path.join(dump, written)):
             raise ConfigError(f"job.save_config_file: {name} is the {written} the run writes")
     for option, folder in folders:
@@ -357,6 +359,10 @@ def _unwritable(folder: str) -> str | None:
         if existing == os.path.abspath(folder):
             return f"{folder} is not a folder"
         return f"cannot create {folder}: {existing} is not a folder"
+    longest = os.pathconf(existing, "PC_NAME_MAX")
+    for name in os.path.relpath(os.path.abspath(folder), existing).split(os.sep):
+        if len(os.fsencode(name)) > longest:
+            return f"cannot create {folder}: a name of {len(os.fsencode(name))} bytes, where {existing} takes {longest}"
     try:
         # A few bytes written, not only a name made: a full disk still takes new names.
         with tempfile.TemporaryFile(prefix=".tessera-write-check-", dir=existing) as probe:
@@ -451,13 +457,18 @@ def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -
 
 
 def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
-    """A dataset config or split set for local files or python_docs: they are read whole."""
+    """A dataset config or split set for local files or python_docs: they are read whole; a text
+    field for plain text: it has no records."""
     section_name = option.partition(".")[0]
     section = getattr(config, section_name)
-    defaults = {"dataset_config": "", "dataset_split": type(section)().dataset_split}
-    unused = [f"{section_name}.{name}" for name, default in defaults.items() if getattr(section, name) != default]
     dataset = corpus_of(config, option).dataset
-    if unused and (dataset == "python_docs" or is_local(dataset)):
+    unused = []
+    if dataset == "python_docs" or is_local(dataset):
+        defaults = {"dataset_config": "", "dataset_split": type(section)().dataset_split}
+        unused = [f"{section_name}.{name}" for name, default in defaults.items() if getattr(section, name) != default]
+    if (dataset == "python_docs" or dataset.endswith(".txt")) and section.dataset_text_field != "text":
+        unused.append(f"{section_name}.dataset_text_field")
+    if unused:
         logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
 
 

@@ -310,7 +310,7 @@ def _parse_hf_config(config_bytes: bytes, path: str) -> dict[str, Any]:
         return {}
     try:
         config = json.loads(config_bytes)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise ValueError(f"cannot parse {path}: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"cannot parse {path}: expected a JSON object")

@@ -253,12 +253,17 @@ class TransformerBlock(nn.Module):
 
 
 def check_args(args: TransformerModelArgs) -> None:
-    """ValueError unless the heads divide the width evenly into heads of even width."""
+    """ValueError unless the heads divide the width evenly into heads of even width, and the
+    feed-forward has a width."""
     n_kv_heads = args.n_kv_heads or args.n_heads
     if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
         raise ValueError(
             f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim, "
             f"got dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={n_kv_heads}"
+        )
+    if ffn_hidden_dim(args) < 1:
+        raise ValueError(
+            f"ffn_dim_multiplier {args.ffn_dim_multiplier} leaves the feed-forward no width at dim {args.dim}"
         )
 
 
@@ -366,7 +371,8 @@ def _init_param_(
     local = param.to_local() if isinstance(param, DTensor) else param
     if is_fake(local):  # a dry run's tensors hold no values (and rejection sampling would need them)
         return
-    generator = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    # Modulo 2**64, the generator's range; the same seeds as before for every seed that fitted.
+    generator = torch.Generator(device=local.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     if not isinstance(param, DTensor) and param.dtype == torch.float32:
         init(param, generator)
         return

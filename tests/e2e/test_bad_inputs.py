@@ -338,6 +338,20 @@ CASES: list[tuple[str, list[str], str]] = [
         "checkpoint.export_hf: {d}/exported/hf holds files no export wrote (README.md)",
     ),
     ("checkpoint", ["--comm.alpha_us", "10"], "comm.alpha_us and comm.bandwidth_gbps go together"),
+    # Each of these passed the check and failed in every rank, restarted (or trained a model without
+    # feed-forward layers, or on the defaults alone).
+    ("files", ["--job.config_file", ""], "job.config_file: no file given"),
+    ("files", ["--job.config_file", "{d}/\udcffx.toml"], "x.toml' is not valid UTF-8"),
+    ("files", ["--job.config_file", "{d}/long_int.toml"], "long_int.toml: invalid TOML: Exceeds the limit"),
+    ("files", ["--job.config_file", "{d}/deep_array.toml"], "deep_array.toml: invalid TOML: arrays or tables nested"),
+    ("files", ["--job.config_file", "{d}/deep_table.toml"], "deep_table.toml: invalid TOML: arrays or tables nested"),
+    ("files", ["--job.dump_folder", "{d}/" + "a" * 300], "job.dump_folder: cannot create {d}/aaaa"),
+    ("files", ["--job.run_name", "r" * 300], "job.run_name: cannot create {d}/dump/tb/rrrr"),
+    ("files", ["--job.save_config_file", "validation.jsonl"], "job.save_config_file: validation.jsonl is the"),
+    ("files", ["--job.save_config_file", ".tessera.lock"], "job.save_config_file: .tessera.lock is the"),
+    ("range", ["--model.ffn_dim_multiplier", "0.001"], "ffn_dim_multiplier 0.001 leaves the feed-forward no"),
+    ("range", ["--model.rope_theta", "1e-300"], "model.rope_theta must be at least 1, got 1e-300"),
+    ("range", ["--model.default_tokenizer_vocab_size", "10"], "model.default_tokenizer_vocab_size must be at least"),
     # Missing or broken files and folders.
     ("files", ["--job.config_file", "{d}/missing.toml"], "config file not found: {d}/missing.toml"),
     ("files", ["--job.config_file", "{d}/broken.toml"], "invalid TOML"),
@@ -494,6 +508,9 @@ def _prepare(d) -> None:
         "broken.model": "this is not a tokenizer\n",
         "empty.txt": "",
         "empty_list.json": "[]\n",
+        "long_int.toml": "[training]\nsteps = " + "9" * 5000 + "\n",
+        "deep_array.toml": "[training]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n",
+        "deep_table.toml": "[" + ".".join(["a"] * 3000) + "]\nx = 1\n",
     }
     for name, text in files.items():
         (d / name).write_text(text)

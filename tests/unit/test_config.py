@@ -406,6 +406,11 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
             ["--metrics.save_for_all_ranks", "--metrics.enable_tensorboard", "false"],
             "--metrics.save_for_all_ranks (metrics.enable_tensorboard and metrics.enable_wandb are false)",
         ),
+        (
+            ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.interval", "5"],
+            "--checkpoint.interval (checkpoint.load_only saves nothing)",
+        ),
+        (["--debug.deterministic_warn_only"], "--debug.deterministic_warn_only (debug.deterministic is false)"),
     ],
 )
 def test_an_option_whose_feature_is_off_is_named(argv, warning, caplog):

@@ -117,9 +117,12 @@ def test_a_split_or_config_for_local_files_is_a_warning(shards: Path, caplog: py
         assert preflight.main(["--world-size", "1", *options]) == 0
         assert preflight.main(["--world-size", "1", "--training.dataset_config", "en"]) == 0
         assert preflight.main(["--world-size", "1", "--training.dataset", str(shards)]) == 0
+        # Plain text has no records to take a field of; JSON lines and shards do.
+        assert preflight.main(["--world-size", "1", "--training.dataset_text_field", "content"]) == 0
     assert [r.getMessage() for r in caplog.records if "hub dataset" in r.getMessage()] == [
         "no effect in this run: training.dataset_split (training.dataset is read whole, not a hub dataset)",
         "no effect in this run: training.dataset_config (training.dataset is read whole, not a hub dataset)",
+        "no effect in this run: training.dataset_text_field (training.dataset is read whole, not a hub dataset)",
     ]
 
 

@@ -324,6 +324,15 @@ def test_init_is_deterministic_given_seed():
     assert not torch.equal(first.output.weight, other.output.weight)
 
 
+def test_every_64_bit_seed_initializes():
+    """debug.seed takes any 64-bit integer: the weights' generator seeds wrap modulo 2**64 (a seed
+    past about 1e13 overflowed the generator in every rank, a traceback restarted by torchrun).
+    Seeds that fitted keep their weights: torch takes a negative seed modulo 2**64 itself."""
+    args = tiny_args()
+    largest, smallest = meta_init(args, seed=2**63 - 1), meta_init(args, seed=-(2**63))
+    assert not torch.equal(largest.output.weight, smallest.output.weight)
+
+
 # ---------------------------------------------------------------------------
 # Pipeline splitting
 # ---------------------------------------------------------------------------

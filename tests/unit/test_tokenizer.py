@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from config.job_config import DEFAULT_TOKENIZER_MIN_VOCAB
 from tests.unit.conftest import DEFAULT_VOCAB_SIZE
 from trainer.tokenizer import (
     HuggingFaceTokenizer,
@@ -91,9 +92,11 @@ def test_default_tokenizer_with_too_small_vocab(
     tmp_path: Path,
     session_default_tokenizer: Tokenizer,  # corpus already parsed in this process
 ) -> None:
-    with pytest.raises(ValueError, match="vocab_size=100: Vocabulary size is smaller"):
-        default_tokenizer(str(tmp_path), 100)
-    assert not Path(default_tokenizer_path(str(tmp_path), 100)).exists()
+    """The config's floor is the trainer's own: one vocabulary entry less fails."""
+    below = DEFAULT_TOKENIZER_MIN_VOCAB - 1
+    with pytest.raises(ValueError, match=f"vocab_size={below}: .* {below} vs {DEFAULT_TOKENIZER_MIN_VOCAB}\\."):
+        default_tokenizer(str(tmp_path), below)
+    assert not Path(default_tokenizer_path(str(tmp_path), below)).exists()
 
 
 def test_a_damaged_default_tokenizer_file_is_named_with_the_cure(tmp_path: Path) -> None:

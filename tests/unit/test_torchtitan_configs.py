@@ -115,6 +115,24 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
     assert "quantize" not in warnings[0] and config.float8.filter_fqns == ["output"]
 
 
+def test_a_missing_features_off_value_on_the_command_line_is_known_as_off(tmp_path, caplog):
+    """The command line's strings read as the option's type: '1' for context parallelism and
+    'false' for CPU offload leave them off (they were compared as strings with 1 and False: an
+    error, a warning that the feature is missing)."""
+    with caplog.at_level(logging.WARNING):
+        load_config(
+            [
+                *("--job.config_file", write(tmp_path, TITAN_DEBUG)),
+                *("--parallelism.context_parallel_degree", "1", "--parallelism.expert_parallel_degree=1"),
+                *("--training.enable_cpu_offload", "false", "--fault_tolerance.enable", "False"),
+            ]
+        )
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
+    with pytest.raises(ConfigError, match=r"not available in Tessera: parallelism.context_parallel_degree=2$"):
+        load_config(["--parallelism.context_parallel_degree", "2"])
+
+
 def test_command_line_spellings(tmp_path):
     config = load_config(
         [
