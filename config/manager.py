@@ -232,6 +232,8 @@ def _flatten(table: dict, prefix: str = "") -> list[tuple[str, typing.Any]]:
 def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
     if os.path.isdir(path):
         raise ConfigError(f"config file is a folder: {path} (--job.config_file)")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/null, a pipe: read once, or empty
+        raise ConfigError(f"config file is not a regular file: {path} (--job.config_file)")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path} (--job.config_file)")
     try:
@@ -380,7 +382,11 @@ def _disagreement(first: str, first_value: typing.Any, second: str, second_value
         f"{prefix}{key} {_toml_value(not value if key in torchtitan.NEGATED else value)}"
         for key, value in ((first, first_value), (second, second_value))
     ]
-    why = "one option by Tessera's and torchtitan's names; give one"
+    why = (
+        "the same option twice; give it once"
+        if first == second
+        else "one option by Tessera's and torchtitan's names; give one"
+    )
     return f"{shown[0]} and {shown[1]}{origin} contradict each other: {why}"
 
 

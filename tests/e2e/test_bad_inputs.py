@@ -341,6 +341,12 @@ CASES: list[tuple[str, list[str], str]] = [
     # Each of these passed the check and failed in every rank, restarted (or trained a model without
     # feed-forward layers, or on the defaults alone).
     ("files", ["--job.config_file", ""], "job.config_file: no file given"),
+    ("files", ["--job.config_file", "/dev/null"], "config file is not a regular file: /dev/null"),
+    (
+        "files",
+        ["--job.config_file", "{d}/quoted_key.toml"],
+        "training.steps 5 and training.steps 3 in {d}/quoted_key.toml contradict each other: the same option twice",
+    ),
     ("files", ["--job.config_file", "{d}/\udcffx.toml"], "x.toml' is not valid UTF-8"),
     ("files", ["--job.config_file", "{d}/long_int.toml"], "long_int.toml: invalid TOML: Exceeds the limit"),
     ("files", ["--job.config_file", "{d}/deep_array.toml"], "deep_array.toml: invalid TOML: arrays or tables nested"),
@@ -509,6 +515,7 @@ def _prepare(d) -> None:
         "empty.txt": "",
         "empty_list.json": "[]\n",
         "long_int.toml": "[training]\nsteps = " + "9" * 5000 + "\n",
+        "quoted_key.toml": '"training.steps" = 5\n[training]\nsteps = 3\n',
         "deep_array.toml": "[training]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n",
         "deep_table.toml": "[" + ".".join(["a"] * 3000) + "]\nx = 1\n",
     }
