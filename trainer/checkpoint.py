@@ -447,6 +447,16 @@ def verify_files(path: str, require_marker: bool = True, rank: int = 0, world_si
             raise CheckpointError(f"{file}: {e.strerror}") from None
 
 
+def _saved_config(path: str) -> dict[str, Any]:
+    """The options of the run that saved the checkpoint ``path`` (its config.toml); empty when it
+    has none or it does not read (another tool's checkpoint, or damaged)."""
+    try:
+        with open(os.path.join(path, RESOLVED_CONFIG_FILE), "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
 def _read_metadata(path: str) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
@@ -884,6 +894,8 @@ class CheckpointManager:
         if "model" not in present:
             raise CheckpointError(f"{path} holds no model state")
         state = {part: self.states[part] for part in parts if part in present}
+        if "dataloader" in state:
+            self._check_same_loader_workers(path)
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
         except (Exception, CheckpointException) as e:
@@ -897,13 +909,22 @@ class CheckpointManager:
                 ", ".join(changes),
             )
 
+    def _check_same_loader_workers(self, path: str) -> None:
+        """The data position is each loader worker's: under another number of workers its state
+        does not load (DCP names a missing key), which is the job's option, not a bad checkpoint."""
+        section = "training"
+        saved = _saved_config(path).get(section, {}).get("dataloader_num_workers")
+        own = tomllib.loads(self.resolved_config).get(section, {}).get("dataloader_num_workers")
+        if saved is not None and own is not None and saved != own:
+            raise ConfigError(
+                f"training.dataloader_num_workers {own}: the data position in {path} was saved by {saved}; keep "
+                f"{saved}, or start the data over with --checkpoint.exclude_from_loading dataloader"
+            )
+
     def _restored_option_changes(self, path: str, parts: list[str]) -> list[str]:
         """The options this run sets otherwise than the run that saved ``path`` (its config.toml),
         among those whose values the loaded ``parts`` bring back, each with the saved value."""
-        try:
-            with open(os.path.join(path, RESOLVED_CONFIG_FILE), "rb") as f:
-                saved = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError):
+        if not (saved := _saved_config(path)):
             return []  # saved by another tool, or damaged: nothing to compare with
         own = tomllib.loads(self.resolved_config)
         changes = []

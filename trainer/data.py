@@ -194,8 +194,9 @@ class PackedTokenDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume from ``state_dict``; the DP layout may differ if the global
-        batch size is the same and the state is at a batch boundary."""
+        """Resume from ``state_dict``; the DP layout may differ if the state is at a batch
+        boundary of both: a step's end is one for any layout of the step's global batch, whatever
+        its gradient accumulation."""
         missing = sorted(self.state_dict().keys() - state_dict.keys())
         if missing:
             raise ValueError(f"data state lacks {', '.join(missing)}: not saved by PackedTokenDataset")
@@ -205,11 +206,15 @@ class PackedTokenDataset(IterableDataset):
                     f"data state has {name}={state_dict[name]}, this dataset has "
                     f"{name}={getattr(self, name)}: different corpus, tokenizer, seq_len or seed"
                 )
-        saved_global_batch = state_dict["local_batch_size"] * state_dict["dp_world_size"]
-        if saved_global_batch != self.global_batch_size:
+        saved_round = state_dict["local_batch_size"] * state_dict["dp_world_size"]
+        at_start_of_a_round = state_dict["index_in_slice"] == 0 and state_dict["chunk_stride"] == 1
+        if saved_round != self.global_batch_size and not (
+            at_start_of_a_round and state_dict["chunk_start"] % self.global_batch_size == 0
+        ):
             raise ValueError(
-                f"data state has global batch size {saved_global_batch}, "
-                f"this loader has {self.global_batch_size} (dp_world_size * local_batch_size)"
+                f"data state is at sample {state_dict['chunk_start'] + state_dict['index_in_slice']} of batches of "
+                f"{saved_round}, where no batch of this loader's {self.global_batch_size} "
+                "(dp_world_size * local_batch_size) begins"
             )
         same_layout = (state_dict["local_batch_size"], state_dict["dp_world_size"]) == (
             self.local_batch_size,

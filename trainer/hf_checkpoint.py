@@ -318,8 +318,8 @@ def _weight_files(folder: str) -> dict[str, StoredWeight]:
     index_path = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"HF checkpoint: {index_path} has no 'weight_map'")
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"HF checkpoint: {index_path} has no 'weight_map' of tensor names to file names")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(folder, SINGLE_FILE)):
         files = [SINGLE_FILE]

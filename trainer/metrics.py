@@ -21,6 +21,7 @@ import torch
 
 from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError, first_line
 from parallelisms.device import PeakFlops, peak_memory_bytes
+from parallelisms.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,13 @@ class ThroughputTracker:
         }
         self.reset()
         return summary
+
+
+def tokens_of_this_rank(microbatches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> int:
+    """This rank's share of the step's tokens, so that tokens/s and TFLOP/s stay per rank: the
+    ranks of a pipeline, and of a tensor-parallel group, all see their data-parallel rank's batch
+    (torchtitan divides by the same degrees)."""
+    return sum(x.numel() for x, _ in microbatches) // (dims.pp * dims.tp)
 
 
 def format_duration(seconds: float) -> str:
@@ -344,7 +352,7 @@ class MetricsLogger:
     ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
     data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
     unknown). ``total_steps`` and ``tokens_per_step`` (global) feed the progress, ETA and summary;
-    ``clock`` returns seconds (tests inject a fake one).
+    ``clock`` returns seconds (tests inject a fake one). ``start`` comes before the first ``log``.
     """
 
     def __init__(
@@ -370,11 +378,6 @@ class MetricsLogger:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(dump_folder, METRICS_FILE)
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-        if enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(tensorboard_dir)
-            logger.info("TensorBoard logs in %s", tensorboard_dir)
         self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
     def start(self, step: int, new_run: bool = False) -> None:
@@ -384,6 +387,13 @@ class MetricsLogger:
         self.progress.start(step)
         if self._earlier_events and new_run:
             _move_events_aside(self.tensorboard_dir, self._earlier_events)
+        if self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resume's first event hides the earlier attempts' events from its first step on
+            # (TensorBoard's purge), which it logs again: one point per step.
+            self._tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=step + 1 if step else None)
+            logger.info("TensorBoard logs in %s", self.tensorboard_dir)
         if self._jsonl is not None and new_run:
             self._jsonl.close()
             for name in (METRICS_FILE, VALIDATION_FILE):

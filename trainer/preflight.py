@@ -396,7 +396,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
         except (ValueError, OSError) as e:
             problems.append(_dataset_problem(config, option, e))
         _warn_hub_options_unused(config, option)
-    _warn_validation_of_another_corpus(config)
+    _warn_of_the_validation_corpus(config)
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
     vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
     if config.model.tokenizer_path:
@@ -472,16 +472,28 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
         logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
 
 
-def _warn_validation_of_another_corpus(config: JobConfig) -> None:
-    """Validation left on the default corpus while training reads another: its loss would be of the
-    Python documentation, which nothing in the run's output says."""
-    training = config.training.dataset
-    if config.validation.enable and config.validation.dataset == DEFAULT_DATASET and training != DEFAULT_DATASET:
+def _warn_of_the_validation_corpus(config: JobConfig) -> None:
+    """Validation on training's own corpus: the windows it scores are ones training reads (with
+    the seed plus one, in the order of training's second epoch), so its loss is no held-out loss.
+    Validation left on the default corpus while training reads another: its loss would be of the
+    Python documentation. Nothing in the run's output says either."""
+    if not config.validation.enable:
+        return
+    training, validation = corpus_of(config, "training.dataset"), corpus_of(config, "validation.dataset")
+    read_whole = training.dataset == DEFAULT_DATASET or is_local(training.dataset)  # config and split unused
+    if validation == training or (read_whole and validation.dataset == training.dataset):
+        logger.warning(
+            "validation.dataset reads training's corpus (%s): the windows it scores are ones training reads too "
+            "(its whole second epoch in the same order); give validation.dataset a held-out corpus",
+            config.validation.dataset,
+        )
+        return
+    if config.validation.dataset == DEFAULT_DATASET and config.training.dataset != DEFAULT_DATASET:
         logger.warning(
             "validation.dataset is %s while training.dataset is %s: the validation loss is of the Python "
             "documentation; give validation.dataset the held-out part of the training corpus",
             DEFAULT_DATASET,
-            training,
+            config.training.dataset,
         )
 
 

@@ -274,10 +274,10 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer from a config value: ``""``/``"default"``, a Hugging Face tokenizer
+    """Tokenizer from a config value: ``""`` (the default tokenizer), a Hugging Face tokenizer
     folder (``tokenizer.json`` + ``tokenizer_config.json``) or a tokenizer file
     (``tokenizer.json``, sentencepiece ``.model`` or tiktoken BPE)."""
-    if path in ("", "default"):
+    if not path:
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
 

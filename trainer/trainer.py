@@ -26,7 +26,7 @@ from trainer.distributed import init_distributed, is_first_attempt, parallel_dim
 from trainer.fault_injection import FailureInjector
 from trainer.hf_checkpoint import job_export_assets, job_model_args
 from trainer.loss import Loss
-from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib
+from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib, tokens_of_this_rank
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.preflight import check_output_folders, claim_folders, write_run_file
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
@@ -299,9 +299,7 @@ class Trainer:
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
         """Metrics, checkpoint and validation after a completed step."""
         step, config = self.step, self.config
-        # The ranks of a pipeline share its tokens: count this rank's share, so that tokens/s and
-        # TFLOPs stay per rank.
-        self.throughput.add_tokens(sum(x.numel() for x, _ in microbatches) // self.parallel_dims.pp)
+        self.throughput.add_tokens(tokens_of_this_rank(microbatches, self.parallel_dims))
         self.metrics.step_done(step, step_metrics["loss"])
         if log or step % config.metrics.log_freq == 0 or step == config.training.steps:
             summary = self.throughput.summarize(self.model.flops_per_token, self.peak_flops)

@@ -278,7 +278,7 @@ def args_from_hf_config(
     )
     if ffn_hidden_dim(args) != config["intermediate_size"]:
         args = dataclasses.replace(args, ffn_dim=config["intermediate_size"])
-    if config.get("head_dim", args.head_dim) != args.head_dim:
+    if config.get("head_dim") not in (None, args.head_dim):  # null: derived, as transformers reads it
         raise ValueError(
             f"{source}: head_dim={config['head_dim']} but hidden_size / num_attention_heads = {args.head_dim}"
         )

@@ -610,3 +610,37 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path)
         for batch in rank_batches:
             consumed += take_window_ids(batch, 1)[0]
     assert consumed == global_order(28)
+
+
+def test_another_number_of_loader_workers_is_named_not_taken_for_a_bad_checkpoint(tmp_path):
+    """The data position is each loader worker's: resumed with other dataloader_num_workers it
+    does not load (DCP: a missing key), which until 2026-11-30 made every checkpoint unloadable.
+    Now one line names the option, and leaving the data position out resumes the rest."""
+    Run(str(tmp_path), resolved_config="[training]\ndataloader_num_workers = 0\n").train(2)
+    other = "[training]\ndataloader_num_workers = 2\n"
+    expected = "training.dataloader_num_workers 2: the data position in .*step-2 was saved by 0; keep 0, or start"
+    with pytest.raises(ConfigError, match=expected):
+        Run(str(tmp_path), seed=1, resolved_config=other).manager.resume()
+    resumed = Run(str(tmp_path), seed=1, resolved_config=other, exclude_from_loading=["dataloader"])
+    assert resumed.manager.resume() == 2 and resumed.data.position == 0
+
+
+def test_a_step_saved_with_gradient_accumulation_resumes_at_a_layout_without(tmp_path):
+    """A global batch of 4: saved by one rank accumulating two microbatches of 2, resumed by two
+    ranks of 2 in one microbatch each. The loaders' batches differ (2 against 4), yet the saved
+    step's end is where a batch of both begins (until 2026-11-30 refused: another batch size)."""
+    single = arange_loader(local_batch_size=2)
+    batches = iter(single)
+    consumed = sum(take_window_ids(batches, 4), [])  # two steps of two microbatches
+    run = Run(str(tmp_path), data=single)
+    run.manager.write(2)
+    run.manager.close()
+
+    ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
+    for rank in ranks:
+        Run(str(tmp_path), data=rank).manager.resume()
+    rank_batches = [iter(rank) for rank in ranks]
+    for _ in range(3):
+        for batch in rank_batches:
+            consumed += take_window_ids(batch, 1)[0]
+    assert consumed == global_order(20)

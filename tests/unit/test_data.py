@@ -291,8 +291,11 @@ def test_state_mismatch_is_rejected() -> None:
     state = dataset.state_dict()
     with pytest.raises(ValueError, match="seed"):
         arange_dataset(local_batch_size=2).load_state_dict({**state, "seed": SEED + 1})
-    with pytest.raises(ValueError, match="global batch size 2.*has 4"):
-        arange_dataset(local_batch_size=4).load_state_dict(state)
+    # Batches of 2 into batches of 4 (gradient accumulation at one layout, none at another): at
+    # sample 2 no batch of 4 begins; at sample 4 one does.
+    with pytest.raises(ValueError, match="at sample 2 of batches of 2, where no batch of this loader's 4"):
+        arange_dataset(local_batch_size=4).load_state_dict({**state, "chunk_start": 2})
+    arange_dataset(local_batch_size=4).load_state_dict({**state, "chunk_start": 4})
     with pytest.raises(ValueError, match="lacks chunk_start"):
         state_without_position = {k: v for k, v in state.items() if k != "chunk_start"}
         arange_dataset(local_batch_size=2).load_state_dict(state_without_position)

@@ -371,6 +371,24 @@ def test_truncated_safetensors(exported, tmp_path):
         load_hf_weights([model], broken)
 
 
+def test_an_index_whose_weight_map_is_not_of_file_names_is_named(exported, tmp_path):
+    """A number where a file name goes was a TypeError in the pre-launch check."""
+    model, folder = exported
+    broken = copy_export(folder, tmp_path)
+    index = os.path.join(broken, "model.safetensors.index.json")
+    open(index, "w").write(json.dumps({"weight_map": {"tok_embeddings.weight": 5}}))
+    with pytest.raises(ValueError, match=f"{index} has no 'weight_map' of tensor names to file names"):
+        load_hf_weights([model], broken)
+
+
+def test_a_null_head_dim_is_the_derived_one_as_transformers_reads_it():
+    config = hf_config(DEBUG_ARGS, torch.float32)
+    config.pop("head_dim", None)
+    assert args_from_hf_config(config | {"head_dim": None}) == args_from_hf_config(config)
+    with pytest.raises(ValueError, match="head_dim=32 but hidden_size / num_attention_heads = 16"):
+        args_from_hf_config(config | {"head_dim": 32})
+
+
 def test_config_mismatch(exported, tmp_path):
     model, folder = exported
     broken = copy_export(folder, tmp_path)

@@ -129,7 +129,9 @@ def test_a_split_or_config_for_local_files_is_a_warning(shards: Path, caplog: py
 def test_validation_left_on_the_default_corpus_while_training_reads_another_is_a_warning(
     shards: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its loss would be of the Python documentation, without a word until 2026-11-29."""
+    """Its loss would be of the Python documentation, without a word until 2026-11-29. Validation
+    on training's own corpus (the default for both) scores windows training reads: a warning too
+    since 2026-11-30 (the README had said the seed plus one gives other windows)."""
     with caplog.at_level("WARNING"):
         assert preflight.main(["--world-size", "1", "--validation.enable"]) == 0
         assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), "--validation.enable"]) == 0
@@ -137,8 +139,10 @@ def test_validation_left_on_the_default_corpus_while_training_reads_another_is_a
         assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), *held_out]) == 0
         assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), "--validation.steps", "2"]) == 0
     assert [r.getMessage() for r in caplog.records if "validation.dataset" in r.getMessage()] == [
+        "validation.dataset reads training's corpus (python_docs): the windows it scores are ones training reads "
+        "too (its whole second epoch in the same order); give validation.dataset a held-out corpus",
         f"validation.dataset is python_docs while training.dataset is {shards}: the validation loss is of the "
-        "Python documentation; give validation.dataset the held-out part of the training corpus"
+        "Python documentation; give validation.dataset the held-out part of the training corpus",
     ]
 
 

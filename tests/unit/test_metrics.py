@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from parallelisms import device
 from parallelisms.device import PeakFlops, device_peak, device_peak_flops, reset_peak_memory
+from parallelisms.parallel_dims import ParallelDims
 from trainer.metrics import (
     MetricsLogger,
     RunProgress,
@@ -24,6 +25,7 @@ from trainer.metrics import (
     format_summary,
     log_peak,
     peak_memory_gib,
+    tokens_of_this_rank,
 )
 
 _JSONL_KEYS = {
@@ -253,6 +255,16 @@ def test_throughput_summary_matches_hand_computation() -> None:
     assert summary == pytest.approx({"tps": 2000.0, "tflops": 2.0, "mfu": 50.0, "data_loading_pct": 0.0})
 
 
+@pytest.mark.parametrize("tp, pp, share", [(1, 1, 512), (2, 1, 256), (1, 2, 256), (2, 2, 128)])
+def test_a_rank_counts_its_share_of_the_tokens_its_tensor_and_pipeline_peers_see(tp, pp, share) -> None:
+    """Every rank of a tensor-parallel group (and of a pipeline) sees its data-parallel rank's
+    whole batch, two microbatches of 2 x 128 here: tokens/s per rank count 1/(tp x pp) of it (until
+    2026-11-30 a TP rank counted all, and its tokens/s and MFU read tp times too high)."""
+    batch = [(torch.zeros(2, 128, dtype=torch.long), torch.zeros(2, 128, dtype=torch.long))] * 2
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=tp, pp=pp, world_size=2 * tp * pp)
+    assert tokens_of_this_rank(batch, dims) == share
+
+
 def test_throughput_without_a_peak_has_no_mfu() -> None:
     clock = FakeClock(100.0)
     tracker = ThroughputTracker(clock=clock)
@@ -427,6 +439,10 @@ def test_a_run_from_step_0_moves_an_earlier_runs_tensorboard_events_aside(tmp_pa
         "run",
         earlier.name,
     ]
+    # Restarted after step 3 again: step 4 is logged anew, and the earlier attempt's step 4 is
+    # purged (until 2026-11-30 both stayed, and the curve ran back from 4 to 4).
+    run(3, [4, 5], new_run=False)
+    assert steps_in(tensorboard_dir) == [1, 3, 4, 5]
 
 
 def test_a_wandb_run_that_cannot_start_is_a_warning_and_logging_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -468,6 +484,7 @@ def test_non_logging_rank_writes_only_its_tensorboard_when_asked(tmp_path: Path)
     metrics_logger = MetricsLogger(
         str(dump_folder), enable=False, enable_tensorboard=True, tensorboard_dir=str(tensorboard_dir)
     )
+    metrics_logger.start(0)
     metrics_logger.log(1, _step_metrics(1))
     metrics_logger.log_validation(1, 2.5)
     metrics_logger.close()
@@ -479,6 +496,7 @@ def test_non_logging_rank_writes_only_its_tensorboard_when_asked(tmp_path: Path)
 
 def test_metrics_logger_without_a_peak_prints_and_plots_no_mfu(tmp_path: Path, caplog) -> None:
     metrics_logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=True, tensorboard_dir=str(tmp_path))
+    metrics_logger.start(0)
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
         metrics_logger.log(3, _step_metrics(3) | {"mfu": math.nan})
     metrics_logger.close()

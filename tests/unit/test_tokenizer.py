@@ -81,10 +81,13 @@ def test_build_tokenizer_default_reuses_cached_model(
 ) -> None:
     path = default_tokenizer_path(default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
     modified = os.path.getmtime(path)
-    for name in ("", "default"):
-        tokenizer = build_tokenizer(name, default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
-        assert tokenizer.fingerprint == session_default_tokenizer.fingerprint
+    tokenizer = build_tokenizer("", default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
+    assert tokenizer.fingerprint == session_default_tokenizer.fingerprint
     assert os.path.getmtime(path) == modified
+    # One spelling: "default" is a path like any other (it also meant the default tokenizer here,
+    # but not to the export, which copied a file of that name, nor to the pre-launch check).
+    with pytest.raises(FileNotFoundError, match="tokenizer path not found: default"):
+        build_tokenizer("default", default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
     assert f"bpe{DEFAULT_VOCAB_SIZE}" in path and "py{}.{}".format(*sys.version_info[:2]) in path
 
 
