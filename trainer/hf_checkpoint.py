@@ -13,7 +13,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -36,7 +36,14 @@ from models.llama3.hf_adapter import (
 )
 from models.llama3.model import TransformerModelArgs
 from parallelisms.names import clean_name
-from trainer.tokenizer import HF_CONFIG_FILE, HF_TOKENIZER_FILE, MODEL_FILE, default_tokenizer_path
+from trainer.tokenizer import (
+    DEFAULT_TOKENIZER_HF_CONFIG,
+    HF_CONFIG_FILE,
+    HF_TOKENIZER_FILE,
+    MODEL_FILE,
+    default_tokenizer_path,
+    hf_tokenizer_files,
+)
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -117,6 +124,8 @@ class ExportAssets:
     """generation_config.json's content; None: no such file."""
     files: dict[str, str] = field(default_factory=dict)
     """Name in the export -> path of a file copied there (the tokenizer's)."""
+    tokenizer_config: dict | None = None
+    """tokenizer_config.json's content when no file of the tokenizer's gives one; None: none."""
 
 
 # The files of a Hugging Face tokenizer folder that an export copies.
@@ -138,8 +147,13 @@ def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) ->
     if os.path.isdir(tokenizer_path):
         candidates = {name: os.path.join(tokenizer_path, name) for name in TOKENIZER_FILES}
         files = {name: path for name, path in candidates.items() if os.path.isfile(path)}
-    else:  # a tokenizer.json, or a sentencepiece / tiktoken file: HF names the latter tokenizer.model
-        files = {HF_TOKENIZER_FILE if tokenizer_path.endswith(".json") else MODEL_FILE: tokenizer_path}
+    elif tokenizer_path.endswith(".json"):
+        # The loader read the tokenizer_config.json beside it too (special tokens, BOS/EOS).
+        files = {HF_TOKENIZER_FILE: tokenizer_path}
+        if os.path.isfile(config_path := hf_tokenizer_files(tokenizer_path)[1]):
+            files[HF_CONFIG_FILE] = config_path
+    else:  # a sentencepiece / tiktoken file: HF names it tokenizer.model
+        files = {MODEL_FILE: tokenizer_path}
     return ExportAssets(config=ids, generation_config=generation, files=files)
 
 
@@ -150,10 +164,11 @@ def job_export_assets(config: JobConfig, bos_id: int, eos_id: int) -> ExportAsse
     source = config.checkpoint.initial_load_path
     if not (source and is_hf_folder(source)):
         source = found[1] if (found := architecture_folder(config)) else ""
-    tokenizer_path = model.tokenizer_path or default_tokenizer_path(
-        config.job.cache_dir, model.default_tokenizer_vocab_size
-    )
-    return export_assets(source, tokenizer_path, bos_id, eos_id)
+    if model.tokenizer_path:
+        return export_assets(source, model.tokenizer_path, bos_id, eos_id)
+    default = default_tokenizer_path(config.job.cache_dir, model.default_tokenizer_vocab_size)
+    assets = export_assets(source, default, bos_id, eos_id)
+    return replace(assets, tokenizer_config=DEFAULT_TOKENIZER_HF_CONFIG)
 
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -214,6 +229,8 @@ def _write_folder(
             _write_json(os.path.join(tmp, GENERATION_CONFIG), assets.generation_config)
         for name, path in assets.files.items():
             shutil.copyfile(path, os.path.join(tmp, name))
+        if assets.tokenizer_config is not None:
+            _write_json(os.path.join(tmp, HF_CONFIG_FILE), assets.tokenizer_config)
         if os.path.exists(folder):
             # Move the old export aside first: the final name always holds a complete folder.
             old = _make_folder_beside(folder, "old")

@@ -457,6 +457,21 @@ def _bounded_chunks(text: str) -> Iterator[str]:
         yield text
 
 
+DEFAULT_TOKENIZER_HF_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "add_bos_token": True,  # as training frames each document
+    "add_eos_token": False,
+    "unk_token": "<unk>",  # sentencepiece's pieces of the ids _train_default_model gives them
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+    "legacy": False,
+    "add_prefix_space": False,  # no dummy prefix
+}
+"""The tokenizer_config.json an export of the default tokenizer holds: with it, transformers'
+AutoTokenizer gives BOS and then the ids this tokenizer gives (without it, no BOS)."""
+
+
 def _train_default_model(output_path: str, vocab_size: int) -> None:
     model = io.BytesIO()
     try:

@@ -13,10 +13,15 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+import torch
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from config.job_config import DEFAULT_TOKENIZER_MIN_VOCAB
+from config.manager import load_config
+from models.llama3 import Transformer
 from tests.unit.conftest import DEFAULT_VOCAB_SIZE
+from tests.unit.test_model import tiny_args
+from trainer.hf_checkpoint import export_hf, job_export_assets
 from trainer.tokenizer import (
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
@@ -89,6 +94,31 @@ def test_build_tokenizer_default_reuses_cached_model(
     with pytest.raises(FileNotFoundError, match="tokenizer path not found: default"):
         build_tokenizer("default", default_tokenizer_cache, DEFAULT_VOCAB_SIZE)
     assert f"bpe{DEFAULT_VOCAB_SIZE}" in path and "py{}.{}".format(*sys.version_info[:2]) in path
+
+
+def test_an_export_of_the_default_tokenizer_frames_text_as_training_does_in_transformers(
+    tmp_path: Path, default_tokenizer_cache: str, session_default_tokenizer: Tokenizer
+) -> None:
+    """The export's tokenizer.model and tokenizer_config.json: transformers' AutoTokenizer gives
+    BOS and then this tokenizer's ids, spaces, tabs and non-ASCII included (until 2026-11-30 the
+    export had no tokenizer_config.json, and AutoTokenizer gave no BOS)."""
+    transformers = pytest.importorskip("transformers")
+    options = [
+        "--job.cache_dir",
+        default_tokenizer_cache,
+        "--model.default_tokenizer_vocab_size",
+        str(DEFAULT_VOCAB_SIZE),
+    ]
+    tokenizer = session_default_tokenizer
+    args = tiny_args(vocab_size=DEFAULT_VOCAB_SIZE)
+    model = Transformer(args)
+    model.init_weights()
+    export = str(tmp_path / "hf")
+    assets = job_export_assets(load_config(options), tokenizer.bos_id, tokenizer.eos_id)
+    export_hf([model], args, export, torch.float32, assets=assets)
+    loaded = transformers.AutoTokenizer.from_pretrained(export)
+    for text in ("Hello world, def f(x): return x", "  two  spaces\nnewline\ttab", "ünïcödé 漢字"):
+        assert loaded(text)["input_ids"] == tokenizer.encode(text, bos=True), text
 
 
 def test_default_tokenizer_with_too_small_vocab(
