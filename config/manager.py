@@ -468,6 +468,9 @@ def _no_effect(c: JobConfig) -> dict[str, str]:
         names = [f.name for f in dataclasses.fields(Parallelism) if f.name.startswith("pipeline_parallel_")]
         pipeline = [n for n in names if n != "pipeline_parallel_degree"] + ["module_fqns_per_model_part"]
         inert("parallelism", pipeline, "no pipeline parallelism")
+    if (split := c.parallelism.pipeline_parallel_split_points) or c.parallelism.module_fqns_per_model_part:
+        given = "pipeline_parallel_split_points" if split else "module_fqns_per_model_part"
+        inert("parallelism", PIPELINE_END_WEIGHTS, f"parallelism.{given} gives the stages")
     if c.parallelism.tensor_parallel_degree == 1:
         inert("parallelism", ("enable_loss_parallel", "enable_async_tensor_parallel"), "no tensor parallelism")
     if not c.validation.enable:
@@ -517,6 +520,8 @@ def _no_effect_in_checkpoint_and_compile(c: JobConfig, inert: typing.Callable[..
     simple_fsdp_options = ("bucketing", "manual_buckets", "bucket_memory_cap_mb", "compute_flops")
     if not comp.enable:
         inert("compile", ("components", "backend", *simple_fsdp_options), "compile.enable is false")
+    if not comp.compiles_model:  # SimpleFSDP's buckets are made in the model's graph
+        inert("compile", simple_fsdp_options, "compile.components has no model")
     if c.parallelism.data_parallel_impl != "simple_fsdp":
         inert("compile", simple_fsdp_options, f"parallelism.data_parallel_impl is {c.parallelism.data_parallel_impl}")
     if comp.bucketing != "manual":

@@ -29,7 +29,7 @@ from parallelisms.bucket_plan import (
 )
 from parallelisms.bucketing import BucketingPass, data_parallel_groups
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
-from parallelisms.device import device_type, supports_async_tp
+from parallelisms.device import attention_dtype, causal_query_chunk, device_type, supports_async_tp
 from parallelisms.float8 import apply_float8, check_filter_fqns, check_float8
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
@@ -210,10 +210,7 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
         if module is None:
             continue
         numel = sum(p.numel() for p in module.parameters())
-        # An embedding lookup and a norm do no matmuls; blocks add attention scores and values.
-        forward = 0.0 if name in ("tok_embeddings", "norm") else 2.0 * numel * tokens
-        if name.startswith("layers."):
-            forward += 4.0 * tokens * args.max_seq_len * args.dim
+        forward = _forward_flops(name, numel, tokens, args)
         # Backward re-gathers only the blocks' weights: the embedding's backward needs none, and
         # SimpleFSDP keeps the final norm and output gathered (apply_simple_fsdp's ``blocks``).
         regathered = name.startswith("layers.")
@@ -221,20 +218,25 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
     return units
 
 
-def block_rate(
-    model: Transformer, units: list[PlanUnit], batch: int, device: torch.device, dtype: torch.dtype
-) -> float:
+def _forward_flops(name: str, numel: int, tokens: int, args: TransformerModelArgs) -> float:
+    """Matmul FLOPs of a unit's forward over ``tokens`` tokens: an embedding lookup and a norm do
+    none; blocks add attention scores and values."""
+    forward = 0.0 if name in ("tok_embeddings", "norm") else 2.0 * numel * tokens
+    if name.startswith("layers."):
+        forward += 4.0 * tokens * args.max_seq_len * args.dim
+    return forward
+
+
+def block_rate(args: TransformerModelArgs, batch: int, device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of one transformer block's forward and backward, measured on a fresh block in
-    ``dtype`` (attention in the model's attention dtype) at ``batch`` sequences of the model's
-    length: one block's weights, gradients and activations for a moment."""
-    args = model.args
-    block_unit = next((u for u in units if u.name.startswith("layers.")), None)
-    if block_unit is None:
-        raise ValueError("compile.compute_flops: this model part has no transformer block to time; set it")
+    ``dtype`` (attention as the model's blocks run it) at ``batch`` sequences of the model's
+    length: one block's weights, gradients and activations for a moment. A pipeline stage without
+    blocks times one too: its bucket plan weighs the others' compute against its gathers."""
     with torch.device("meta"):
         block = TransformerBlock(args)
     block = block.to_empty(device=device).to(dtype)
-    block.attention.attention_dtype = next(iter(model.layers.values())).attention.attention_dtype
+    block.attention.attention_dtype = attention_dtype(device.type, dtype, args.head_dim)  # as builder sets it
+    block.attention.query_chunk = causal_query_chunk(device.type, args.max_seq_len)
     # A generator of its own: the values do not matter, and the run's random state stays as it was.
     generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
@@ -243,11 +245,12 @@ def block_rate(
     x = torch.randn(batch, args.max_seq_len, args.dim, device=device, dtype=dtype, generator=generator)
     x.requires_grad_()
     rope_cache = precompute_rope_cache(args, device)
-    return measure_rate(block, (x, rope_cache), block_unit.forward_flops + block_unit.backward_flops)
+    forward = _forward_flops("layers.0", sum(p.numel() for p in block.parameters()), batch * args.max_seq_len, args)
+    return measure_rate(block, (x, rope_cache), 3.0 * forward)  # backward = 2 x forward
 
 
 def _cost_models(
-    model: Transformer, units: list[PlanUnit], parallel_dims: ParallelDims, config: JobConfig, dtype: torch.dtype
+    args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig, dtype: torch.dtype
 ) -> tuple[CommModel, ComputeModel]:
     """Auto bucketing's link and compute models: configured, or measured on every rank."""
     device = torch.device(parallel_dims.mesh.device_type)
@@ -263,7 +266,7 @@ def _cost_models(
             )
         compute = ComputeModel.from_config(
             config.compile.compute_flops,
-            lambda: block_rate(model, units, config.training.local_batch_size, device, dtype),
+            lambda: block_rate(args, config.training.local_batch_size, device, dtype),
         )
     # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
     rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device)
@@ -296,7 +299,7 @@ def bucket_plan(
     reshard = _reshard_after_forward(parallel_dims, config)
 
     def make_plan() -> BucketPlan:
-        comm, compute = _cost_models(model, units, parallel_dims, config, param_dtype)
+        comm, compute = _cost_models(model.args, parallel_dims, config, param_dtype)
         return plan_auto(
             units,
             comm,

@@ -37,6 +37,18 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
         # backward does not support and FSDP's reshard/re-gather breaks (None or wrong gradients).
         if config.compile.compiles_model:
             raise ConfigError(f"compile.enable: not supported with the {schedule} pipeline schedule")
+        if config.compile.compiles_loss:  # its graph frees buffers its first backward pass uses
+            raise ConfigError(
+                f"compile.components: a compiled loss is not supported with the {schedule} pipeline schedule; "
+                "leave loss out"
+            )
+        ac = config.activation_checkpoint
+        if ac.mode == "selective" and ac.selective_ac_option == "op":
+            # torch's op-level policy allows one backward pass through a region, and these take two.
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option: op is not supported with the {schedule} pipeline "
+                "schedule; give a block interval, or mode full"
+            )
         if p.fsdp_reshard_after_forward == "always":
             raise ConfigError(
                 f"parallelism.fsdp_reshard_after_forward: 'always' gives wrong gradients with the {schedule} "

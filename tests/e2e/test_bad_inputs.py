@@ -234,6 +234,20 @@ CASES: list[tuple[str, list[str], str]] = [
         ],
         "not supported with the ZBVZeroBubble",
     ),
+    # Zero bubble's two backward passes: a traceback in every rank, restarted, until 2026-11-30.
+    (
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+        + ["--compile.enable", "--compile.components", "loss"],
+        "compile.components: a compiled loss is not supported with the ZBVZeroBubble pipeline schedule",
+    ),
+    (
+        "layout",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+        + ["InterleavedZeroBubble", "--activation_checkpoint.mode", "selective"]
+        + ["--activation_checkpoint.selective_ac_option", "op"],
+        "activation_checkpoint.selective_ac_option: op is not supported with the InterleavedZeroBubble",
+    ),
     (
         "layout",
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],

@@ -492,3 +492,30 @@ def test_a_checkpointed_blocks_collective_is_attributed_to_its_unit():
         "2": (f"{wrapper}.attention_norm", torch.nn.Module),
     }
     assert unit_of(module_path(gather), [unit for bucket in BLOCK_BUCKETS for unit in bucket]) == "attention_norm"
+
+
+def test_a_block_is_timed_from_the_models_shape_alone(monkeypatch):
+    """Auto bucketing times a fresh block built from the model's arguments, so a pipeline stage
+    holding no block (the embeddings or the output alone) plans too: it needed a block of its own
+    to time (a refusal inside the ranks, after the launch). The FLOPs counted are the plan's own
+    for a block, and its attention runs as the model's does on this device."""
+    from models.llama3 import Transformer, parallelize
+    from parallelisms.device import attention_dtype, causal_query_chunk
+    from tests.unit.test_model import tiny_args
+
+    args = dataclasses.replace(tiny_args(), max_seq_len=16)
+    timed = {}
+
+    def fake_measure_rate(block, inputs, flops):
+        timed.update(flops=flops, attention=(block.attention.attention_dtype, block.attention.query_chunk))
+        return 1e9
+
+    monkeypatch.setattr(parallelize, "measure_rate", fake_measure_rate)
+    assert parallelize.block_rate(args, batch=3, device=torch.device("cpu"), dtype=torch.bfloat16) == 1e9
+    block_unit = next(
+        u
+        for u in parallelize.plan_units(Transformer(args), tokens=3 * 16, param_dtype=torch.float32)
+        if u.name == "layers.0"
+    )
+    assert timed["flops"] == block_unit.forward_flops + block_unit.backward_flops
+    assert timed["attention"] == (attention_dtype("cpu", torch.bfloat16, args.head_dim), causal_query_chunk("cpu", 16))

@@ -411,6 +411,17 @@ def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_pa
             "--checkpoint.interval (checkpoint.load_only saves nothing)",
         ),
         (["--debug.deterministic_warn_only"], "--debug.deterministic_warn_only (debug.deterministic is false)"),
+        (
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.3"]
+            + ["--parallelism.pipeline_parallel_first_stage_less_layers", "2"],
+            "--parallelism.pipeline_parallel_first_stage_less_layers (parallelism.pipeline_parallel_split_points "
+            "gives the stages)",
+        ),
+        (
+            ["--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable", "--compile.components", "loss"]
+            + ["--compile.bucketing", "auto"],
+            "--compile.bucketing (compile.components has no model)",
+        ),
     ],
 )
 def test_an_option_whose_feature_is_off_is_named(argv, warning, caplog):
