@@ -592,14 +592,18 @@ def test_pipeline_stages_save_under_the_full_models_names():
     assert set(dict(whole_model(both).named_parameters())) == set(dict(model.named_parameters()))
 
 
-def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path):
+@pytest.mark.parametrize("single_batch, saved_batches", [(4, 3), (2, 4)], ids=["same_batches", "accumulated"])
+def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path, single_batch, saved_batches):
     """The dataloader state goes through a real checkpoint at dp 1 and comes back into two dp
-    ranks: counted sample by sample, the global order goes on with none lost or repeated."""
-    single = arange_loader(local_batch_size=4)
+    ranks of 2 sequences: counted sample by sample, the global order goes on with none lost or
+    repeated. Saved in batches of 4, or of 2 (a global batch of 4 accumulated in two microbatches:
+    the loaders' batches differ, yet the saved step's end is where a batch of both begins; until
+    2026-11-30 refused as another batch size)."""
+    single = arange_loader(local_batch_size=single_batch)
     batches = iter(single)
-    consumed = sum(take_window_ids(batches, 3), [])
+    consumed = sum(take_window_ids(batches, saved_batches), [])
     run = Run(str(tmp_path), data=single)
-    run.manager.write(3)
+    run.manager.write(saved_batches)
     run.manager.close()
 
     ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
@@ -609,7 +613,7 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path)
     for _ in range(4):
         for batch in rank_batches:
             consumed += take_window_ids(batch, 1)[0]
-    assert consumed == global_order(28)
+    assert consumed == global_order(single_batch * saved_batches + 16)
 
 
 def test_another_number_of_loader_workers_is_named_not_taken_for_a_bad_checkpoint(tmp_path):
@@ -623,24 +627,3 @@ def test_another_number_of_loader_workers_is_named_not_taken_for_a_bad_checkpoin
         Run(str(tmp_path), seed=1, resolved_config=other).manager.resume()
     resumed = Run(str(tmp_path), seed=1, resolved_config=other, exclude_from_loading=["dataloader"])
     assert resumed.manager.resume() == 2 and resumed.data.position == 0
-
-
-def test_a_step_saved_with_gradient_accumulation_resumes_at_a_layout_without(tmp_path):
-    """A global batch of 4: saved by one rank accumulating two microbatches of 2, resumed by two
-    ranks of 2 in one microbatch each. The loaders' batches differ (2 against 4), yet the saved
-    step's end is where a batch of both begins (until 2026-11-30 refused: another batch size)."""
-    single = arange_loader(local_batch_size=2)
-    batches = iter(single)
-    consumed = sum(take_window_ids(batches, 4), [])  # two steps of two microbatches
-    run = Run(str(tmp_path), data=single)
-    run.manager.write(2)
-    run.manager.close()
-
-    ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
-    for rank in ranks:
-        Run(str(tmp_path), data=rank).manager.resume()
-    rank_batches = [iter(rank) for rank in ranks]
-    for _ in range(3):
-        for batch in rank_batches:
-            consumed += take_window_ids(batch, 1)[0]
-    assert consumed == global_order(20)
