@@ -815,8 +815,8 @@ class CheckpointManager:
         if errors:
             # Starting afresh would train from step 1 and save over them.
             raise ConfigError(
-                f"checkpoint.folder: none of the checkpoints in {self.folder} loads ({'; '.join(errors)}); move them "
-                "away to start afresh"
+                f"checkpoint.folder: none of the checkpoints in {self.folder} loads ({'; '.join(errors)}); mend what "
+                "this names, or move them away to start afresh"
             )
         self._tidy_after_resume(None)
         return None
