@@ -65,6 +65,11 @@ def check(
     dims = parallel_dims_from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
     warn_no_effect_at_degrees(config, typed, dims.dp_replicate, dims.dp_shard)
+    if planner := sorted(key for key in typed if key.startswith("plan.")):  # config.manager serves the planner too
+        logger.warning(
+            "no effect in this run: %s (the layout planner's options: python -m trainer.plan)",
+            ", ".join(f"--{key}" for key in planner),
+        )
     ckpt = config.checkpoint
     if ckpt.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")

@@ -332,6 +332,19 @@ def test_options_for_data_parallelism_are_named_where_there_is_none(caplog):
         assert [r.getMessage() for r in caplog.records] == [f"no effect in this run: {line}" for line in named]
 
 
+def test_the_planners_options_typed_for_a_run_are_named(caplog):
+    """[plan] is read by python -m trainer.plan alone: typed for a training run (or a dry run) it
+    is one warning before launch, values the planner would refuse included; it was taken without a
+    word."""
+    from trainer import preflight
+
+    with caplog.at_level("WARNING"):
+        assert preflight.main(["--world-size", "1", "--plan.devices", "-3", "--plan.mfu", "5"]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "no effect in this run: --plan.devices, --plan.mfu (the layout planner's options: python -m trainer.plan)"
+    ]
+
+
 def test_options_typed_twice_or_that_do_nothing_in_the_run_are_named_once(tmp_path, caplog):
     """A typed option whose switch is off is one warning naming each with the switch; the same
     options in a file (torchtitan's files carry many: checkpoint.interval with enable false) are
