@@ -338,18 +338,19 @@ def test_a_job_of_another_model_is_refused_without_a_restart(tmp_path, reference
 
 
 def test_a_job_whose_data_does_not_fit_the_saved_position_is_refused(tmp_path, reference):
-    """Started again with twice the local batch: the saved data position (16 windows per step of
-    the global stream) does not fit. One line saying how to go on, exit 2, no restart (it was a
-    traceback in every one of torchrun's attempts)."""
+    """Started again with a local batch of 5: the saved data position (sample 48, after 12 steps of
+    4) is where no batch of 10 begins. One line saying how to go on, exit 2, no restart (it was a
+    traceback in every one of torchrun's attempts). A batch that does begin there, as twice the
+    batch's does, resumes: no sample is lost or read twice."""
     dump = str(tmp_path / "run")
     shutil.copytree(reference[0], dump)
-    result = run_script(dump, *TINY_RUN, *CHECKPOINTED, "--training.local_batch_size", "4", check=False)
+    result = run_script(dump, *TINY_RUN, *CHECKPOINTED, "--training.local_batch_size", "5", check=False)
     output = result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, output[-4000:]
     assert len(errors) == 1 and errors[0].startswith(
         f"error: checkpoint.folder: the data position saved in {dump}/checkpoint/step-12 does not fit this job: "
-        "data state has global batch size 4, this loader has 8"
+        "data state is at sample 48 of batches of 4, where no batch of this loader's 10"
     ), output[-4000:]
     assert errors[0].endswith("or start the data over with --checkpoint.exclude_from_loading dataloader")
     assert "Traceback" not in output and "Restarting" not in output
