@@ -128,6 +128,12 @@ def corpus_of(config: JobConfig, option: str) -> Corpus:
     return corpus
 
 
+def is_hub(dataset: str) -> bool:
+    """Whether ``dataset`` names a Hugging Face hub dataset, whose config and split choose a part;
+    the default corpus and local files are read whole."""
+    return dataset != DEFAULT_DATASET and not is_local(dataset)
+
+
 def is_local(dataset: str) -> bool:
     """Whether ``dataset`` names local files (existing or meant to be) rather than a hub dataset."""
     if "," in dataset or dataset.count("/") > 1:  # hub names are 'name' or 'owner/name'
@@ -302,7 +308,7 @@ def hub_revision(name: str) -> str:
 def pin_revision(corpus: Corpus) -> Corpus:
     """``corpus`` with a hub dataset's current commit, so that what its cache key says and the
     documents read are the same version (other corpora as they are)."""
-    if corpus.dataset == DEFAULT_DATASET or is_local(corpus.dataset) or corpus.revision:
+    if not is_hub(corpus.dataset) or corpus.revision:
         return corpus
     return dataclasses.replace(corpus, revision=hub_revision(corpus.dataset))
 

@@ -27,7 +27,7 @@ from config.job_config import (
     written_by_a_run,
 )
 from config.manager import batch_layout, load_config, named_as_given, typed_options, warn_no_effect_at_degrees
-from trainer.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_local
+from trainer.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_hub
 from trainer.tokenizer import build_tokenizer
 
 # torch and the modules that use it are imported inside the functions, once the options have
@@ -468,10 +468,10 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
     section = getattr(config, section_name)
     dataset = corpus_of(config, option).dataset
     unused = []
-    if dataset == "python_docs" or is_local(dataset):
+    if not is_hub(dataset):
         defaults = {"dataset_config": "", "dataset_split": type(section)().dataset_split}
         unused = [f"{section_name}.{name}" for name, default in defaults.items() if getattr(section, name) != default]
-    if (dataset == "python_docs" or dataset.endswith(".txt")) and section.dataset_text_field != "text":
+    if (dataset == DEFAULT_DATASET or dataset.endswith(".txt")) and section.dataset_text_field != "text":
         unused.append(f"{section_name}.dataset_text_field")
     if unused:
         logger.warning("no effect in this run: %s (%s is read whole, not a hub dataset)", ", ".join(unused), option)
@@ -485,8 +485,8 @@ def _warn_of_the_validation_corpus(config: JobConfig) -> None:
     if not config.validation.enable:
         return
     training, validation = corpus_of(config, "training.dataset"), corpus_of(config, "validation.dataset")
-    read_whole = training.dataset == DEFAULT_DATASET or is_local(training.dataset)  # config and split unused
-    if validation == training or (read_whole and validation.dataset == training.dataset):
+    # A corpus read whole is the same whatever its config and split say.
+    if validation == training or (not is_hub(training.dataset) and validation.dataset == training.dataset):
         logger.warning(
             "validation.dataset reads training's corpus (%s): the windows it scores are ones training reads too "
             "(its whole second epoch in the same order); give validation.dataset a held-out corpus",
