@@ -240,11 +240,9 @@ def _read_toml(path: str) -> list[tuple[str, typing.Any]]:
         with open(path, "rb") as f:
             # utf-8-sig: editors on Windows begin files with a byte-order mark, which TOML does not allow.
             return _flatten(tomllib.loads(f.read().decode("utf-8-sig")))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read it: {e}") from None
-    except ValueError as e:  # an integer of more digits than Python converts
+    except ValueError as e:  # TOML's own errors, and an integer of more digits than Python converts
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     except RecursionError:
         raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
