@@ -457,6 +457,41 @@ def _saved_config(path: str) -> dict[str, Any]:
         return {}
 
 
+def _check_same_loader_workers(path: str, saved: dict[str, Any], own: dict[str, Any]) -> None:
+    """The data position is each loader worker's: under another number of workers its state
+    does not load (DCP names a missing key), which is the job's option, not a bad checkpoint."""
+    before = saved.get("training", {}).get("dataloader_num_workers")
+    now = own.get("training", {}).get("dataloader_num_workers")
+    if before is not None and now is not None and before != now:
+        raise ConfigError(
+            f"training.dataloader_num_workers {now}: the data position in {path} was saved by {before}; keep "
+            f"{before}, or start the data over with --checkpoint.exclude_from_loading dataloader"
+        )
+
+
+def _restored_option_changes(saved: dict[str, Any], own: dict[str, Any], parts: list[str]) -> list[str]:
+    """The options this run sets (``own``) otherwise than the run that saved a checkpoint (its
+    config.toml's, ``saved``), among those whose values the loaded ``parts`` bring back, each with
+    the saved value."""
+    if not saved:
+        return []  # saved by another tool, or damaged: nothing to compare with
+    changes = []
+    for option in (option for part in parts for option in _RESTORED_OPTIONS.get(part, ())):
+        section, key = option.split(".")
+        if option == "training.steps" and own.get("lr_scheduler", {}).get("total_steps") is not None:
+            continue  # the schedule's length is lr_scheduler.total_steps
+        if (value := own.get(section, {}).get(key)) == (before := saved.get(section, {}).get(key)):
+            continue
+        if option == "training.steps":  # it counts for the steps run, not for the schedule
+            changes.append(
+                f"training.steps {value} (saved: {before}; the run goes to step {value}, its LR schedule "
+                f"is the saved one of {before} steps, at its final rate after those)"
+            )
+        else:
+            changes.append(f"{option} {value} (saved: {before})")
+    return changes
+
+
 def _read_metadata(path: str) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
@@ -894,54 +929,22 @@ class CheckpointManager:
         if "model" not in present:
             raise CheckpointError(f"{path} holds no model state")
         state = {part: self.states[part] for part in parts if part in present}
+        # The options of the run that saved it, beside this run's.
+        saved, own = _saved_config(path), tomllib.loads(self.resolved_config)
         if "dataloader" in state:
-            self._check_same_loader_workers(path)
+            _check_same_loader_workers(path, saved, own)
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"loading {path} failed{_describe(e)}") from None
         logger.info("loaded %s from %s", ", ".join(state), path)
-        if self.rank == 0 and (changes := self._restored_option_changes(path, list(state))):
+        if self.rank == 0 and (changes := _restored_option_changes(saved, own, list(state))):
             logger.warning(
                 "%s brings back the optimizer settings and LR schedule it was saved with; these options differ "
                 "and do not count for them: %s",
                 path,
                 ", ".join(changes),
             )
-
-    def _check_same_loader_workers(self, path: str) -> None:
-        """The data position is each loader worker's: under another number of workers its state
-        does not load (DCP names a missing key), which is the job's option, not a bad checkpoint."""
-        section = "training"
-        saved = _saved_config(path).get(section, {}).get("dataloader_num_workers")
-        own = tomllib.loads(self.resolved_config).get(section, {}).get("dataloader_num_workers")
-        if saved is not None and own is not None and saved != own:
-            raise ConfigError(
-                f"training.dataloader_num_workers {own}: the data position in {path} was saved by {saved}; keep "
-                f"{saved}, or start the data over with --checkpoint.exclude_from_loading dataloader"
-            )
-
-    def _restored_option_changes(self, path: str, parts: list[str]) -> list[str]:
-        """The options this run sets otherwise than the run that saved ``path`` (its config.toml),
-        among those whose values the loaded ``parts`` bring back, each with the saved value."""
-        if not (saved := _saved_config(path)):
-            return []  # saved by another tool, or damaged: nothing to compare with
-        own = tomllib.loads(self.resolved_config)
-        changes = []
-        for option in (option for part in parts for option in _RESTORED_OPTIONS.get(part, ())):
-            section, key = option.split(".")
-            if option == "training.steps" and own.get("lr_scheduler", {}).get("total_steps") is not None:
-                continue  # the schedule's length is lr_scheduler.total_steps
-            if (value := own.get(section, {}).get(key)) == (before := saved.get(section, {}).get(key)):
-                continue
-            if option == "training.steps":  # it counts for the steps run, not for the schedule
-                changes.append(
-                    f"training.steps {value} (saved: {before}; the run goes to step {value}, its LR schedule "
-                    f"is the saved one of {before} steps, at its final rate after those)"
-                )
-            else:
-                changes.append(f"{option} {value} (saved: {before})")
-        return changes
 
     def _tidy_after_resume(self, loaded_step: int | None, chosen: bool = False) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than
