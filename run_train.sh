@@ -87,14 +87,14 @@ if [ "${COMM_MODE:-}" = fake ]; then
   # A dry run ends as the real run would, LOG_RANK included. It checks the config as the real
   # launch would, in its one process.
   if [ "$LOG_RANK" != 0 ]; then # the default needs no count; else count NGPU=auto as the launch would
-    check_log_rank "${NGPU:-$("$PY" -c 'from trainer.preflight import launch_sizes; print(launch_sizes({"--nnodes": "1"})[1])')}"
+    check_log_rank "${NGPU:-$("$PY" -c 'from programs.preflight import launch_sizes; print(launch_sizes({"--nnodes": "1"})[1])')}"
   fi
-  exec "$PY" -m trainer.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+  exec "$PY" -m programs.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
     ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
-LAUNCH=$("$PY" -m trainer.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+LAUNCH=$("$PY" -m programs.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@")
 read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
 check_log_rank "$NGPU"
@@ -111,7 +111,7 @@ fi
 
 # exec: a signal sent to the script (a scheduler's SIGTERM) reaches torchrun's agent, which stops the
 # ranks; the launcher also reports a mistake a rank found that no restart can mend, once.
-exec "$PY" -m trainer.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
+exec "$PY" -m programs.launch "${RENDEZVOUS[@]}" --nproc-per-node="$NGPU" \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   "$HERE/train.py" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"

@@ -29,8 +29,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return _refuse(named_as_given(e, argv))
 
-    from trainer.checkpoint import CheckpointError
-    from trainer.preflight import is_out_of_memory, out_of_memory_error
+    from trainer.checkpoint.manager import CheckpointError
+    from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
     from trainer.trainer import NonFiniteError, Trainer
 
     trainer = None
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
 
 def _refuse(error: ConfigError) -> int:
     """A mistake no restart can mend: one line and exit code 2. Under run_train.sh the line goes to
-    its launcher's error file (trainer/launch.py) and the rank exits 0, so that torchrun does not
+    its launcher's error file (programs/launch.py) and the rank exits 0, so that torchrun does not
     start the group again."""
     if os.environ.get("TESSERA_ERROR_FILE") and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         from trainer.distributed import record_refusal

@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 
 from config.manager import load_config
 from train import exit_without_teardown
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.trainer import Trainer
 
 BASE_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")

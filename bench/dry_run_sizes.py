@@ -2,7 +2,7 @@
 
     python bench/dry_run_sizes.py [--models 8B,70B,405B] [--variants fsdp2,...] [--ac none,full]
 
-Each row is one ``python -m trainer.dry_run``-equivalent process (``bench/memory_worker.py
+Each row is one ``python -m programs.dry_run``-equivalent process (``bench/memory_worker.py
 --fake``) playing rank 0 of the model's layout: 8B on 8 ranks (FSDP 8), 70B on 64 (FSDP 8 x TP 8)
 and 405B on 512 (FSDP 32 x TP 8 x PP 2, 1F1B), at vocabulary 128,256, seq 8192, one sequence per
 microbatch, bf16 compute with fp32 master weights, gradients and optimizer state. Variants: FSDP2,

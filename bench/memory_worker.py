@@ -4,7 +4,7 @@
     python bench/memory_worker.py OUT.json [--rank R] --fake N [config options]
 
 Real (under torchrun, gloo, CPU): builds the config's model, optimizer and LR schedule on the ranks
-and runs ``trainer.dry_run.measure_steps`` (two training steps on random tokens, MemTracker over
+and runs ``programs.dry_run.measure_steps`` (two training steps on random tokens, MemTracker over
 the second); rank R (0 by default) writes ``{"peak": bytes by MemTracker category and "Total",
 "seconds": ...}`` to OUT.json.
 ``--fake N``: the dry run of the same config as rank R of N fake ranks, its peak written the same
@@ -29,11 +29,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from config.manager import batch_layout, load_config
-from models.builder import build_model, model_args
+from models.builder import build_model
 from models.llama3.model import Attention
+from models.sizes import model_args
+from programs.dry_run import dry_run, measure_steps
 from train import exit_without_teardown
 from trainer.distributed import parallel_dims_from_config
-from trainer.dry_run import dry_run, measure_steps
 from trainer.loss import Loss
 from trainer.optim import build_optimizer_and_schedule
 

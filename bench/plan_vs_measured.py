@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from config.manager import load_config, to_toml
-from trainer import plan
+from programs import plan
 
 MACHINE = [
     # 2026-11-23 logs of this 2-core AMD EPYC without AVX512 (float32, as `auto` picks here): the

@@ -522,7 +522,7 @@ class Debug:
 @dataclass
 class Plan:
     devices: int = 8
-    """Devices (GPUs) the layout planner (python -m trainer.plan) lays the run out on."""
+    """Devices (GPUs) the layout planner (python -m programs.plan) lays the run out on."""
     device_memory_gib: float = 80.0
     """Memory per device, GiB: a layout fits when its estimated per-rank peak is at most this."""
     peak_tflops: float = 989.0

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config.job_config import MODEL_SIZE_FIELDS, ConfigError, JobConfig
+from config.job_config import JobConfig
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
 from parallelisms.device import attention_dtype, causal_query_chunk, fast_bfloat16
@@ -59,45 +59,6 @@ class BuiltModel:
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()
-
-
-def model_args(
-    config: JobConfig, vocab_size: int | None = None, hf_config: dict | None = None, source: str = ""
-) -> Any:
-    """The model's hyper-parameters for ``training.seq_len``: the flavor's, replaced by those of
-    ``hf_config`` (a Hugging Face ``config.json`` read from ``source``) when given, then by the
-    [model] fields that are set. The vocabulary is the tokenizer's (``vocab_size``) unless a
-    [model] field or the file gives one, which must then hold every token id. ValueError naming
-    ``source`` when the file describes a model the family cannot build."""
-    spec = get_model_spec(config.model.name)
-    args = get_flavor(spec, config.model.flavor)
-    if hf_config is not None:
-        args = spec.args_from_hf_fn(hf_config, args, source)
-    overrides = {name: value for name in MODEL_SIZE_FIELDS if (value := getattr(config.model, name)) is not None}
-    if overrides.keys() & {"ffn_dim_multiplier", "multiple_of"} and "ffn_dim" not in overrides:
-        overrides["ffn_dim"] = None  # derive the width from what was asked
-    args = dataclasses.replace(args, max_seq_len=config.training.seq_len, **overrides)
-    if args.max_position_embeddings is not None and args.max_seq_len > args.max_position_embeddings:
-        # RoPE runs at any length, but the weights never saw positions past their context.
-        logger.warning(
-            "training.seq_len %d is longer than the %d positions of %s (max_position_embeddings)",
-            args.max_seq_len,
-            args.max_position_embeddings,
-            source or f"{config.model.name} {config.model.flavor}",
-        )
-    if vocab_size is None or vocab_size == args.vocab_size:
-        return args
-    if "vocab_size" in overrides or hf_config is not None:
-        if vocab_size > args.vocab_size:
-            given = "model.vocab_size" if "vocab_size" in overrides else f"vocab_size of {source}"
-            raise ConfigError(
-                f"model.tokenizer_path: the tokenizer has {vocab_size} tokens but {given} is {args.vocab_size}"
-            )
-        return args
-    # As in torchtitan, the embedding and output follow the tokenizer, whatever the flavor says.
-    flavor = f"{config.model.name} {config.model.flavor}"
-    logger.warning("model vocabulary: %d tokens from the tokenizer (%s has %d)", vocab_size, flavor, args.vocab_size)
-    return dataclasses.replace(args, vocab_size=vocab_size)
 
 
 def _describe(config: JobConfig, args: Any) -> str:

@@ -112,7 +112,7 @@ def _torchrun_store(timeout: datetime.timedelta, address: tuple[str, int] | None
 
 REFUSAL_KEY = "tessera/refusal"
 ERROR_FILE_ENV = "TESSERA_ERROR_FILE"
-"""The file run_train.sh's launcher makes for the line of a refusal (trainer/launch.py)."""
+"""The file run_train.sh's launcher makes for the line of a refusal (programs/launch.py)."""
 
 
 def _agent_store(address: tuple[str, int] | None) -> dist.Store | None:

@@ -16,21 +16,22 @@ import torch.distributed as dist
 from config.job_config import RESOLVED_CONFIG_FILE, RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, user_input
 from config.manager import batch_layout, to_toml
 from models.builder import build_model
+from models.sizes import job_model_args
 from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
-from trainer.checkpoint import CheckpointManager, TrainState
-from trainer.data import config_dataloader
+from trainer.checkpoint.hf import job_export_assets
+from trainer.checkpoint.manager import CheckpointManager, TrainState
+from trainer.data.loader import config_dataloader
+from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
-from trainer.hf_checkpoint import job_export_assets, job_model_args
+from trainer.folders import check_output_folders, claim_folders, write_run_file
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib, tokens_of_this_rank
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
-from trainer.preflight import check_output_folders, claim_folders, write_run_file
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
-from trainer.tokenizer import build_tokenizer
 from trainer.validate import Validator, validation_due
 
 logger = logging.getLogger(__name__)

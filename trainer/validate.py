@@ -12,10 +12,10 @@ from config.job_config import JobConfig, first_line
 from models.builder import BuiltModel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import local_loss
-from trainer.data import PackedTokenDataset, config_dataloader
+from trainer.data.loader import PackedTokenDataset, config_dataloader
+from trainer.data.tokenizer import Tokenizer
 from trainer.loss import Loss
-from trainer.preflight import is_out_of_memory, out_of_memory_error
-from trainer.tokenizer import Tokenizer
+from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from tests.launch import (
     train_env,
     unloadable_checkpoints,
 )
-from trainer.checkpoint import COMPLETE_MARKER, complete_checkpoints
+from trainer.checkpoint.manager import COMPLETE_MARKER, complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 

@@ -381,7 +381,7 @@ def test_preflight_and_train_py_report_impossible_layout(tmp_path):
     args = ["--parallelism.pipeline_parallel_degree", "2", *three_stages]
     expected = _layout_error(*three_stages)
     preflight = subprocess.run(
-        [sys.executable, "-m", "trainer.preflight", "--world-size", "2", *args],
+        [sys.executable, "-m", "programs.preflight", "--world-size", "2", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

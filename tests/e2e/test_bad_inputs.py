@@ -1,5 +1,5 @@
 """A hundred mistakes: each ends with one `error:` line naming the option or path, exit code 2, no
-traceback, and no rank started (run_train.sh's pre-launch check, trainer/preflight.py, catches them)."""
+traceback, and no rank started (run_train.sh's pre-launch check, programs/preflight.py, catches them)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from config.job_config import ConfigError
 from config.manager import load_config
+from programs import preflight
 from tests.launch import (
     NO_MEMORY_CGROUP,
     NO_SMALL_DISK,
@@ -34,7 +35,7 @@ from tests.launch import (
     script_env,
     small_disk,
 )
-from trainer import preflight
+from trainer import folders
 from trainer.trainer import Trainer
 
 # (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
@@ -754,20 +755,20 @@ def test_the_other_ranks_never_see_a_part_of_the_resolved_config(tmp_path):
 
     config = load_config(["--job.dump_folder", str(tmp_path), "--job.save_config_file", "job.json"])
     resolved, saved = RESOLVED_CONFIG_HEADER + to_toml(config), json.dumps(dataclasses.asdict(config))
-    preflight.write_run_file(str(tmp_path / "config.toml"), resolved)
-    preflight.write_run_file(str(tmp_path / "job.json"), saved)
+    folders.write_run_file(str(tmp_path / "config.toml"), resolved)
+    folders.write_run_file(str(tmp_path / "job.json"), saved)
     done = threading.Event()
 
     def rank_0_writes() -> None:
         while not done.is_set():
-            preflight.write_run_file(str(tmp_path / "config.toml"), resolved)
-            preflight.write_run_file(str(tmp_path / "job.json"), saved)
+            folders.write_run_file(str(tmp_path / "config.toml"), resolved)
+            folders.write_run_file(str(tmp_path / "job.json"), saved)
 
     writer = threading.Thread(target=rank_0_writes)
     writer.start()
     try:
         for _ in range(800):
-            preflight.check_output_folders(config)
+            folders.check_output_folders(config)
     finally:
         done.set()
         writer.join()
@@ -780,7 +781,7 @@ def test_a_dump_folder_in_use_by_another_run_is_refused(tmp_path):
     folders are free: no stale claim."""
     dump, checkpoints = str(tmp_path / "run"), str(tmp_path / "checkpoints")
     argv = ["--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.folder", checkpoints]
-    hold = "import sys, time; from config.manager import load_config; from trainer.preflight import claim_folders"
+    hold = "import sys, time; from config.manager import load_config; from trainer.folders import claim_folders"
     hold += "; held = claim_folders(load_config(sys.argv[1:])); print(1)"
     holder = subprocess.Popen(
         [sys.executable, "-c", hold + "; sys.stdout.flush(); time.sleep(600)", *argv],
@@ -931,7 +932,7 @@ def test_a_full_disk_is_one_line_before_launch_and_after_a_save_it_cut_short(tmp
             f.write(bytes(4 * 2**20))
         argv = ["--nnodes", "1", "--nproc-per-node", "2", "--job.dump_folder", os.path.join(disk, "run")]
         result = subprocess.run(
-            [sys.executable, "-m", "trainer.preflight", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "programs.preflight", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
         )
         expected = f"job.dump_folder: cannot create {disk}/run: nothing can be written in {disk} (No space left"
         assert _one_error_line(result.returncode, result.stderr, expected), result.stderr

@@ -19,9 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config.manager import load_config
 from models.llama3 import Transformer
+from models.sizes import job_model_args
 from tests.hf_folders import SEQ_LEN, SHAPES, corpus_text, folder_args, write_tokenizer
 from tests.launch import run_script
-from trainer.hf_checkpoint import job_model_args
 
 # Each folder under another data-parallel implementation: the tied table under SimpleFSDP too.
 LAYOUTS = {

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from programs import preflight
 from tests.launch import REPO, TINY_RUN, TWO_BLOCKS, losses, read_metrics, run_script, script_command, script_env
-from trainer import preflight
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -152,7 +152,7 @@ def test_ctrl_c_while_the_launcher_imports_torch_is_one_line():
     and before torchrun's agent takes the signal: one line and code 130 (a KeyboardInterrupt
     traceback before)."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1", "train.py"],
+        [sys.executable, "-m", "programs.launch", "--standalone", "--nproc-per-node=1", "train.py"],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,

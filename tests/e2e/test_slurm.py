@@ -40,7 +40,7 @@ exit 2
 """
 
 FAKE_PYTHON = f"""#!/usr/bin/env bash
-if [ "$1 $2" = "-m trainer.launch" ]; then
+if [ "$1 $2" = "-m programs.launch" ]; then
   shift 2
   printf '%s\\n' "$@" > "$FAKE_DIR/torchrun_args"
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS" > "$FAKE_DIR/torchrun_env"

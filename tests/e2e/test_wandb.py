@@ -84,7 +84,7 @@ def test_a_run_logs_its_metrics_to_wandb(tmp_path):
 
 
 def preflight(env: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "trainer.preflight", "--world-size", "1", "--metrics.enable_wandb"]
+    command = [sys.executable, "-m", "programs.preflight", "--world-size", "1", "--metrics.enable_wandb"]
     command += ["--job.dump_folder", str(tmp_path / "run")]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.tokenizer import Tokenizer, default_tokenizer
+from trainer.data.tokenizer import Tokenizer, default_tokenizer
 
 DEFAULT_VOCAB_SIZE = 2048
 

@@ -23,7 +23,7 @@ from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
 from tests.unit.test_data import arange_loader, global_order, take_window_ids
 from tests.unit.test_model import tiny_args
-from trainer.checkpoint import (
+from trainer.checkpoint.manager import (
     COMPLETE_MARKER,
     CheckpointError,
     CheckpointManager,
@@ -365,7 +365,7 @@ def test_a_chosen_load_step_moves_newer_checkpoints_aside_and_keeps_what_was_mov
     """checkpoint.load_step 1 with steps 2 and 3 on disk: they are not unloadable, just not resumed
     from; moved aside under their own name, and a second such run does not replace the first's."""
     Run(str(tmp_path)).train(3)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.manager"):
         assert Run(str(tmp_path), load_step=1).manager.resume() == 1
     folder = tmp_path / "checkpoint"
     assert f"moved the checkpoint {folder / 'step-3'} (newer than checkpoint.load_step 1) to" in caplog.text
@@ -423,7 +423,7 @@ def test_options_a_resume_brings_back_from_the_checkpoint_are_named_when_typed_o
     saved = "[training]\nsteps = 3\n[optimizer]\nlr = 0.002\nbeta1 = 0.9\n[lr_scheduler]\nwarmup_steps = 1\n"
     Run(str(tmp_path), resolved_config=saved).train(2)
     typed = saved.replace("steps = 3", "steps = 9").replace("lr = 0.002", "lr = 1e-05").replace("0.9", "0.5")
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.manager"):
         Run(str(tmp_path), resolved_config=typed).manager.resume()
         changes = "optimizer.beta1 0.5 (saved: 0.9), optimizer.lr 1e-05 (saved: 0.002), training.steps 9 (saved: 3; "
         changes += "the run goes to step 9, its LR schedule is the saved one of 3 steps, at its final rate after those)"
@@ -438,13 +438,13 @@ def test_a_seed_checkpoint_beside_a_newer_one_says_which_a_resume_takes(tmp_path
     """A seed written into a folder that holds step-2: a run there resumes from step-2 (the newest),
     so the seed would go unused without a word."""
     Run(str(tmp_path)).train(2)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.manager"):
         Run(str(tmp_path), seed=1).manager.write_seed_checkpoint()
     step_2 = tmp_path / "checkpoint" / "step-2"
     assert f"{step_2} is newer: a run in this folder resumes from it, not from the seed" in caplog.text
     assert Run(str(tmp_path), seed=2).manager.resume() == 2
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.manager"):
         Run(str(tmp_path / "fresh")).manager.write_seed_checkpoint()
     assert caplog.text == ""
 
@@ -467,7 +467,7 @@ def test_an_initial_load_path_a_resume_passes_over_is_named(tmp_path, caplog):
     Run(str(tmp_path / "other")).train(1)
     Run(str(tmp_path)).train(2)
     initial = str(tmp_path / "other" / "checkpoint" / "step-1")
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.manager"):
         assert Run(str(tmp_path), seed=1, initial_load_path=initial).manager.load_at_start() is not None
     assert f"checkpoint.initial_load_path {initial} is not loaded: a run resumes from its own" in caplog.text
 

@@ -7,7 +7,7 @@ import pytest
 
 from config.job_config import RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, print_error, typed_first_line
 from config.manager import batch_layout, help_text, load_config, to_toml
-from trainer.preflight import check
+from programs.preflight import check
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -250,7 +250,7 @@ def test_an_error_line_is_one_write(monkeypatch):
 def test_a_mistyped_option_is_reported_before_torch_is_imported():
     """Importing torch and the model costs seconds; the pre-launch check parses the options first."""
     probe = (
-        "import sys; from trainer import preflight; "
+        "import sys; from programs import preflight; "
         "code = preflight.main(['--world-size', '2', '--training.stepz', '3']); "
         "print(code, 'torch' in sys.modules)"
     )
@@ -270,7 +270,7 @@ def test_a_mistyped_option_is_reported_before_torch_is_imported():
     ],
 )
 def test_the_pre_launch_checks_launch_options(launch, code, capsys):
-    from trainer import preflight
+    from programs import preflight
 
     assert preflight.main(launch) == code
     err = capsys.readouterr().err
@@ -282,7 +282,7 @@ def test_preflight_catches_world_size_mismatch():
         [
             sys.executable,
             "-m",
-            "trainer.preflight",
+            "programs.preflight",
             "--world-size",
             "3",
             "--parallelism.data_parallel_replicate_degree",
@@ -300,7 +300,7 @@ def test_the_pre_launch_check_shows_each_warning_once():
     """It builds the model's sizes twice (the layout, then the files); their warning is shown once."""
     options = ["--model.max_position_embeddings", "32", "--training.seq_len", "64"]
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.preflight", "--world-size", "1", *options],
+        [sys.executable, "-m", "programs.preflight", "--world-size", "1", *options],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -313,7 +313,7 @@ def test_the_pre_launch_check_shows_each_warning_once():
 def test_options_for_data_parallelism_are_named_where_there_is_none(caplog):
     """What shards weights or reduces gradients, typed for a layout with one data-parallel rank (or
     replicas only), is one warning before launch; it was taken without a word."""
-    from trainer import preflight
+    from programs import preflight
 
     options = ["--parallelism.fsdp_reshard_after_forward", "never", "--training.mixed_precision_reduce", "bfloat16"]
     unsharded = (
@@ -333,15 +333,15 @@ def test_options_for_data_parallelism_are_named_where_there_is_none(caplog):
 
 
 def test_the_planners_options_typed_for_a_run_are_named(caplog):
-    """[plan] is read by python -m trainer.plan alone: typed for a training run (or a dry run) it
+    """[plan] is read by python -m programs.plan alone: typed for a training run (or a dry run) it
     is one warning before launch, values the planner would refuse included; it was taken without a
     word."""
-    from trainer import preflight
+    from programs import preflight
 
     with caplog.at_level("WARNING"):
         assert preflight.main(["--world-size", "1", "--plan.devices", "-3", "--plan.mfu", "5"]) == 0
     assert [r.getMessage() for r in caplog.records] == [
-        "no effect in this run: --plan.devices, --plan.mfu (the layout planner's options: python -m trainer.plan)"
+        "no effect in this run: --plan.devices, --plan.mfu (the layout planner's options: python -m programs.plan)"
     ]
 
 

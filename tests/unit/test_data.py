@@ -1,4 +1,4 @@
-"""Tests of trainer.data and trainer.corpus."""
+"""Tests of trainer.data.loader and trainer.data.corpus."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import trainer.corpus
+import trainer.data.corpus
 from config.job_config import ConfigError
 from config.manager import load_config
 from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer
-from trainer.corpus import Corpus, default_corpus_texts, local_corpus_texts
-from trainer.data import (
+from trainer.data.corpus import Corpus, default_corpus_texts, local_corpus_texts
+from trainer.data.loader import (
     PackedTokenDataset,
     build_dataset,
     config_dataloader,
@@ -27,7 +27,7 @@ from trainer.data import (
     load_token_stream,
     packed_dataloader,
 )
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
 from trainer.validate import Validator, validation_due
 
 SEQ_LEN = 3
@@ -326,7 +326,7 @@ def test_hidden_files_and_folders_of_a_corpus_folder_are_not_read(tmp_path: Path
     corpus = write_corpus(tmp_path, {"a.jsonl": '{"text": "shard"}\n'})
     write_corpus(corpus / ".ipynb_checkpoints", {"a-checkpoint.jsonl": '{"text": "copy"}\n'})
     write_corpus(corpus, {".draft.txt": "hidden", ".DS_Store": "not a corpus file"})
-    with caplog.at_level("WARNING", logger="trainer.corpus"):
+    with caplog.at_level("WARNING", logger="trainer.data.corpus"):
         assert list(local_corpus_texts(str(corpus))) == ["shard"]
     hidden = f"{corpus / '.draft.txt'}, {corpus / '.ipynb_checkpoints'}"
     assert caplog.messages == [f"{corpus}: hidden files and folders are not read: {hidden}"]
@@ -495,6 +495,6 @@ def test_python_docs_dataset_with_default_tokenizer(
     def fail() -> None:
         raise AssertionError("the cached token stream should be used")
 
-    monkeypatch.setattr(trainer.corpus, "default_corpus_texts", fail)
+    monkeypatch.setattr(trainer.data.corpus, "default_corpus_texts", fail)
     cached_inputs, _ = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
     assert torch.equal(cached_inputs, inputs)

@@ -20,7 +20,7 @@ WORKER = os.path.join(REPO, "bench", "memory_worker.py")
 _REPORT = """
 import dataclasses, json, sys
 from config.manager import load_config
-from trainer.dry_run import dry_run
+from programs.dry_run import dry_run
 report = dry_run(load_config(sys.argv[3:]), int(sys.argv[1]), int(sys.argv[2]))
 print("REPORT " + json.dumps(dataclasses.asdict(report)))
 """
@@ -93,8 +93,8 @@ def test_compiled_simple_fsdp_adds_its_two_largest_neighbouring_buckets():
 
 
 def _dry_run_command(*argv: str) -> subprocess.CompletedProcess:
-    """``python -m trainer.dry_run argv``, finished."""
-    command = [sys.executable, "-m", "trainer.dry_run", *argv]
+    """``python -m programs.dry_run argv``, finished."""
+    command = [sys.executable, "-m", "programs.dry_run", *argv]
     env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 

@@ -19,8 +19,8 @@ from models.llama3.model import Transformer
 from parallelisms import device
 from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp2 import BroadcastAllGather, apply_fsdp2
+from programs import preflight
 from tests.spawn import check_on_gloo_ranks
-from trainer import preflight
 
 # Two blocks; the output's 100 columns are not divisible by 16.
 ARGS = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=100, max_seq_len=16, n_layers=2)

@@ -18,10 +18,11 @@ from config.manager import load_config
 from models.builder import build_model
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3.model import ffn_hidden_dim
+from models.sizes import job_model_args
 from parallelisms.parallel_dims import ParallelDims
+from programs import preflight
 from tests.hf_folders import SHAPES, corpus_text, folder_args, llama_config, write_llama_folder, write_tokenizer
-from trainer import preflight
-from trainer.hf_checkpoint import export_hf, job_export_assets, job_model_args, load_hf_weights
+from trainer.checkpoint.hf import export_hf, job_export_assets, load_hf_weights
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,9 @@ from models.llama3.hf_adapter import (
     unpermute_from_hf,
 )
 from models.llama3.model import ffn_hidden_dim
+from models.sizes import is_hf_folder
 from parallelisms.parallel_dims import ParallelDims
-from trainer.hf_checkpoint import export_hf, is_hf_folder, load_hf_weights
+from trainer.checkpoint.hf import export_hf, load_hf_weights
 
 DEBUG_ARGS = dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=256, max_seq_len=32)
 # Grouped-query attention and Llama 3.1 RoPE scaling, which debugmodel does not use.

@@ -1,6 +1,6 @@
 """Corpora read through the Hugging Face ``datasets`` library: local Parquet, Arrow and JSON shards
 (files, folders, comma-separated lists) with a configurable text field, the hub's names, and the
-pre-launch check's one line for every bad input (through ``trainer.preflight``'s main, in-process)."""
+pre-launch check's one line for every bad input (through ``programs.preflight``'s main, in-process)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from config.manager import load_config
+from programs import preflight
 from tests.unit.conftest import CharTokenizer
-from trainer import preflight
-from trainer.corpus import Corpus, corpus_of, corpus_texts, local_corpus_files
-from trainer.data import load_token_stream
+from trainer.data.corpus import Corpus, corpus_of, corpus_texts, local_corpus_files
+from trainer.data.loader import load_token_stream
 
 
 def write_parquet(path: Path, texts: list[str], field: str = "text") -> Path:
@@ -87,7 +87,7 @@ def test_torchtitan_names_and_the_hub(tmp_path: Path) -> None:
 
 
 def preflight_error(capsys: pytest.CaptureFixture, *options: str) -> str:
-    """The one stderr line of trainer.preflight's main for ``options`` (exit code 2)."""
+    """The one stderr line of programs.preflight's main for ``options`` (exit code 2)."""
     assert preflight.main(["--world-size", "1", *options]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -1,4 +1,4 @@
-"""trainer/launch.py (run_train.sh's torchrun): a failed rendezvous is one line, exit 2; so is a
+"""programs/launch.py (run_train.sh's torchrun): a failed rendezvous is one line, exit 2; so is a
 rendezvous port taken by a program that is not a rendezvous store."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-from trainer import launch
+from programs import launch
 
 ARGV = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--nproc-per-node=1", "train.py"]
 

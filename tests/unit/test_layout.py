@@ -1,8 +1,9 @@
 """The repository's layout, read with ``ast`` from the files alone (nothing is imported):
 
 - floors, from the ground up: 0 ``config``, 1 ``parallelisms``, 2 ``models``, 3 ``trainer``,
-  4 the entry points (train.py, bench/, scripts/). A module imports only project modules on its
-  own floor or below;
+  4 ``programs`` (pre-launch check, dry run, planner, launcher), 5 the entry points (train.py,
+  bench/, scripts/). A module imports only project modules on its own floor or below, so nothing
+  the ranks run imports a program;
 - no import cycle among the project's modules;
 - trainer/trainer.py stays under 350 lines, and no function is longer than 60 lines.
 
@@ -20,7 +21,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # Top-level name -> floor. Imports of any other top-level name are third-party and ignored.
-FLOORS = {"config": 0, "parallelisms": 1, "models": 2, "trainer": 3, "train": 4, "bench": 4, "scripts": 4}
+FLOORS = {
+    "config": 0,
+    "parallelisms": 1,
+    "models": 2,
+    "trainer": 3,
+    "programs": 4,
+    "train": 5,
+    "bench": 5,
+    "scripts": 5,
+}
 SKIPPED_DIRS = {"tests", "__pycache__"}  # and every directory starting with a dot (.venv, .git)
 MAX_FUNCTION_LINES = 60
 MAX_TRAINER_LINES = 350  # trainer/trainer.py has fewer lines than this
@@ -294,7 +304,7 @@ def test_upward_imports_are_reported_with_file_and_line(tmp_path):
     assert floor_violations(root) == [
         "config/job.py:3 config.job (floor 0) imports trainer.metrics (floor 3)",
         "parallelisms/fsdp.py:6 parallelisms.fsdp (floor 1) imports models.llama (floor 2)",
-        "trainer/metrics.py:2 trainer.metrics (floor 3) imports train (floor 4)",
+        "trainer/metrics.py:2 trainer.metrics (floor 3) imports train (floor 5)",
     ]
 
 

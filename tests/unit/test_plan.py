@@ -1,4 +1,4 @@
-"""The layout planner (trainer/plan.py): known answers at real sizes, its config file, bad input."""
+"""The layout planner (programs/plan.py): known answers at real sizes, its config file, bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from config.job_config import JobConfig
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
-from trainer import plan
+from programs import plan
 
 GiB = 2**30
 REAL = ["--training.seq_len", "8192"]
@@ -18,7 +18,7 @@ REAL = ["--training.seq_len", "8192"]
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "trainer.plan", *argv], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "programs.plan", *argv], capture_output=True, text=True, timeout=300, check=False
     )
 
 
@@ -73,10 +73,10 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
 
 
 def test_help_lists_every_option():
-    """``python -m trainer.plan --help`` (it was "error: 'help' must be a [section] table")."""
+    """``python -m programs.plan --help`` (it was "error: 'help' must be a [section] table")."""
     result = _run("--help")
     assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout.startswith("usage: python -m trainer.plan ")
+    assert result.stdout.startswith("usage: python -m programs.plan ")
     assert "  --plan.devices int (default: 8)" in result.stdout and "  --training.steps int" in result.stdout
 
 

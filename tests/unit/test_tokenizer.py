@@ -1,4 +1,4 @@
-"""Tests of trainer.tokenizer."""
+"""Tests of trainer.data.tokenizer."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from config.manager import load_config
 from models.llama3 import Transformer
 from tests.unit.conftest import DEFAULT_VOCAB_SIZE
 from tests.unit.test_model import tiny_args
-from trainer.hf_checkpoint import export_hf, job_export_assets
-from trainer.tokenizer import (
+from trainer.checkpoint.hf import export_hf, job_export_assets
+from trainer.data.tokenizer import (
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -150,7 +150,7 @@ def test_default_tokenizer_trained_once_across_processes(tmp_path: Path) -> None
     script = textwrap.dedent(
         f"""
         import os, sys, time
-        import trainer.tokenizer as tokenizer_module
+        import trainer.data.tokenizer as tokenizer_module
         from pydoc_data.topics import topics
 
         # The help topics alone train quickly; the file locking is under test.
@@ -478,7 +478,7 @@ def test_a_tokenizer_that_cannot_encode_a_text_is_one_line_before_launch(tmp_pat
     """A word-level tokenizer without an unknown token fails on the first word it lacks: one line
     naming the tokenizer, before launch from the corpus's first document (in the ranks, from any);
     it was the library's bare Exception, a traceback in every rank of every attempt."""
-    from trainer import preflight
+    from programs import preflight
 
     tokenizer = tokenizers.Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "cat": 2}))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

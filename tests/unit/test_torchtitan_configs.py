@@ -11,8 +11,8 @@ import pytest
 
 from config.job_config import ConfigError
 from config.manager import load_config, named_as_given
+from programs.preflight import check
 from tests.launch import REPO
-from trainer.preflight import check
 
 # The keys of torchtitan's debug_model.toml, with its values (written here, not copied from it).
 TITAN_DEBUG = """

@@ -76,10 +76,11 @@ from config.job_config import (
     typed_first_line,
     user_input,
 )
+from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
 from parallelisms.float8 import plain_tensor
+from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights, weights_only_problem
 from trainer.distributed import is_first_attempt, launch_id
-from trainer.hf_checkpoint import ExportAssets, export_hf, is_hf_folder, load_hf_weights, weights_only_problem
 from trainer.metrics import free_path
 from trainer.optim import optimizers_holding_state
 

@@ -1,6 +1,6 @@
 """Dry run at any world size: one process plays one rank of ``--world-size`` ranks.
 
-``python -m trainer.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
+``python -m programs.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
 joins torch's fake process group (every collective returns at once, moving nothing) and builds
 the run's real mesh, model (``build_model``: pipeline split, tensor parallel, activation
 checkpointing, data parallel), optimizer and LR schedule with the weights as fake tensors, so a
@@ -43,14 +43,14 @@ from config.job_config import ConfigError, JobConfig, print_error
 from config.manager import batch_layout, load_config, named_as_given, typed_options
 from models.builder import BuiltModel, build_model
 from models.registry import get_model_spec
+from models.sizes import job_model_args
 from parallelisms.parallel_dims import ParallelDims
-from trainer.checkpoint import ModelState, OptimizerState, whole_model
+from programs.preflight import check, launch_sizes, log_warnings_once, split_launch_options
+from trainer.checkpoint.manager import ModelState, OptimizerState, whole_model
+from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import parallel_dims_from_config
-from trainer.hf_checkpoint import job_model_args
 from trainer.loss import Loss
 from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_, optimizers_holding_state
-from trainer.preflight import check, launch_sizes, log_warnings_once, split_launch_options
-from trainer.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def in_child(fn, *args):
     raise ConfigError(value) if status == "error" else RuntimeError(value)
 
 
-USAGE = "usage: python -m trainer.dry_run (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
+USAGE = "usage: python -m programs.dry_run (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
 
 
 def measured_ranks(config: JobConfig, world_size: int) -> list[int]:

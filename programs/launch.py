@@ -1,4 +1,4 @@
-"""run_train.sh's torchrun: ``python -m trainer.launch [torchrun options] train.py [options]``.
+"""run_train.sh's torchrun: ``python -m programs.launch [torchrun options] train.py [options]``.
 
 What it adds to torchrun:
 - A rank that meets a mistake no restart can mend writes "CODE line" to the file named by
@@ -64,9 +64,9 @@ from torch.distributed.run import main as torchrun
 
 from config.job_config import first_line, print_error
 from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
-from trainer.preflight import out_of_memory_error
+from trainer.out_of_memory import out_of_memory_error
 
-TORCHRUN_COMMANDS = ("trainer.launch", "torch.distributed.run", "torchrun")
+TORCHRUN_COMMANDS = ("programs.launch", "torch.distributed.run", "torchrun")
 """What a torchrun agent's command line holds: the program another node of the job runs on the
 same host (tests, or a node per GPU group), whose rendezvous this one joins."""
 

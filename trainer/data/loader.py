@@ -24,8 +24,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.job_config import JobConfig, user_input
 from parallelisms.parallel_dims import ParallelDims
-from trainer.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
-from trainer.tokenizer import Tokenizer
+from trainer.data.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
+from trainer.data.tokenizer import Tokenizer
 
 # Bump when the corpus extraction or the token file layout changes, so stale
 # cached token streams are not reused.

@@ -23,8 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import Checkpoint, JobConfig, first_few, user_input
-from models.builder import model_args
+from config.job_config import Checkpoint, JobConfig, first_few
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     config_mismatches,
@@ -35,8 +34,9 @@ from models.llama3.hf_adapter import (
     to_hf_state_dict,
 )
 from models.llama3.model import TransformerModelArgs
+from models.sizes import CONFIG_NAME, architecture_folder, is_hf_folder, read_hf_config, read_json
 from parallelisms.names import clean_name
-from trainer.tokenizer import (
+from trainer.data.tokenizer import (
     DEFAULT_TOKENIZER_HF_CONFIG,
     HF_CONFIG_FILE,
     HF_TOKENIZER_FILE,
@@ -45,7 +45,6 @@ from trainer.tokenizer import (
     hf_tokenizer_files,
 )
 
-CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default "5GB"
@@ -143,7 +142,7 @@ def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) ->
         "eos_token_id": source_config.get("eos_token_id", eos_id),
     }
     generation_path = os.path.join(source, GENERATION_CONFIG)
-    generation = _read_json(generation_path) if source and os.path.isfile(generation_path) else dict(ids)
+    generation = read_json(generation_path) if source and os.path.isfile(generation_path) else dict(ids)
     if os.path.isdir(tokenizer_path):
         candidates = {name: os.path.join(tokenizer_path, name) for name in TOKENIZER_FILES}
         files = {name: path for name, path in candidates.items() if os.path.isfile(path)}
@@ -289,13 +288,6 @@ def export_hf(
 # ---------------------------------------------------------------------------
 
 
-def is_hf_folder(path: str) -> bool:
-    """True if ``path`` is a folder with a ``config.json`` and at least one ``.safetensors`` file."""
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
-        return False
-    return any(name.endswith(".safetensors") for name in os.listdir(path))
-
-
 def weights_only_problem(checkpoint: Checkpoint) -> str | None:
     """What is wrong when ``checkpoint.initial_load_path`` is a Hugging Face folder, which holds
     weights only, but the job asks to load a training checkpoint's whole state; None otherwise."""
@@ -306,19 +298,6 @@ def weights_only_problem(checkpoint: Checkpoint) -> str | None:
         f"checkpoint.initial_load_model_only: false loads a training checkpoint's state, but {path} is a "
         "Hugging Face folder of weights only"
     )
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"HF checkpoint: {path} does not exist") from None
-    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
-        raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"HF checkpoint: {path} is not a JSON object")
-    return data
 
 
 class StoredWeight(NamedTuple):
@@ -334,7 +313,7 @@ def _weight_files(folder: str) -> dict[str, StoredWeight]:
     """HF key -> where and how it is stored; reads headers only."""
     index_path = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index_path):
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
             raise ValueError(f"HF checkpoint: {index_path} has no 'weight_map' of tensor names to file names")
         files = sorted(set(weight_map.values()))
@@ -390,38 +369,6 @@ def _model_args(model_parts: list[nn.Module]) -> TransformerModelArgs:
     if not isinstance(args, TransformerModelArgs):
         raise ValueError("HF import: the model parts must be Llama 3 Transformers (with .args)")
     return args
-
-
-def read_hf_config(folder: str) -> dict:
-    """The ``config.json`` of the HF folder ``folder``; ValueError naming what is missing."""
-    if not os.path.isdir(folder):
-        raise ValueError(f"HF checkpoint: {folder} does not exist or is not a folder")
-    return _read_json(os.path.join(folder, CONFIG_NAME))
-
-
-def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
-    """(option, folder) of the HF folder whose config.json gives the model's sizes
-    (``model.architecture``), or None when they are the flavor's."""
-    architecture = config.model.architecture
-    if architecture == "flavor":
-        return None
-    if architecture == "auto":
-        path = config.checkpoint.initial_load_path
-        return ("checkpoint.initial_load_path", path) if path and is_hf_folder(path) else None
-    folder = os.path.dirname(architecture) if os.path.basename(architecture) == CONFIG_NAME else architecture
-    return "model.architecture", folder
-
-
-def job_model_args(config: JobConfig, vocab_size: int | None = None) -> TransformerModelArgs:
-    """The model args of the job: the flavor's, an HF folder's (``model.architecture``), the [model]
-    fields (``models.builder.model_args``); ConfigError naming the option when the folder cannot
-    give them."""
-    found = architecture_folder(config)
-    if found is None:
-        return model_args(config, vocab_size)
-    option, folder = found
-    with user_input(option):
-        return model_args(config, vocab_size, read_hf_config(folder), os.path.join(folder, CONFIG_NAME))
 
 
 def _listed(keys: list[str], limit: int = 4) -> str:

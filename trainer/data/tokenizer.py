@@ -21,7 +21,7 @@ import sentencepiece as spm
 import tiktoken
 import tokenizers
 
-from trainer.corpus import create_file_once, default_corpus_texts
+from trainer.data.corpus import create_file_once, default_corpus_texts
 
 # Pre-tokenizer regex of the Llama 3 tokenizer.
 LLAMA3_PATTERN = (

@@ -1,12 +1,12 @@
 """Layout planner: which layout of a model fits the devices, and which is fastest.
 
-``python -m trainer.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
+``python -m programs.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
 SimpleFSDP with their shard and replicate degrees, tensor-parallel degrees dividing the heads,
 pipeline degrees with the 1F1B and interleaved 1F1B schedules and microbatches of 1 or 2
 sequences, activation checkpointing none/selective/full), ranks them by an estimated step time
 (FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, and the exposed communication of an
 alpha-beta model per collective), and estimates the per-rank peak memory of the fastest ones with
-the dry run (``trainer.dry_run``: the real build and training step on fake tensors) until
+the dry run (``programs.dry_run``: the real build and training step on fake tensors) until
 ``plan.top`` of them fit ``plan.device_memory_gib``. It prints them as a table and writes the best
 as a config file for ``run_train.sh`` (``plan.output``).
 
@@ -30,9 +30,9 @@ import torch
 from config.job_config import ConfigError, JobConfig, print_error, user_input
 from config.manager import help_text, load_config, named_as_given, to_toml
 from models.registry import get_model_spec
+from models.sizes import architecture_folder, job_model_args
 from parallelisms.pipeline import plan_pipeline
-from trainer.dry_run import dry_run, in_child, measured_ranks
-from trainer.hf_checkpoint import architecture_folder, job_model_args
+from programs.dry_run import dry_run, in_child, measured_ranks
 
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
@@ -405,7 +405,7 @@ def check_plan(config: JobConfig) -> None:
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
-        print(help_text("python -m trainer.plan"))
+        print(help_text("python -m programs.plan"))
         return 0
     start = time.perf_counter()
     try:
