@@ -1,13 +1,7 @@
 """Bucket plans for SimpleFSDP: which modules share one all-gather and one reduce-scatter.
 
-Pure planning logic (no FX graphs): the graph pass merges the collectives of each bucket.
-
-Cost models
-    * ``CommModel``: alpha-beta model of one ring collective, calibrated on the real process
-      group (``calibrate_comm_model``) or given per cluster (``comm.alpha_us``,
-      ``comm.bandwidth_gbps``).
-    * ``ComputeModel``: a FLOP rate (``compile.compute_flops``, or measured on a module of the
-      model by ``measure_rate``).
+Pure planning logic (no FX graphs): the graph pass merges the collectives of each bucket. The
+cost models (``CommModel``, ``ComputeModel``) are in ``parallelisms.cost_model``.
 
 Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one step per bucket)
     Forward, step ``i`` runs ``B_i``'s forward compute ``F_i``:
@@ -50,234 +44,16 @@ import json
 import logging
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from parallelisms.device import all_gather_into, synchronize
+from parallelisms.cost_model import CommModel, ComputeModel, _ring_fraction
 
 logger = logging.getLogger(__name__)
 
-# Config options named in error messages, so a bad value points at what to change.
-ALPHA_OPTION = "comm.alpha_us"
-BANDWIDTH_OPTION = "comm.bandwidth_gbps"
-COMPUTE_OPTION = "compile.compute_flops"
-
 _MIB = 1024**2
-
-
-def _ring_fraction(world_size: int) -> float:
-    """Fraction of the full buffer each rank sends (and receives) in a ring all-gather/reduce-scatter."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return (world_size - 1) / world_size
-
-
-@dataclass(frozen=True)
-class CommModel:
-    """Alpha-beta cost of one collective: ``time(bytes) = alpha_s + bytes / bandwidth_bytes_per_s``.
-
-    ``alpha_s`` is the fixed latency of one collective (launch plus ring start-up), in seconds;
-    ``bandwidth_bytes_per_s`` is the bus bandwidth, the rate nccl-tests reports as ``busbw``.
-    """
-
-    alpha_s: float
-    bandwidth_bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth_bytes_per_s) and self.bandwidth_bytes_per_s > 0):
-            raise ValueError(
-                f"{BANDWIDTH_OPTION} must be a finite number > 0, got a bandwidth of "
-                f"{self.bandwidth_bytes_per_s} bytes/s"
-            )
-        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
-            raise ValueError(f"{ALPHA_OPTION} must be a finite number >= 0, got alpha = {self.alpha_s} s")
-
-    @classmethod
-    def from_config(cls, alpha_us: float, bandwidth_gbps: float) -> CommModel:
-        """From config units: latency in microseconds, bus bandwidth in GB/s (1e9 bytes per second)."""
-        return cls(alpha_s=alpha_us * 1e-6, bandwidth_bytes_per_s=bandwidth_gbps * 1e9)
-
-    def time(self, num_bytes: float) -> float:
-        """Seconds to move ``num_bytes`` through one link."""
-        return self.alpha_s + num_bytes / self.bandwidth_bytes_per_s
-
-    def all_gather_time(self, full_bytes: float, world_size: int) -> float:
-        """Ring all-gather producing ``full_bytes`` on each of ``world_size`` ranks.
-
-        ``alpha + (N - 1) / N * full_bytes / bandwidth``: each rank forwards the N - 1 shards it
-        does not own. An empty bucket issues no collective and costs nothing.
-        """
-        if full_bytes == 0:
-            return 0.0
-        return self.time(_ring_fraction(world_size) * full_bytes)
-
-    def reduce_scatter_time(self, full_bytes: float, world_size: int) -> float:
-        """Ring reduce-scatter of a ``full_bytes`` gradient buffer over ``world_size`` ranks.
-
-        The mirror of the all-gather, same bytes on the wire:
-        ``alpha + (N - 1) / N * full_bytes / bandwidth`` (the reduction arithmetic is ignored).
-        """
-        return self.all_gather_time(full_bytes, world_size)
-
-
-@dataclass(frozen=True)
-class ComputeModel:
-    """Compute time from a FLOP count at a fixed achieved rate."""
-
-    flops_per_second: float
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.flops_per_second) and self.flops_per_second > 0):
-            raise ValueError(f"{COMPUTE_OPTION} must be a finite number > 0, got {self.flops_per_second} FLOP/s")
-
-    @classmethod
-    def from_config(cls, compute_flops: float | None, measure: Callable[[], float]) -> ComputeModel:
-        """The configured rate, or when unset what ``measure`` returns (e.g. ``measure_rate`` on
-        one block of the model)."""
-        return cls(float(compute_flops) if compute_flops is not None else measure())
-
-    def time(self, flops: float) -> float:
-        """Seconds to run ``flops`` floating-point operations."""
-        return flops / self.flops_per_second
-
-
-FALLBACK_COMM_MODEL = CommModel(alpha_s=100e-6, bandwidth_bytes_per_s=1e9)
-"""What calibration falls back to when timing is too noisy to fit: 100 us, 1 GB/s (gloo on one host)."""
-
-
-class _AllGatherTimer:
-    """Times one all-gather into a single tensor on the real group, done as SimpleFSDP's compiled
-    graphs do it (``all_gather_into``); buffers are kept per message size."""
-
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self._group = group
-        self._device = device
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, full_bytes: int) -> float:
-        if full_bytes not in self._buffers:
-            world_size = dist.get_world_size(self._group)
-            shard = torch.ones(full_bytes // world_size, dtype=torch.uint8, device=self._device)
-            output = torch.empty(full_bytes, dtype=torch.uint8, device=self._device)
-            self._buffers[full_bytes] = (shard, output)
-        shard, output = self._buffers[full_bytes]
-        synchronize(self._device)
-        start = time.perf_counter()
-        all_gather_into(output, shard, self._group or dist.group.WORLD)
-        synchronize(self._device)
-        return time.perf_counter() - start
-
-
-def measure_rate(
-    module: torch.nn.Module, inputs: Sequence[torch.Tensor], flops: float, min_seconds: float = 0.2
-) -> float:
-    """FLOP/s of eager forward and backward passes of ``module`` on ``inputs`` (``flops`` per
-    pass), timed after one untimed pass, over at least ``min_seconds`` and 2 passes.
-
-    The rate the whole computation reaches, not only its matmuls: where attention, norms and
-    elementwise ops weigh (a CPU whose bf16 matmuls run on AMX), a matmul benchmark overstates
-    it several times, and the planner would then see little compute to hide communication behind."""
-    device = next(module.parameters()).device
-
-    def one_pass() -> None:
-        outputs = module(*inputs)
-        outputs.float().sum().backward()
-
-    one_pass()
-    synchronize(device)
-    passes, start = 0, time.perf_counter()
-    while passes < 2 or time.perf_counter() - start < min_seconds:
-        one_pass()
-        passes += 1
-        synchronize(device)
-    return flops * passes / (time.perf_counter() - start)
-
-
-def calibrate_comm_model(
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str = "cpu",
-    sizes: tuple[int, int] = (64 * 1024, 16 * _MIB),
-    iters: int = 10,
-    warmup: int = 2,
-    time_all_gather: Callable[[int], float] | None = None,
-) -> CommModel:
-    """Fits a ``CommModel`` to all-gathers of two message sizes on ``group``; call it on every rank.
-
-    Each size (full gathered bytes, rounded down to a multiple of the world size) gets
-    ``warmup`` untimed runs, a barrier so all ranks start together, and ``iters`` timed runs
-    whose median is this rank's time. The slowest rank's time (all-reduce MAX) is what a
-    collective costs, and it makes every rank return the same model. Two points of
-    ``t = alpha + (N - 1) / N * bytes / bandwidth`` give bandwidth and alpha.
-
-    Args:
-        time_all_gather: seconds of one all-gather of the given full bytes on this rank; tests
-            inject a fake one. Default: ``all_gather_into`` on ``group``, as compiled graphs gather.
-
-    Timing too noisy to fit (the large message no slower): one warning, ``FALLBACK_COMM_MODEL``.
-
-    Raises:
-        ValueError: fewer than 2 ranks (no traffic to time) or bad sizes/iterations.
-    """
-    world_size = dist.get_world_size(group)
-    if world_size < 2:
-        raise ValueError(f"calibrate_comm_model needs >= 2 ranks to time traffic, got {world_size}")
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"calibrate_comm_model: need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
-    small_bytes, large_bytes = (size // world_size * world_size for size in sizes)
-    if not 0 < small_bytes < large_bytes:
-        raise ValueError(
-            f"calibrate_comm_model: need 0 < small < large message bytes (after rounding to a multiple of "
-            f"{world_size} ranks), got sizes {sizes}"
-        )
-    device = torch.device(device)
-    timer = time_all_gather or _AllGatherTimer(group, device)
-
-    local_medians = []
-    for full_bytes in (small_bytes, large_bytes):
-        for _ in range(warmup):
-            timer(full_bytes)
-        dist.barrier(group)
-        local_medians.append(statistics.median(timer(full_bytes) for _ in range(iters)))
-    slowest = torch.tensor(local_medians, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    small_s, large_s = slowest.tolist()
-    model = _fit_alpha_beta(small_bytes, small_s, large_bytes, large_s, world_size)
-    logger.info(
-        "Calibrated all-gather over %d ranks: %.1f us for %d B, %.1f us for %d B -> alpha %.1f us, bandwidth %.3f GB/s",
-        world_size,
-        small_s * 1e6,
-        small_bytes,
-        large_s * 1e6,
-        large_bytes,
-        model.alpha_s * 1e6,
-        model.bandwidth_bytes_per_s / 1e9,
-    )
-    return model
-
-
-def _fit_alpha_beta(small_bytes: int, small_s: float, large_bytes: int, large_s: float, world_size: int) -> CommModel:
-    """The alpha-beta model through two timed all-gathers."""
-    if not large_s > small_s:
-        logger.warning(
-            "Communication calibration: an all-gather of %d B took %.3e s, not longer than %d B (%.3e s); "
-            "timing is too noisy, using alpha %.0f us and bandwidth %.1f GB/s (set %s and %s to choose)",
-            *(large_bytes, large_s, small_bytes, small_s, FALLBACK_COMM_MODEL.alpha_s * 1e6),
-            *(FALLBACK_COMM_MODEL.bandwidth_bytes_per_s / 1e9, ALPHA_OPTION, BANDWIDTH_OPTION),
-        )
-        return FALLBACK_COMM_MODEL
-    fraction = _ring_fraction(world_size)
-    bandwidth = fraction * (large_bytes - small_bytes) / (large_s - small_s)
-    alpha = small_s - fraction * small_bytes / bandwidth
-    if alpha < 0:
-        # Timing noise can put the fitted line below the origin; a latency cannot be negative.
-        logger.warning("Calibrated all-gather latency %.3e s is negative: using 0", alpha)
-        alpha = 0.0
-    return CommModel(alpha_s=alpha, bandwidth_bytes_per_s=bandwidth)
 
 
 @dataclass(frozen=True)
@@ -504,8 +280,8 @@ def plan_auto(
             best, best_exposed = plan, exposed
     if _over_cap(best, memory_cap_bytes):
         logger.warning(
-            "Auto buckets: one block per bucket already exceeds the memory cap of %d B with its neighbour "
-            "(compile.bucket_memory_cap_mb); a module cannot be split, so it is planned anyway",
+            "Auto buckets: one block per bucket already exceeds the memory cap of %d B with its neighbour; "
+            "a module cannot be split, so it is planned anyway",
             memory_cap_bytes,
         )
     return best

@@ -48,10 +48,9 @@ from torch._inductor.fx_passes.bucketing import (
     merge_reduce_scatter_bucket,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import flop_registry
 
-from parallelisms.device import all_gather_as_broadcasts, reduce_scatter_as_all_to_all
+from parallelisms import gloo_graph
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
@@ -176,7 +175,9 @@ class BucketingPass(CustomGraphPass):
         self.reports: list[GraphReport] = []
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex() + repr((self.buckets, self.dp_groups, self.reorder))
+        return get_hash_for_files((__file__, gloo_graph.__file__)).hex() + repr(
+            (self.buckets, self.dp_groups, self.reorder)
+        )
 
     def __call__(self, graph: fx.Graph) -> None:
         if not any(collective_kind(node) for node in graph.nodes):
@@ -191,11 +192,11 @@ class BucketingPass(CustomGraphPass):
                     sink_wait(node)
             self._prefetch_all_gathers(graph)
             self._one_transfer_at_a_time(graph)
-        self._all_to_all_on_gloo(graph)
+        gloo_graph.reduce_scatters_as_all_to_all(graph, self._data_parallel(graph, "reduce_scatter"))
         stable_topological_sort(graph)
         # On a sorted graph: the broadcasts' order against the shard's copy and the bucket's readers
         # is a mutation's, which the sort cannot see.
-        self._broadcasts_on_gloo(graph)
+        gloo_graph.all_gathers_as_broadcasts(graph, self._data_parallel(graph, "all_gather"))
         graph.lint()
         for node in graph.nodes:
             kind = collective_kind(node)
@@ -210,6 +211,9 @@ class BucketingPass(CustomGraphPass):
 
     def _is_data_parallel(self, node: fx.Node) -> bool:
         return collective_kind(node) is not None and group_of(node) in self.dp_groups
+
+    def _data_parallel(self, graph: fx.Graph, kind: str) -> list[fx.Node]:
+        return [node for node in graph.nodes if collective_kind(node) == kind and self._is_data_parallel(node)]
 
     def _bucket_of(self, node: fx.Node) -> int:
         if "tessera_bucket" in node.meta:
@@ -252,95 +256,6 @@ class BucketingPass(CustomGraphPass):
             previous_wait = next(iter(previous.users))
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
-
-    def _all_to_all_on_gloo(self, graph: fx.Graph) -> None:
-        """Where ``reduce_scatter_as_all_to_all`` says so (gloo), each data-parallel reduce-scatter
-        (a sum) becomes an all-to-all of the bucket's chunks and a sum of the chunks received,
-        right after the wait: each rank is sent only its own chunk of every other rank's bucket."""
-        for node in list(graph.nodes):
-            if collective_kind(node) != "reduce_scatter" or not self._is_data_parallel(node):
-                continue
-            gradients, reduce_op, group_size, group_name = node.args
-            value = gradients.meta["val"]
-            if reduce_op != "sum" or not reduce_scatter_as_all_to_all(_resolve_process_group(group_name), value.device):
-                continue
-            splits = [value.shape[0] // group_size] * group_size
-            chunks_value = value.view(group_size, -1, *value.shape[1:])
-            part_value = chunks_value.sum(0)
-            with graph.inserting_before(node):
-                exchanged = graph.call_function(c10d.all_to_all_single.default, (gradients, splits, splits, group_name))
-            exchanged.meta = {**node.meta, "val": value.clone()}
-            node.replace_all_uses_with(exchanged)
-            graph.erase_node(node)
-            for wait in list(exchanged.users):
-                users = list(wait.users)
-                wait.meta["val"] = exchanged.meta["val"]
-                with graph.inserting_after(wait):
-                    chunks = graph.call_function(aten.view.default, (wait, list(chunks_value.shape)))
-                with graph.inserting_after(chunks):
-                    summed = graph.call_function(aten.sum.dim_IntList, (chunks, [0]))
-                with graph.inserting_after(summed):
-                    # Written into a buffer of its own: Inductor would compute a sum only the
-                    # graph's outputs use where they are returned, keeping every bucket's
-                    # full-size chunks alive to the end of backward.
-                    buffer = graph.call_function(
-                        aten.empty.memory_format,
-                        (list(part_value.shape),),
-                        {"dtype": value.dtype, "device": value.device},
-                    )
-                with graph.inserting_after(buffer):
-                    reduced = graph.call_function(aten.copy_.default, (buffer, summed))
-                chunks.meta = {**wait.meta, "val": chunks_value}
-                summed.meta = {**wait.meta, "val": part_value}
-                buffer.meta = {**wait.meta, "val": part_value.clone()}
-                reduced.meta = {**wait.meta, "val": buffer.meta["val"]}  # copy_ returns the buffer
-                for user in users:
-                    user.replace_input_with(wait, reduced)
-
-    def _broadcasts_on_gloo(self, graph: fx.Graph) -> None:
-        """Where ``all_gather_as_broadcasts`` says so (gloo), each data-parallel all-gather becomes
-        one broadcast per rank, in place into that rank's slot of the gathered buffer, all issued
-        where the all-gather was and waited for where it was. The users read the buffer after the
-        last wait; each broadcast (and wait) mutates its slot, which orders them for Inductor."""
-        for node in list(graph.nodes):
-            if collective_kind(node) != "all_gather" or not self._is_data_parallel(node):
-                continue
-            shard, group_size, group_name = node.args
-            group = _resolve_process_group(group_name)
-            if not all_gather_as_broadcasts(group, shard.meta["val"].device):
-                continue
-            rows = shard.meta["val"].shape[0]
-            rank = group.rank()
-            with graph.inserting_before(node):
-                buffer = node.kwargs.get("out")
-                if buffer is None:
-                    buffer = graph.call_function(
-                        aten.empty.memory_format,
-                        (list(node.meta["val"].shape),),
-                        {"dtype": node.meta["val"].dtype, "device": node.meta["val"].device},
-                    )
-                    buffer.meta = {**node.meta, "val": node.meta["val"].clone()}
-                slots = []
-                for src in range(group_size):
-                    slot = graph.call_function(aten.slice.Tensor, (buffer, 0, src * rows, (src + 1) * rows))
-                    slot.meta = {**node.meta, "val": buffer.meta["val"][src * rows : (src + 1) * rows]}
-                    slots.append(slot)
-                if not _is_slot_of(shard, buffer, rank * rows):
-                    own = graph.call_function(aten.copy_.default, (slots[rank], shard))
-                    own.meta = {**node.meta, "val": slots[rank].meta["val"]}
-                sends = []
-                for src, slot in enumerate(slots):
-                    send = graph.call_function(c10d.broadcast_.default, (slot, src, group_name))
-                    send.meta = {**node.meta, "val": slot.meta["val"]}
-                    sends.append(send)
-            for wait in list(node.users):
-                with graph.inserting_before(wait):
-                    for send in sends:
-                        done = graph.call_function(WAIT, (send,))
-                        done.meta = {**wait.meta, "val": send.meta["val"]}
-                wait.replace_all_uses_with(buffer)
-                graph.erase_node(wait)
-            graph.erase_node(node)
 
     def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
         """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
@@ -406,20 +321,6 @@ def _is_input(node: fx.Node) -> bool:
     if node.op == "get_attr":
         return not isinstance(getattr(node.graph.owning_module, node.target, None), fx.GraphModule)
     return node.op == "placeholder"
-
-
-def _is_slot_of(node: fx.Node, buffer: fx.Node, start: int) -> bool:
-    """Whether ``node`` is the rows of ``buffer`` from ``start`` on (torch's bucket merge gathers
-    from the rank's own slot of the output), seen through an in-place copy into it."""
-    if node.op == "call_function" and node.target is aten.copy_.default:
-        node = node.args[0]
-    return (
-        node.op == "call_function"
-        and node.target in (aten.narrow.default, aten.slice.Tensor)
-        and node.args[0] is buffer
-        and node.args[1] == 0
-        and node.args[2] == start
-    )
 
 
 def _bytes(node: fx.Node) -> int:

@@ -328,7 +328,7 @@ class PeakFlops:
 
 
 def use_deterministic_algorithms(warn_only: bool = False) -> None:
-    """torch's deterministic kernels (``debug.deterministic``; ``warn_only``: an operation without
+    """torch's deterministic kernels (``warn_only``: an operation without
     one warns instead of failing); on CUDA cuBLAS also needs a fixed workspace, and cuDNN must not
     pick kernels by timing them."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -439,7 +439,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, override: float | None
     Args:
         device: device the model runs on.
         dtype: dtype the matmuls run in (bf16 under mixed precision).
-        override: returned as is when given (``metrics.peak_flops``).
+        override: returned as is when given (the user's figure).
 
     Known GPUs are looked up by ``torch.cuda.get_device_name`` (bf16/fp16 dense
     rates; fp32 uses the TF32 rate, half the bf16 one, when TF32 matmuls are
@@ -453,7 +453,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, override: float | None
     if override is not None:
         if not override > 0:
             raise ValueError(f"device_peak_flops: override must be > 0, got {override}")
-        return PeakFlops(float(override), "from metrics.peak_flops")
+        return PeakFlops(float(override), "as configured")
     device = torch.device(device)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
         name = torch.cuda.get_device_name(device)

@@ -66,7 +66,7 @@ def check_float8(device_type: str, emulate: bool) -> None:
     if not emulate and not float8_matmuls(device_type):
         raise ValueError(
             f"this {device_type} device has no float8 matmuls (GPUs need compute capability 8.9 or more); "
-            "float8.emulate multiplies the float8-rounded values in high precision instead"
+            "emulate multiplies the float8-rounded values in high precision instead"
         )
 
 

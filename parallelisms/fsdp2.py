@@ -62,7 +62,7 @@ class BroadcastAllGather(_PlainBuffers, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        if output_tensor.dtype.itemsize == 1:  # float8 weights (float8.enable_fsdp_float8_all_gather)
+        if output_tensor.dtype.itemsize == 1:  # float8 weights, gathered in float8
             output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
         if async_op:  # a prefetch (pipeline schedules unshard ahead): one Work to wait for
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)

@@ -51,8 +51,8 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by data_parallel_replicate_degree"
-                    f" x tensor_parallel_degree x pipeline_parallel_degree = {others}"
+                    f"world size {self.world_size} is not divisible by the other degrees "
+                    f"(replicate {self.dp_replicate} x tp {self.tp} x pp {self.pp} = {others})"
                 )
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:

@@ -36,16 +36,6 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
-# Config options named in error messages, so a bad value points at what to change.
-DEGREE_OPTION = "parallelism.pipeline_parallel_degree"
-SCHEDULE_OPTION = "parallelism.pipeline_parallel_schedule"
-LAYERS_PER_STAGE_OPTION = "parallelism.pipeline_parallel_layers_per_stage"
-SPLIT_POINTS_OPTION = "parallelism.pipeline_parallel_split_points"
-MODULE_FQNS_OPTION = "parallelism.module_fqns_per_model_part"
-FIRST_LESS_OPTION = "parallelism.pipeline_parallel_first_stage_less_layers"
-LAST_LESS_OPTION = "parallelism.pipeline_parallel_last_stage_less_layers"
-MICROBATCH_OPTION = "parallelism.pipeline_parallel_microbatch_size"
-
 ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 """Schedules that split backward into input and weight gradients (no compile, no FSDP reshard)."""
 V_SCHEDULES = frozenset({"ZBVZeroBubble"})
@@ -112,13 +102,13 @@ def plan_pipeline(
     up front.
 
     Raises:
-        ValueError: a one-line message naming the option to change when the blocks cannot be
-            split that way or the microbatches do not fit the schedule.
+        ValueError: a one-line message naming the parameters to change (as spelled here) when the
+            blocks cannot be split that way or the microbatches do not fit the schedule.
     """
     try:
         schedule_cls = get_schedule_class(schedule)
     except ValueError:
-        raise ValueError(f"{SCHEDULE_OPTION}: unknown schedule '{schedule}'") from None
+        raise ValueError(f"unknown pipeline schedule '{schedule}'") from None
     single_stage = issubclass(schedule_cls, PipelineScheduleSingle)
     starts, source = _stage_starts(
         n_layers,
@@ -148,31 +138,31 @@ def _stage_starts(
     first_less: int,
     last_less: int,
 ) -> tuple[list[int], str]:
-    """First block of each stage (see ``plan_pipeline``), and the option that gave the split."""
+    """First block of each stage (see ``plan_pipeline``), and the parameter that gave the split."""
     given = [
-        option
-        for option, value in (
-            (SPLIT_POINTS_OPTION, split_points),
-            (LAYERS_PER_STAGE_OPTION, layers_per_stage is not None),
-            (MODULE_FQNS_OPTION, module_fqns),
+        name
+        for name, value in (
+            ("split_points", split_points),
+            ("layers_per_stage", layers_per_stage is not None),
+            ("module_fqns", module_fqns),
         )
         if value
     ]
     if len(given) > 1:
         raise ValueError(f"set {' or '.join(given)}, not {'both' if len(given) == 2 else 'several'}")
     if split_points:
-        return _parse_split_points(split_points, n_layers), f"{SPLIT_POINTS_OPTION} {','.join(split_points)}"
+        return _parse_split_points(split_points, n_layers), f"split_points {','.join(split_points)}"
     if module_fqns:
-        return _parse_module_fqns(module_fqns, n_layers), MODULE_FQNS_OPTION
+        return _parse_module_fqns(module_fqns, n_layers), "module_fqns"
     if layers_per_stage is None:
         num_stages = pp_degree * (1 if single_stage else 2)
-        source = f"{DEGREE_OPTION} {pp_degree}"
+        source = f"pp_degree {pp_degree}"
     elif layers_per_stage < 1:
-        raise ValueError(f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}: give 1 or more blocks per stage")
+        raise ValueError(f"layers_per_stage {layers_per_stage}: give 1 or more blocks per stage")
     else:
         # torchtitan's count: the end stages' weights take block places too.
         num_stages = math.ceil((n_layers + first_less + last_less) / layers_per_stage)
-        source = f"{LAYERS_PER_STAGE_OPTION} {layers_per_stage}"
+        source = f"layers_per_stage {layers_per_stage}"
     return _weighted_stage_starts(n_layers, num_stages, first_less, last_less, schedule, source), source
 
 
@@ -188,11 +178,11 @@ def _weighted_stage_starts(
     blocks[0] -= first_less
     blocks[-1] -= last_less
     if min(blocks) < 0 or min(blocks[1:-1], default=1) < 1:
-        fewer_stages = "lower them" if source.startswith(LAYERS_PER_STAGE_OPTION) else f"set {LAYERS_PER_STAGE_OPTION}"
+        fewer_stages = "lower them" if source.startswith("layers_per_stage") else "set layers_per_stage"
         raise ValueError(
             f"{source}: {n_layers} layers are too few for {num_stages} stages of {schedule} "
             f"(the first and last count as {first_less} and {last_less} more, "
-            f"{FIRST_LESS_OPTION} and {LAST_LESS_OPTION}); {fewer_stages} or set {SPLIT_POINTS_OPTION}"
+            f"first_stage_less_layers and last_stage_less_layers); {fewer_stages} or set split_points"
         )
     return [sum(blocks[:s]) for s in range(num_stages)]
 
@@ -204,11 +194,9 @@ def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]
         prefix, _, index = point.partition(".")
         # isdecimal, not isdigit: int() refuses digits such as '²' that isdigit takes.
         if prefix != "layers" or not index.isdecimal() or not 0 < int(index) < n_layers:
-            raise ValueError(
-                f"{SPLIT_POINTS_OPTION}: '{point}' is not a split point; use layers.N with 0 < N < {n_layers}"
-            )
+            raise ValueError(f"split_points: '{point}' is not a split point; use layers.N with 0 < N < {n_layers}")
         if int(index) <= starts[-1]:
-            raise ValueError(f"{SPLIT_POINTS_OPTION}: '{point}' is out of order; list split points in increasing order")
+            raise ValueError(f"split_points: '{point}' is out of order; list split points in increasing order")
         starts.append(int(index))
     return starts
 
@@ -228,45 +216,45 @@ def _parse_module_fqns(module_fqns: Sequence[Sequence[str]], n_layers: int) -> l
                 ends.add(name)
             else:
                 raise ValueError(
-                    f"{MODULE_FQNS_OPTION}: '{name}' is not a module of the model; "
+                    f"module_fqns: '{name}' is not a module of the model; "
                     f"use tok_embeddings, layers.N with N < {n_layers}, norm or output"
                 )
         expected = ({"tok_embeddings"} if s == 0 else set()) | ({"norm", "output"} if s == last else set())
         if ends != expected:
             held = ", ".join(sorted(ends)) or "none of tok_embeddings, norm, output"
             raise ValueError(
-                f"{MODULE_FQNS_OPTION}: stage {s} holds {held}; "
+                f"module_fqns: stage {s} holds {held}; "
                 "tok_embeddings goes in the first stage, norm and output in the last"
             )
         if not blocks and 0 < s < last:
-            raise ValueError(f"{MODULE_FQNS_OPTION}: stage {s} holds no block")
+            raise ValueError(f"module_fqns: stage {s} holds no block")
         if sorted(blocks) != list(range(next_block, next_block + len(blocks))):
             raise ValueError(
-                f"{MODULE_FQNS_OPTION}: stage {s} holds {', '.join(names)}; its blocks should follow "
+                f"module_fqns: stage {s} holds {', '.join(names)}; its blocks should follow "
                 f"on from layers.{next_block}, each block in one stage"
             )
         starts.append(next_block)
         next_block += len(blocks)
     if next_block != n_layers:
         missing = f"layers.{next_block}" + (f" to layers.{n_layers - 1} are" if next_block < n_layers - 1 else " is")
-        raise ValueError(f"{MODULE_FQNS_OPTION}: {missing} in no stage")
+        raise ValueError(f"module_fqns: {missing} in no stage")
     return starts
 
 
 def _check_stages_per_rank(num_stages: int, pp_degree: int, schedule: str, single_stage: bool, source: str) -> None:
     if single_stage and num_stages != pp_degree:
         raise ValueError(
-            f"{source} gives {num_stages} stages, but {schedule} runs one stage per rank ({DEGREE_OPTION} {pp_degree})"
+            f"{source} gives {num_stages} stages, but {schedule} runs one stage per rank (pp_degree {pp_degree})"
         )
     if num_stages % pp_degree or (not single_stage and num_stages < 2 * pp_degree):
         raise ValueError(
-            f"{source} gives {num_stages} stages, but {schedule} needs a multiple of {DEGREE_OPTION} "
+            f"{source} gives {num_stages} stages, but {schedule} needs a multiple of pp_degree "
             f"{pp_degree} with at least two stages per rank"
         )
     if schedule in V_SCHEDULES and num_stages != 2 * pp_degree:
         raise ValueError(
             f"{source} gives {num_stages} stages, but {schedule} runs exactly two stages per rank "
-            f"({2 * pp_degree} for {DEGREE_OPTION} {pp_degree})"
+            f"({2 * pp_degree} for pp_degree {pp_degree})"
         )
 
 
@@ -276,11 +264,9 @@ def _microbatch_count(
     """``local_batch_size / microbatch_size``, checked against the schedule's own constraints
     (which torch would otherwise report mid-construction, or not at all)."""
     if microbatch_size < 1 or local_batch_size % microbatch_size:
-        raise ValueError(
-            f"{MICROBATCH_OPTION} {microbatch_size} does not divide training.local_batch_size {local_batch_size}"
-        )
+        raise ValueError(f"microbatch_size {microbatch_size} does not divide local_batch_size {local_batch_size}")
     n_microbatches = local_batch_size // microbatch_size
-    where = f"training.local_batch_size {local_batch_size} / {MICROBATCH_OPTION} {microbatch_size}"
+    where = f"local_batch_size {local_batch_size} / microbatch_size {microbatch_size}"
     if schedule == "1F1B" and n_microbatches < num_stages:
         raise ValueError(
             f"{where} = {n_microbatches} microbatches, but 1F1B needs at least one per stage ({num_stages})"
@@ -291,7 +277,7 @@ def _microbatch_count(
         if n_microbatches % rounds:
             raise ValueError(
                 f"{where} = {n_microbatches} microbatches, but {schedule} needs them to divide into "
-                f"rounds of equal size ({rounds} rounds for {DEGREE_OPTION} {pp_degree})"
+                f"rounds of equal size ({rounds} rounds for pp_degree {pp_degree})"
             )
     return n_microbatches
 

@@ -82,8 +82,8 @@ def _dims_split_by_tp(model: nn.Module) -> dict[str, int]:
         dims["n_heads"] = attention.wq.out_features // attention.head_dim
         dims["n_kv_heads"] = attention.wk.out_features // attention.head_dim
         dims["FFN hidden dim"] = feed_forward.w1.out_features
-    # The trainer sets max_seq_len to training.seq_len, the length of every sequence.
-    dims["training.seq_len"] = model.args.max_seq_len
+    # The length of every sequence the model is trained on.
+    dims["max_seq_len"] = model.args.max_seq_len
     return dims
 
 
@@ -92,8 +92,8 @@ def validate_tp(model: nn.Module, tp_degree: int) -> None:
     not_divided = [f"{name} {size}" for name, size in _dims_split_by_tp(model).items() if size % tp_degree]
     if not_divided:
         raise ValueError(
-            f"parallelism.tensor_parallel_degree {tp_degree} must divide the model's n_heads, n_kv_heads and "
-            f"FFN hidden dim, and training.seq_len; it does not divide {', '.join(not_divided)}"
+            f"tp_degree {tp_degree} must divide the model's n_heads, n_kv_heads and "
+            f"FFN hidden dim, and max_seq_len; it does not divide {', '.join(not_divided)}"
         )
 
 
@@ -107,7 +107,7 @@ def _clone_async_collective_output(module: nn.Module, args: tuple, output: torch
 def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
     if not supports_async_tp(tp_mesh.device_type):
         raise ValueError(
-            "parallelism.enable_async_tensor_parallel needs CUDA (symmetric-memory collectives fused "
+            "enable_async_tp needs CUDA (symmetric-memory collectives fused "
             f"with matmuls by the compiler); this run is on {tp_mesh.device_type}: turn it off"
         )
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group

@@ -17,18 +17,15 @@ from config.job_config import ConfigError, JobConfig, user_input
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
     BucketPlan,
-    CommModel,
-    ComputeModel,
     PlanUnit,
-    calibrate_comm_model,
     default_manual_patterns,
-    measure_rate,
     plan_auto,
     plan_manual,
     saved_or_new_plan,
 )
 from parallelisms.bucketing import BucketingPass, data_parallel_groups
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
+from parallelisms.cost_model import CommModel, ComputeModel, calibrate_comm_model, measure_rate
 from parallelisms.device import attention_dtype, causal_query_chunk, device_type, supports_async_tp
 from parallelisms.float8 import apply_float8, check_filter_fqns, check_float8
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
@@ -37,7 +34,7 @@ from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
 from .model import Transformer, TransformerBlock, TransformerModelArgs, check_args, precompute_rope_cache
-from .pipeline import pipeline_layout
+from .pipeline import as_options, pipeline_layout
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +46,19 @@ BLOCK_BUCKETS = [["attention_norm", "attention"], ["ffn_norm", "feed_forward"]]
 # blocks. Two per block, so that backward can set up a re-gather between them (a region's compute
 # cannot be split); the norms and residual adds around them stay in the outer graph.
 REGIONS = ("attention", "feed_forward")
+
+TP_OPTIONS = {
+    "tp_degree": "parallelism.tensor_parallel_degree",
+    "max_seq_len": "training.seq_len",  # the model is built with the training sequence length
+    "enable_async_tp": "parallelism.enable_async_tensor_parallel",
+}
+FLOAT8_OPTIONS = {"emulate": "float8.emulate"}
+COST_OPTIONS = {
+    "alpha_us": "comm.alpha_us",
+    "bandwidth_gbps": "comm.bandwidth_gbps",
+    "compute_flops": "compile.compute_flops",
+}
+"""The parameters of the parallelisms that their error messages name, and the options setting them."""
 
 SAVED_PLANS = "bucket_plans"
 """Folder in the dump folder where auto bucket plans are kept for restarts (see saved_or_new_plan)."""
@@ -73,7 +83,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     )
     templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
     if parallel_dims.tp_enabled:
-        with user_input():
+        with as_options(TP_OPTIONS):
             apply_tp(
                 model,
                 parallel_dims.tp_mesh,
@@ -128,7 +138,7 @@ def _apply_float8(model: nn.Module, parallel_dims: ParallelDims, config: JobConf
     f8 = config.float8
     # Without sharding there is no gather to make in float8.
     all_gather = f8.enable_fsdp_float8_all_gather and parallel_dims.fsdp_enabled
-    with user_input("model.converters"):
+    with as_options(FLOAT8_OPTIONS, "model.converters"):
         check_float8(device_type(), f8.emulate)
         swapped = apply_float8(
             model,
@@ -254,7 +264,7 @@ def _cost_models(
 ) -> tuple[CommModel, ComputeModel]:
     """Auto bucketing's link and compute models: configured, or measured on every rank."""
     device = torch.device(parallel_dims.mesh.device_type)
-    with user_input():
+    with as_options(COST_OPTIONS):
         if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
             comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
         else:
@@ -331,14 +341,14 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
     if "float8" in config.model.converters:
-        with user_input("model.converters"):
+        with as_options(FLOAT8_OPTIONS, "model.converters"):
             check_float8(device_type(), config.float8.emulate)
         with torch.device("meta"), user_input("float8.filter_fqns"):
             check_filter_fqns(Transformer(model_args), config.float8.filter_fqns)
     if parallel_dims.tp_enabled:
         with torch.device("meta"):
             model = Transformer(model_args)
-        with user_input():
+        with as_options(TP_OPTIONS):
             validate_tp(model, parallel_dims.tp)
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:

@@ -3,8 +3,10 @@ parallelized and materialized by the caller) and the schedule running them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -22,6 +24,33 @@ from parallelisms.pipeline import (
 )
 
 logger = logging.getLogger(__name__)
+
+PIPELINE_OPTIONS = {
+    "pp_degree": "parallelism.pipeline_parallel_degree",
+    "layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
+    "split_points": "parallelism.pipeline_parallel_split_points",
+    "module_fqns": "parallelism.module_fqns_per_model_part",
+    "first_stage_less_layers": "parallelism.pipeline_parallel_first_stage_less_layers",
+    "last_stage_less_layers": "parallelism.pipeline_parallel_last_stage_less_layers",
+    "microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
+    "local_batch_size": "training.local_batch_size",
+}
+"""``plan_pipeline``'s parameters and the options that set them."""
+
+
+@contextlib.contextmanager
+def as_options(options: Mapping[str, str], option: str = "") -> Iterator[None]:
+    """Reports a ValueError of a parallelism, which names that parallelism's own parameters, as the
+    one-line ConfigError of ``user_input(option)``, each parameter (a key of ``options``, as a
+    whole word) replaced by the option the user typed."""
+    names = re.compile(r"\b(" + "|".join(map(re.escape, options)) + r")\b")
+    with user_input(option):
+        try:
+            yield
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ValueError(names.sub(lambda m: options[m.group()], str(e))) from None
 
 
 def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
@@ -54,7 +83,7 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
                 f"parallelism.fsdp_reshard_after_forward: 'always' gives wrong gradients with the {schedule} "
                 "pipeline schedule; use default or never"
             )
-    with user_input():
+    with as_options(PIPELINE_OPTIONS):
         return plan_pipeline(
             n_layers=n_layers,
             pp_degree=p.pipeline_parallel_degree,
