@@ -150,9 +150,7 @@ def test_peak_flops_override_skips_lookup(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(device, "_benchmark_matmul_flops", fail)
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16, override=123e12) == 123e12
-    assert str(device_peak(torch.device("cpu"), torch.bfloat16, override=123e12)) == (
-        "peak 123 TFLOP/s as configured"
-    )
+    assert str(device_peak(torch.device("cpu"), torch.bfloat16, override=123e12)) == ("peak 123 TFLOP/s as configured")
     with pytest.raises(ValueError, match="override"):
         device_peak_flops(torch.device("cpu"), torch.bfloat16, override=0.0)
 
