@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from config.job_config import Debug
-from trainer.checkpoint.manager import ChecksummedWriter
+from trainer.checkpoint.integrity import ChecksummedWriter
 from trainer.distributed import is_first_attempt
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import Checkpoint, JobConfig, first_few
+from config.job_config import JobConfig, first_few
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     config_mismatches,
@@ -286,18 +286,6 @@ def export_hf(
 # ---------------------------------------------------------------------------
 # Import
 # ---------------------------------------------------------------------------
-
-
-def weights_only_problem(checkpoint: Checkpoint) -> str | None:
-    """What is wrong when ``checkpoint.initial_load_path`` is a Hugging Face folder, which holds
-    weights only, but the job asks to load a training checkpoint's whole state; None otherwise."""
-    path = checkpoint.initial_load_path
-    if checkpoint.initial_load_model_only or not (path and is_hf_folder(path)):
-        return None
-    return (
-        f"checkpoint.initial_load_model_only: false loads a training checkpoint's state, but {path} is a "
-        "Hugging Face folder of weights only"
-    )
 
 
 class StoredWeight(NamedTuple):
