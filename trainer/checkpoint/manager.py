@@ -1,11 +1,7 @@
-"""Distributed checkpoints with torch.distributed.checkpoint (DCP).
-
-A checkpoint is ``<dump_folder>/<checkpoint.folder>/step-N/``: every rank writes its shards, the
-coordinator writes DCP's ``.metadata``, and rank 0 writes the marker (``integrity``) last. Model and
-optimizer state are saved under the model's own parameter names as DTensors, so DCP reshards them
-when the next run uses another layout (data, tensor or pipeline parallel, FSDP2 or SimpleFSDP). The
-dataloader state is one global stream position, valid for any number of data-parallel ranks.
-"""
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP) in
+``<dump_folder>/<checkpoint.folder>/step-N/``: every rank writes its shards, the coordinator DCP's
+``.metadata``, rank 0 the marker (``integrity``) last. The dataloader state is one global stream
+position, valid for any number of data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -27,13 +23,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -52,119 +41,19 @@ from config.job_config import (
 )
 from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
-from parallelisms.float8 import plain_tensor
+from trainer.checkpoint import integrity, rules
 from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights
-from trainer.checkpoint.integrity import (
-    COMPLETE_MARKER,
-    CheckpointError,
-    ChecksummedWriter,
-    checkpoint_folders,
-    complete_checkpoints,
-    is_complete,
-    model_shapes_of,
-    parts_of,
-    read_marker,
-    read_metadata,
-    verify_files,
-    write_marker,
-)
-from trainer.checkpoint.rules import (
-    another_model,
-    check_export_folder,
-    check_resume,
-    check_same_loader_workers,
-    check_seed_checkpoint,
-    complete_checkpoint_at,
-    initial_load_problem,
-    model_difference,
-    restored_option_changes,
-    saved_config,
-)
+from trainer.checkpoint.integrity import CheckpointError, ChecksummedWriter, complete_checkpoints
+from trainer.checkpoint.state import ModelState, OptimizerState, TrainState, whole_model
 from trainer.distributed import is_first_attempt, launch_id
 from trainer.folders import free_path
-from trainer.optim import optimizers_holding_state
 
 logger = logging.getLogger(__name__)
 
 
-def whole_model(model_parts: list[nn.Module]) -> nn.Module:
-    """One module over all of this rank's model parts, with the parameters under their names in
-    the full model. Pipeline stages are copies of the full model with blocks deleted, so the
-    union of their children (block dictionaries merged) names every parameter as the full model
-    does, and a checkpoint written at one pipeline layout loads at another."""
-    if len(model_parts) == 1:
-        return model_parts[0]
-    root = nn.Module()
-    for part in model_parts:
-        if next(part.parameters(recurse=False), None) is not None:
-            raise ValueError(f"{type(part).__name__} has parameters outside its sub-modules")
-        for name, child in part.named_children():
-            if isinstance(child, nn.ModuleDict):
-                if name not in root._modules:
-                    root.add_module(name, nn.ModuleDict())
-                root._modules[name].update(child)
-            else:
-                root.add_module(name, child)
-    return root
-
-
-def _plain_tensors(state_dict: dict[str, Any]) -> dict[str, Any]:
-    # Float8-gathered weights and their optimizer state are saved as the tensors they wrap (sharing
-    # their storage, so loads land in them too): checkpoints of float8 runs load without float8.
-    return {key: plain_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in state_dict.items()}
-
-
-class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return _plain_tensors(get_model_state_dict(self.model))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    """Optimizer state keyed by parameter name (not by position), so it reshards with the model."""
-
-    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model = model
-        self.optimizers = optimizers_holding_state(optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        return _plain_tensors(get_optimizer_state_dict(self.model, self.optimizers, options=self._OPTIONS))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizers, state_dict, options=self._OPTIONS)
-
-
-class TrainState(Stateful):
-    """The step counter and random-number generators' state (the same on every rank)."""
-
-    def __init__(self, get_step: Callable[[], int], set_step: Callable[[int], None], device: torch.device):
-        self.get_step = get_step
-        self.set_step = set_step
-        self.device = device
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {"step": self.get_step(), "cpu_rng": torch.get_rng_state()}
-        if self.device.type != "cpu":
-            state["device_rng"] = torch.get_device_module(self.device).get_rng_state()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.set_step(int(state_dict["step"]))
-        torch.set_rng_state(state_dict["cpu_rng"])
-        if "device_rng" in state_dict:
-            torch.get_device_module(self.device).set_rng_state(state_dict["device_rng"])
-
-
 def _save_failed(path: str, error: BaseException) -> CheckpointError:
-    """One line for a failed save, naming the folder, and its disk when that is full (torch's
-    writer reports a full disk as a position it did not reach)."""
+    """One line for a failed save, naming its disk when that is full (torch's writer reports a full
+    disk as a position it did not reach)."""
     try:
         free = shutil.disk_usage(path).free
     except OSError:
@@ -197,17 +86,11 @@ class _Save:
 
 class CheckpointManager:
     """Saves (synchronously or in the background) and restores a run's state: the model parts,
-    the optimizer, the LR scheduler, the dataloader and ``train_state`` (step and RNG).
-
-    Only rank 0 touches folders as a whole (markers, deletion); at most one save is in flight, and
-    the next save, a load or ``close`` waits for it; its collectives run in a group of their own
-    with ``timeout_seconds`` (torch's default when None). ``storage_writer(step, path)`` makes the
-    writer of each save (a ChecksummedWriter, whose CRCs go into the marker; the marker's writer
-    computes them for files that another writer wrote).
-
+    the optimizer, the LR scheduler, the dataloader and ``train_state`` (step and RNG). Only rank 0
+    touches folders as a whole (markers, deletion); at most one save is in flight, and the next
+    save, a load or ``close`` waits for it. ``storage_writer(step, path)`` makes each save's writer.
     A save that fails (a full disk, a rank that died or hung past the collective timeout) raises
-    CheckpointError naming its folder, which then has no marker and is never loaded.
-    """
+    CheckpointError naming its folder, which then has no marker and is never loaded."""
 
     def __init__(
         self,
@@ -226,7 +109,7 @@ class CheckpointManager:
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)
         if config.export_hf:
-            check_export_folder(os.path.join(self.folder, "hf"))
+            rules.check_export_folder(os.path.join(self.folder, "hf"))
         self.model_parts = model_parts
         model = whole_model(model_parts)  # one view for the model and the optimizer state
         self.states: dict[str, Stateful] = {
@@ -261,8 +144,6 @@ class CheckpointManager:
                 use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=pinned
             )
         )
-
-    # ------------------------------------------------------------------ saving
 
     def save(self, step: int, last_step: int) -> None:
         """After training step ``step``: saves every ``checkpoint.interval`` steps, at
@@ -303,8 +184,7 @@ class CheckpointManager:
         self._pending = _Save(step, path, response.upload_completion, writer)
 
     def wait_for_staging(self) -> None:
-        """Returns once the save in flight has copied the state: from then on the model and
-        optimizer may change."""
+        """Returns once the save in flight has copied the state, which may then change."""
         if self._staging is not None:
             staging, self._staging = self._staging, None
             staging.result()
@@ -330,7 +210,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            write_marker(path, step, getattr(writer, "checksums", {}), launch_id())
+            integrity.write_marker(path, step, getattr(writer, "checksums", {}), launch_id())
         except OSError as e:
             raise CheckpointError(f"completing {path} failed: {typed_first_line(e)}") from None
         logger.info("checkpoint saved: %s", path)
@@ -342,20 +222,17 @@ class CheckpointManager:
             # The marker goes first: a deletion cut short leaves an incomplete folder, never a
             # complete-looking one with files missing.
             try:
-                os.remove(os.path.join(path, COMPLETE_MARKER))
+                os.remove(os.path.join(path, integrity.COMPLETE_MARKER))
                 shutil.rmtree(path)
             except OSError as e:  # in the purge's thread, which nothing waits on for an error
                 logger.warning("deleting %s (keep_latest_k=%d) failed: %s", path, keep, typed_first_line(e))
                 continue
             logger.info("checkpoint deleted (keep_latest_k=%d): %s", keep, path)
 
-    # ------------------------------------------------------------------ loading
-
     def load_at_start(self) -> str | None:
-        """Restores the newest complete checkpoint and returns its folder, or else loads
-        ``checkpoint.initial_load_path``: its model weights (a DCP checkpoint folder or a Hugging
-        Face folder; returns None) or, without ``initial_load_model_only``, every wanted part of
-        a DCP checkpoint (returns its folder)."""
+        """Restores the newest complete checkpoint, or else ``checkpoint.initial_load_path``'s model
+        weights (DCP or Hugging Face) or, without ``initial_load_model_only``, every wanted part of
+        a DCP checkpoint; returns the folder whose whole state it loaded, if any."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
             if self.config.initial_load_path and is_first_attempt():  # a restart's own resume goes without saying
@@ -369,7 +246,7 @@ class CheckpointManager:
         path = self.config.initial_load_path
         if not path:
             return None
-        if problem := initial_load_problem(self.config):
+        if problem := rules.initial_load_problem(self.config):
             raise ConfigError(problem)
         if is_hf_folder(path):
             with user_input("checkpoint.initial_load_path"):
@@ -389,32 +266,30 @@ class CheckpointManager:
 
     def write_seed_checkpoint(self) -> None:
         """Writes the initialized model as step-0, loadable at any layout."""
-        check_seed_checkpoint(self.folder, dist.get_world_size())
+        rules.check_seed_checkpoint(self.folder, dist.get_world_size())
         self.write(0, parts=["model"])
         logger.info("seed checkpoint written to %s", os.path.join(self.folder, "step-0"))
         if newer := [path for step, path in complete_checkpoints(self.folder) if step > 0]:
             logger.warning("%s is newer: a run in this folder resumes from it, not from the seed", newer[0])
 
     def export_hf(self, model_args: Any, assets: ExportAssets) -> str:
-        """Writes the model in Hugging Face's Llama layout to <folder>/hf (``checkpoint.export_dtype``)
-        with ``assets``; returns that folder."""
+        """Writes the model as a Hugging Face folder to <folder>/hf; returns that folder."""
         folder = os.path.join(self.folder, "hf")
         export_hf(self.model_parts, model_args, folder, getattr(torch, self.config.export_dtype), assets=assets)
         logger.info("Hugging Face export (%s) written to %s", self.config.export_dtype, folder)
         return folder
 
     def resume(self) -> int | None:
-        """Loads the checkpoint to resume from: ``load_step`` if set (on the launch's first attempt),
-        else the newest complete one that verifies and loads (older ones are tried after a bad one).
-        Returns its step, or None when there is none."""
+        """Loads ``load_step`` (on the launch's first attempt), else the newest complete checkpoint
+        that verifies and loads; returns its step, or None when there is none."""
         # Only the launch's first attempt goes back to load_step: it moves the newer checkpoints aside
         # before loading, so those that torchrun's restarts find newer are this launch's own saves.
         first = is_first_attempt()
         # A restart's checkpoints were saved by this launch, or refused by its first attempt.
         restart = replace(self.config, load_step=-1, exclude_from_loading=[])
-        check_resume(self.config if first else restart, self.folder)
+        rules.check_resume(self.config if first else restart, self.folder)
         if first and self.config.load_step >= 0:
-            path = complete_checkpoint_at(self.folder, self.config.load_step)
+            path = rules.complete_checkpoint_at(self.folder, self.config.load_step)
             try:
                 self._load_checked(path, self._wanted_parts(path))
             except CheckpointError as e:  # a restart would fall back to another checkpoint
@@ -459,20 +334,19 @@ class CheckpointManager:
     def _wanted_parts(self, path: str) -> list[str]:
         """The parts to load from ``path``: all of a checkpoint this launch saved (torchrun's restart
         goes on from it), else all but those exclude_from_loading names."""
-        if launch_id() and read_marker(path, require_marker=False).get("launch") == launch_id():
+        if launch_id() and integrity.read_marker(path, require_marker=False).get("launch") == launch_id():
             return list(CHECKPOINT_PARTS)
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
     def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:
-        """Every rank verifies its share of the files, rank 0 reads the metadata; the verdicts are
-        gathered, and the lowest rank's error, if any, is raised on every rank. Returns the parts
-        the checkpoint holds; when the model is to be loaded, ``_check_same_model`` first."""
+        """Every rank verifies its share of the files, rank 0 reads the metadata; the lowest rank's
+        error, if any, is raised on every rank. Returns the parts the checkpoint holds."""
         error, parts, saved = None, set(), {}
         try:
-            verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
+            integrity.verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
             if self.rank == 0:
-                metadata = read_metadata(path)
-                parts, saved = parts_of(metadata), model_shapes_of(metadata)
+                metadata = integrity.read_metadata(path)
+                parts, saved = integrity.parts_of(metadata), integrity.model_shapes_of(metadata)
         except CheckpointError as e:
             error = str(e)
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
@@ -498,34 +372,33 @@ class CheckpointManager:
         reports: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(reports, (loaded, missing, reshaped), group=self.group)
         loaded = functools.reduce(operator.or_, (bits for bits, _, _ in reports))
-        difference = model_difference(
+        difference = rules.model_difference(
             saved,
             missing=list(dict.fromkeys(key for _, keys, _ in reports for key in keys)),
             extra=[key for key, i in index.items() if not loaded >> i & 1],
             reshaped={key: shape for _, _, shapes in reports for key, shape in shapes.items()},
         )
         if difference:
-            raise ConfigError(another_model(option, path, difference))
+            raise ConfigError(rules.another_model(option, path, difference))
 
     def _load_checked(
         self, path: str, parts: list[str], require_marker: bool = True, option: str = "checkpoint.folder"
     ) -> None:
-        """Verifies (``_verify``), then loads the parts of ``parts`` that the checkpoint holds (a
-        seed checkpoint holds only the model)."""
+        """Verifies, then loads the parts of ``parts`` the checkpoint holds (a seed: only the model)."""
         present = self._verify(path, require_marker, parts, option)
         if "model" not in present:
             raise CheckpointError(f"{path} holds no model state")
         state = {part: self.states[part] for part in parts if part in present}
         # The options of the run that saved it, beside this run's.
-        saved, own = saved_config(path), tomllib.loads(self.resolved_config)
+        saved, own = rules.saved_config(path), tomllib.loads(self.resolved_config)
         if "dataloader" in state:
-            check_same_loader_workers(path, saved, own)
+            rules.check_same_loader_workers(path, saved, own)
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"loading {path} failed{_describe(e)}") from None
         logger.info("loaded %s from %s", ", ".join(state), path)
-        if self.rank == 0 and (changes := restored_option_changes(saved, own, list(state))):
+        if self.rank == 0 and (changes := rules.restored_option_changes(saved, own, list(state))):
             logger.warning(
                 "%s brings back the optimizer settings and LR schedule it was saved with; these options differ "
                 "and do not count for them: %s",
@@ -536,13 +409,13 @@ class CheckpointManager:
     def _tidy_after_resume(self, loaded_step: int | None, chosen: bool = False) -> None:
         """Deletes folders of saves that never completed and moves aside complete ones newer than
         the step resumed from (they failed to load, or checkpoint.load_step chose an older one:
-        ``chosen``), so that later saves start from empty folders (``check_resume`` has refused
+        ``chosen``), so that later saves start from empty folders (``rules.check_resume`` has refused
         any other step-N entry). A ``load_only`` run, which saves nothing, changes nothing."""
         if self.config.load_only:
             return
         if self.rank == 0:
-            for step, path in checkpoint_folders(self.folder):
-                if not is_complete(path):
+            for step, path in integrity.checkpoint_folders(self.folder):
+                if not integrity.is_complete(path):
                     logger.info("removing incomplete checkpoint %s", path)
                     shutil.rmtree(path, ignore_errors=True)
                 elif loaded_step is None or step > loaded_step:
