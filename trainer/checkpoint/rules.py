@@ -29,25 +29,17 @@ _SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|config\.toml|chec
 # The options whose values a loaded part brings back: the optimizer's settings, and the LR schedule
 # (its peak and its shape, which training.steps sets unless lr_scheduler.total_steps does).
 _RESTORED_OPTIONS = {
-    "optimizer": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay"),
-    "lr_scheduler": (
-        "optimizer.lr",
-        "lr_scheduler.warmup_steps",
-        "lr_scheduler.decay_type",
-        "lr_scheduler.decay_ratio",
-        "lr_scheduler.min_lr_factor",
-        "lr_scheduler.total_steps",
-        "training.steps",
-    ),
+    "optimizer": "optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay".split(),
+    "lr_scheduler": "optimizer.lr lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio "
+    "lr_scheduler.min_lr_factor lr_scheduler.total_steps training.steps".split(),
 }
 
 
 def check_resume(config: Checkpoint, folder: str) -> None:
-    """ConfigError for a resume the options contradict: ``load_step`` with no such checkpoint in
-    ``folder``; ``train_state`` excluded while ``folder`` holds checkpoints to resume from (the
-    step count would start again at 1 and the run's saves replace them); and, unless
-    ``load_only``, a step-N entry that no save here left, which a save of that step would write
-    into and keep_latest_k then delete."""
+    """ConfigError for a resume the options contradict: ``load_step`` with no such checkpoint;
+    ``train_state`` excluded while ``folder`` holds checkpoints to resume from (the step count
+    would start again and the saves replace them); unless ``load_only``, a step-N entry no save
+    here left, which a save of that step would write into and keep_latest_k then delete."""
     if not config.load_only and (foreign := foreign_step_entry(folder)):
         raise ConfigError(
             f"checkpoint.folder: {foreign}; a save of that step would write into it: move it away, or give "
@@ -159,9 +151,8 @@ def check_same_loader_workers(path: str, saved: dict[str, Any], own: dict[str, A
 
 
 def restored_option_changes(saved: dict[str, Any], own: dict[str, Any], parts: list[str]) -> list[str]:
-    """The options this run sets (``own``) otherwise than the run that saved a checkpoint (its
-    config.toml's, ``saved``), among those whose values the loaded ``parts`` bring back, each with
-    the saved value."""
+    """The options that the loaded ``parts`` bring back which this run (``own``) sets otherwise than
+    the run that saved them (``saved``), each with the saved value."""
     if not saved:
         return []  # saved by another tool, or damaged: nothing to compare with
     changes = []
@@ -187,8 +178,8 @@ def another_model(option: str, path: str, difference: str) -> str:
 
 
 def saved_model_difference(path: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """How the model tensors of the DCP checkpoint at ``path`` differ from a whole model's
-    (``shapes``: its state dict's names and shapes), read from the metadata alone, in one process."""
+    """How the DCP checkpoint at ``path`` differs from a whole model of ``shapes`` (its state dict's
+    names and shapes), read from the metadata alone, in one process."""
     try:
         saved = model_shapes_of(read_metadata(path))
     except CheckpointError as e:
