@@ -11,6 +11,7 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 from config.job_config import (
@@ -126,12 +127,7 @@ def write_whole(path: str, write: Callable[[str], None], sync: bool = False) -> 
 
 def write_run_file(path: str, text: str, sync: bool = False) -> None:
     """Writes ``text`` to ``path`` whole or not at all (``write_whole``)."""
-
-    def write(partial: str) -> None:
-        with open(partial, "w") as f:
-            f.write(text)
-
-    write_whole(path, write, sync)
+    write_whole(path, lambda partial: Path(partial).write_text(text), sync)
 
 
 def free_path(stem: str, extension: str = "") -> str:
