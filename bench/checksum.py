@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from trainer.checkpoint.manager import COMPLETE_MARKER, ChecksummedWriter, verify_files, write_marker
+from trainer.checkpoint.integrity import COMPLETE_MARKER, ChecksummedWriter, verify_files, write_marker
 
 MIB = 2**20
 GB = 1e9

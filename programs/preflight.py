@@ -44,7 +44,7 @@ def check(
 
     from models.registry import get_model_spec
     from models.sizes import job_model_args
-    from trainer.checkpoint.manager import check_resume, check_seed_target
+    from trainer.checkpoint.rules import check_export_folder, check_resume, check_seed_checkpoint
     from trainer.distributed import parallel_dims_from_config
     from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
@@ -63,14 +63,12 @@ def check(
             ", ".join(f"--{key}" for key in planner),
         )
     ckpt = config.checkpoint
-    if ckpt.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
     if ckpt.create_seed_checkpoint:
-        check_seed_target(os.path.join(config.job.dump_folder, ckpt.folder))
-    if ckpt.initial_load_path and not os.path.isdir(ckpt.initial_load_path):
-        raise ConfigError(f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a folder")
+        check_seed_checkpoint(os.path.join(config.job.dump_folder, ckpt.folder), world_size)
     if ckpt.enable:
         check_resume(ckpt, os.path.join(config.job.dump_folder, ckpt.folder))
+    if ckpt.export_hf:
+        check_export_folder(os.path.join(config.job.dump_folder, ckpt.folder, "hf"))
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
     build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
     check_output_folders(config)
@@ -164,7 +162,8 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     dry run, ``simulated``, the flavor's unless model.tokenizer_path is given, as the dry run
     sizes it)."""
     from models.sizes import is_hf_folder, job_model_args
-    from trainer.checkpoint.hf import check_hf_folder, weights_only_problem
+    from trainer.checkpoint.hf import check_hf_folder
+    from trainer.checkpoint.rules import initial_load_problem
 
     options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems: list[str] = []
@@ -199,9 +198,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     except ConfigError as e:
         problems.append(str(e))
     path = config.checkpoint.initial_load_path
-    if path and os.path.isdir(path) and not (is_hf_folder(path) or os.path.isfile(os.path.join(path, ".metadata"))):
-        problems.append(f"checkpoint.initial_load_path: {path} is neither a DCP checkpoint nor a Hugging Face folder")
-    if problem := weights_only_problem(config.checkpoint):
+    if problem := initial_load_problem(config.checkpoint):
         problems.append(problem)
     if path and is_hf_folder(path) and args is not None:
         try:
@@ -222,7 +219,8 @@ def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -
     import torch
 
     from models.registry import get_model_spec
-    from trainer.checkpoint.manager import another_model, complete_checkpoints, saved_model_difference
+    from trainer.checkpoint.integrity import complete_checkpoints
+    from trainer.checkpoint.rules import another_model, saved_model_difference
 
     ckpt = config.checkpoint
     own = os.path.join(config.job.dump_folder, ckpt.folder)

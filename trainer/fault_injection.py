@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from config.job_config import Debug
-from trainer.checkpoint.manager import ChecksummedWriter
+from trainer.checkpoint.integrity import ChecksummedWriter
 from trainer.distributed import is_first_attempt
 
 logger = logging.getLogger(__name__)
@@ -35,18 +35,19 @@ SAVE_FAILURES = ("kill_during_save", "hang_during_save", "disk_full_during_save"
 DISK_ROOM = 64 * 2**10  # bytes that fit on the "full" disk before writes fail
 
 
-class _DyingWriter(ChecksummedWriter):
+class _FailingWriter(ChecksummedWriter):
+    """Dies (``kill_during_save``) or hangs (``hang_during_save``) once its shard is on disk."""
+
+    def __init__(self, path: str, failure: str):
+        super().__init__(path)
+        self.failure = failure
+
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         result = super().write_data(plan, planner)
         result.wait()
-        logger.warning("debug.failure=kill_during_save: killing this rank in the middle of the save")
-        os.kill(os.getpid(), signal.SIGKILL)
-        return result
-
-
-class _HangingWriter(ChecksummedWriter):
-    def write_data(self, plan: SavePlan, planner: SavePlanner):
-        super().write_data(plan, planner).wait()
+        if self.failure == "kill_during_save":
+            logger.warning("debug.failure=kill_during_save: killing this rank in the middle of the save")
+            os.kill(os.getpid(), signal.SIGKILL)
         logger.warning("debug.failure=hang_during_save: this rank hangs in the middle of the save")
         while True:
             time.sleep(3600)
@@ -125,12 +126,9 @@ class FailureInjector:
         """The checkpoint writer for step ``step``: one that dies, hangs or finds the disk full
         mid-save when asked to."""
         failure = self.debug.failure
-        if failure not in SAVE_FAILURES or step != self.debug.fail_at_step:
+        armed = step == self.debug.fail_at_step and self.on_this_rank and is_first_attempt()
+        if failure not in SAVE_FAILURES or not armed:
             return ChecksummedWriter(path)
-        if not (self.on_this_rank and is_first_attempt()):
-            return ChecksummedWriter(path)
-        if failure == "kill_during_save":
-            return _DyingWriter(path)
-        if failure == "hang_during_save":
-            return _HangingWriter(path)
-        return ChecksummedWriter(path, file_system=_FullDisk(DISK_ROOM))
+        if failure == "disk_full_during_save":
+            return ChecksummedWriter(path, file_system=_FullDisk(DISK_ROOM))
+        return _FailingWriter(path, failure)

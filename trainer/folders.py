@@ -3,12 +3,15 @@ and the run's own files written whole."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
 import socket
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
 from config.job_config import (
@@ -66,24 +69,9 @@ def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> N
             f"job.dump_folder: {os.path.join(dump, RESOLVED_CONFIG_FILE)} was not written by a run, and this run "
             "would overwrite it with its options; move it or pick another job.dump_folder"
         )
-    if config.checkpoint.export_hf:
-        _check_export_folder(os.path.join(dump, config.checkpoint.folder, "hf"))
     if config.job.save_config_file:
         _check_save_config_file(config.job.save_config_file, dump, folders)
     _check_no_folder_is_a_run_file(config, folders)
-
-
-def _check_export_folder(folder: str) -> None:
-    """A one-line ConfigError when the folder checkpoint.export_hf replaces holds files no export
-    wrote: they would be deleted with the earlier export at the end of the run."""
-    from trainer.checkpoint.hf import files_no_export_wrote
-
-    if foreign := files_no_export_wrote(folder):
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ConfigError(
-            f"checkpoint.export_hf: {folder} holds files no export wrote ({shown}), which the export would "
-            "delete with the folder it replaces; move them or give another checkpoint.folder or job.dump_folder"
-        )
 
 
 def _check_no_folder_is_a_run_file(config: JobConfig, folders: list[tuple[str, str]]) -> None:
@@ -120,14 +108,35 @@ def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]
         )
 
 
-def write_run_file(path: str, text: str) -> None:
-    """Writes a file of the run's (its resolved config) whole or not at all: the other ranks check
-    it (``check_output_folders``) while rank 0 writes it, and must see the earlier file or this one,
-    never a part."""
+def write_whole(path: str, write: Callable[[str], None], sync: bool = False) -> None:
+    """Makes the file ``path`` whole or not at all: ``write(partial)`` writes it under a name beside
+    it, which then replaces ``path``, so a reader sees the earlier file or this one, never a part.
+    ``sync``: on disk before it is renamed, for a file that vouches for others (a checkpoint's
+    marker), which a crash must not leave empty."""
     partial = f"{path}.{os.getpid()}.tmp"
-    with open(partial, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
+    try:
+        write(partial)
+        if sync:
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+
+
+def write_run_file(path: str, text: str, sync: bool = False) -> None:
+    """Writes ``text`` to ``path`` whole or not at all (``write_whole``)."""
+    write_whole(path, lambda partial: Path(partial).write_text(text), sync)
+
+
+def free_path(stem: str, extension: str = "") -> str:
+    """``stem + extension``, or the first of ``stem-1 + extension``, ``stem-2 + extension``, ... that
+    does not exist: a name to move something aside to without replacing what was moved before."""
+    free, n = stem + extension, 1
+    while os.path.lexists(free):
+        free, n = f"{stem}-{n}{extension}", n + 1
+    return free
 
 
 def _config_json(path: str) -> bool:
@@ -154,6 +163,17 @@ def claimed_folders(config: JobConfig) -> list[tuple[str, str]]:
         if os.path.commonpath([checkpoints, os.path.realpath(dump)]) != os.path.realpath(dump):
             folders.append(("checkpoint.folder", checkpoints))
     return folders
+
+
+def check_folders_at_start(config: JobConfig) -> None:
+    """``check_output_folders`` once per start of the job, before the process group is up: on a
+    first attempt in rank 0 unless run_train.sh's pre-launch check has just done it (its launcher
+    sets the error file); on a restart in every rank, so that they refuse together (a disk that
+    filled up would fail the first save again), none left waiting for rank 0 to join."""
+    from trainer.distributed import ERROR_FILE_ENV, is_first_attempt
+
+    if not is_first_attempt() or (os.environ.get("RANK", "0") == "0" and not os.environ.get(ERROR_FILE_ENV)):
+        check_output_folders(config)
 
 
 def claim_folders(config: JobConfig) -> list[IO[str]]:
@@ -201,10 +221,6 @@ def _unwritable(folder: str) -> str | None:
         if existing == os.path.abspath(folder):
             return f"{folder} is not a folder"
         return f"cannot create {folder}: {existing} is not a folder"
-    longest = os.pathconf(existing, "PC_NAME_MAX")
-    for name in os.path.relpath(os.path.abspath(folder), existing).split(os.sep):
-        if len(os.fsencode(name)) > longest:
-            return f"cannot create {folder}: a name of {len(os.fsencode(name))} bytes, where {existing} takes {longest}"
     try:
         # A few bytes written, not only a name made: a full disk still takes new names.
         with tempfile.TemporaryFile(prefix=".tessera-write-check-", dir=existing) as probe:

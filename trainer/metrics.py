@@ -22,6 +22,7 @@ import torch
 from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError, first_line
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
+from trainer.folders import free_path
 
 logger = logging.getLogger(__name__)
 
@@ -297,15 +298,6 @@ def _wandb_location(run: Any) -> str:
 def _json_number(value: float) -> float | None:
     # Strict JSON has no NaN/Infinity; null keeps each line parseable by any tool.
     return value if math.isfinite(value) else None
-
-
-def free_path(stem: str, extension: str = "") -> str:
-    """``stem + extension``, or the first of ``stem-1 + extension``, ``stem-2 + extension``, ... that
-    does not exist: a name to move something aside to without replacing what was moved before."""
-    free, n = stem + extension, 1
-    while os.path.lexists(free):
-        free, n = f"{stem}-{n}{extension}", n + 1
-    return free
 
 
 def _name_aside(stem: str, last_write: float, extension: str = "") -> str:

@@ -27,7 +27,7 @@ from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
-from trainer.folders import check_output_folders, claim_folders, write_run_file
+from trainer.folders import check_folders_at_start, claim_folders, write_run_file
 from trainer.loss import Loss
 from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib, tokens_of_this_rank
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
@@ -46,7 +46,7 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
-        check_output_folders(config)  # also when torchrun starts the ranks without run_train.sh's check
+        check_folders_at_start(config)
         # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folders until it ends.
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)

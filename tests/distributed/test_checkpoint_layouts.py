@@ -22,7 +22,7 @@ from tests.launch import (
     train_command,
     unloadable_checkpoints,
 )
-from trainer.checkpoint.manager import complete_checkpoints
+from trainer.checkpoint.integrity import complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 

@@ -37,7 +37,7 @@ from tests.launch import (
     train_env,
     unloadable_checkpoints,
 )
-from trainer.checkpoint.manager import COMPLETE_MARKER, complete_checkpoints
+from trainer.checkpoint.integrity import COMPLETE_MARKER, complete_checkpoints
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -206,7 +206,8 @@ def _logged_steps(dump: str) -> int:
 
 
 def test_five_sigkills_at_random_steps(tmp_path, reference):
-    """Kills a random rank from outside five times, each after 1-3 newly logged steps; with
+    """Kills a random rank from outside five times, each after 1-3 newly logged steps and once a
+    complete checkpoint exists, so that every restart must resume from one; with
     ``--max-restarts 5`` a single failed rendezvous would exhaust the restarts."""
     rng = random.Random(1234)
     dump = str(tmp_path)
@@ -235,7 +236,7 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
         for kill in range(5):
             target = logged() + rng.randint(1, 3)
             deadline = time.monotonic() + 300
-            while logged() < target:
+            while logged() < target or not complete_checkpoints(os.path.join(dump, "checkpoint")):
                 assert agent.poll() is None, f"the job ended before kill {kill + 1}"
                 assert time.monotonic() < deadline, f"no progress before kill {kill + 1}"
                 time.sleep(0.05)
@@ -262,9 +263,10 @@ def test_five_sigkills_at_random_steps(tmp_path, reference):
 
 def assert_restarted_after_each_kill(output: str, records: list[dict], reference: dict[int, float], restarts: int):
     """From torchrun's log and rank 0's lines in it: the group failed and was started again
-    ``restarts`` times; each attempt resumed from a checkpoint no older than the newest one saved
-    before (and from no step it had not reached), logged every step from there once, and every
-    logged loss is the uninterrupted run's."""
+    ``restarts`` times; each restarted attempt resumed from a checkpoint (a start from step 0 ends
+    on the same losses, and fails here) no older than the newest one saved before (and from no step
+    it had not reached), logged every step from there once, and every logged loss is the
+    uninterrupted run's."""
     assert [int(n) for n in re.findall(r"restart_count=(\d+)", output)] == list(range(restarts + 1)), output[-4000:]
     failures = re.findall(r"Worker group FAILED\. (\d+)/\d+ attempts left", output)
     assert [int(n) for n in failures] == list(range(restarts, 0, -1)), output[-4000:]
@@ -273,8 +275,8 @@ def assert_restarted_after_each_kill(output: str, records: list[dict], reference
     saved, logged_by_attempt = 0, []
     for i, section in enumerate(sections):
         resumed = resumed_from(section)
-        assert len(resumed) <= 1, section[-4000:]
-        start = resumed[0] if resumed else 0
+        assert len(resumed) == (1 if i else 0), (i, section[-4000:])
+        start = resumed[0] if i else 0
         logged = [int(n) for n in re.findall(rf"\bstep (\d+)/{STEPS} \(", section)]
         assert logged == list(range(start + 1, start + 1 + len(logged))) and logged, (i, start, logged)
         if i:

@@ -366,8 +366,6 @@ CASES: list[tuple[str, list[str], str]] = [
     ("files", ["--job.config_file", "{d}/long_int.toml"], "long_int.toml: invalid TOML: Exceeds the limit"),
     ("files", ["--job.config_file", "{d}/deep_array.toml"], "deep_array.toml: invalid TOML: arrays or tables nested"),
     ("files", ["--job.config_file", "{d}/deep_table.toml"], "deep_table.toml: invalid TOML: arrays or tables nested"),
-    ("files", ["--job.dump_folder", "{d}/" + "a" * 300], "job.dump_folder: cannot create {d}/aaaa"),
-    ("files", ["--job.run_name", "r" * 300], "job.run_name: cannot create {d}/dump/tb/rrrr"),
     ("files", ["--job.save_config_file", "validation.jsonl"], "job.save_config_file: validation.jsonl is the"),
     ("files", ["--job.save_config_file", ".tessera.lock"], "job.save_config_file: .tessera.lock is the"),
     ("range", ["--model.ffn_dim_multiplier", "0.001"], "ffn_dim_multiplier 0.001 leaves the feed-forward no"),
@@ -735,7 +733,7 @@ def test_two_config_files_typed_are_a_warning_and_one_is_not(tmp_path):
 
 
 def test_the_ranks_check_the_output_folders_themselves(tmp_path):
-    """Started by torchrun without run_train.sh's check, a rank refuses an unwritable checkpoint
+    """Started by torchrun without run_train.sh's check, rank 0 refuses an unwritable checkpoint
     folder with the same line before it joins the process group, not at its first save."""
     (tmp_path / "a_file").write_text("")
     folder = str(tmp_path / "a_file" / "checkpoint")
@@ -747,9 +745,9 @@ def test_the_ranks_check_the_output_folders_themselves(tmp_path):
 
 
 def test_the_other_ranks_never_see_a_part_of_the_resolved_config(tmp_path):
-    """Every rank checks the dump folder's config.toml (and job.save_config_file) while rank 0
-    writes them: a reader must see the whole file, never the empty one a plain write leaves for a
-    moment (a second rank refused the run that way, now and then, in CI)."""
+    """A check of the dump folder's config.toml (and job.save_config_file) while rank 0 writes them
+    (another node's pre-launch check, or the ranks of a restart) must see the whole file, never the
+    empty one a plain write leaves for a moment."""
     from config.job_config import RESOLVED_CONFIG_HEADER
     from config.manager import to_toml
 

@@ -23,18 +23,16 @@ from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
 from tests.unit.test_data import arange_loader, global_order, take_window_ids
 from tests.unit.test_model import tiny_args
-from trainer.checkpoint.manager import (
+from trainer.checkpoint.integrity import (
     COMPLETE_MARKER,
     CheckpointError,
-    CheckpointManager,
     ChecksummedWriter,
-    TrainState,
-    check_resume,
     checkpoint_folders,
     file_crc32,
     verify_checkpoint,
-    whole_model,
 )
+from trainer.checkpoint.manager import CheckpointManager, TrainState, whole_model
+from trainer.checkpoint.rules import check_resume
 from trainer.fault_injection import FailureInjector
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import Checkpoint, JobConfig, first_few
+from config.job_config import JobConfig, first_few
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     config_mismatches,
@@ -58,17 +58,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-# ---------------------------------------------------------------------------
-# Export
-# ---------------------------------------------------------------------------
-
-
 def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of the parts' parameters, under clean names.
-
-    Collective: ``full_tensor`` gathers over each DTensor's mesh, so every rank of that mesh must
-    call this with its parts in the same order (true for ranks of one pipeline stage).
-    """
+    """Unsharded CPU copies of the parts' parameters, under clean names. Collective over each
+    DTensor's mesh: every rank of a pipeline stage calls it with its parts in the same order."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         for name, tensor in part.state_dict().items():
@@ -79,11 +71,8 @@ def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Union of every rank's ``local`` on rank 0 (empty dict elsewhere).
-
-    Each key is sent once, by the lowest rank holding it, so data-parallel replicas of a stage
-    send nothing; this only moves data between pipeline stages.
-    """
+    """Union of every rank's ``local`` on rank 0 (empty elsewhere); each key is sent once, by the
+    lowest rank holding it, so data-parallel replicas of a stage send nothing."""
     if not _distributed():
         return local
     all_keys: list[list[str] | None] = [None] * dist.get_world_size()
@@ -117,14 +106,10 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
 class ExportAssets:
     """What an export holds besides the weights, so that it loads like an official folder."""
 
-    config: dict = field(default_factory=dict)
-    """Fields added to config.json (bos/eos ids)."""
-    generation_config: dict | None = None
-    """generation_config.json's content; None: no such file."""
-    files: dict[str, str] = field(default_factory=dict)
-    """Name in the export -> path of a file copied there (the tokenizer's)."""
-    tokenizer_config: dict | None = None
-    """tokenizer_config.json's content when no file of the tokenizer's gives one; None: none."""
+    config: dict = field(default_factory=dict)  # fields added to config.json (bos/eos ids)
+    generation_config: dict | None = None  # generation_config.json's content
+    files: dict[str, str] = field(default_factory=dict)  # name in the export -> the file copied there
+    tokenizer_config: dict | None = None  # tokenizer_config.json's, when no tokenizer file gives one
 
 
 # The files of a Hugging Face tokenizer folder that an export copies.
@@ -251,10 +236,8 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     assets: ExportAssets | None = None,
 ) -> None:
-    """Writes the model as an HF ``LlamaForCausalLM`` folder (``config.json`` + safetensors in
-    ``dtype``, a tied table once, plus ``assets``). Collective under ``torch.distributed``: every
-    rank calls it with its own parts; rank 0 writes, and every rank returns once the folder is
-    complete (or raises if it failed)."""
+    """Writes the model as an HF ``LlamaForCausalLM`` folder (safetensors in ``dtype``, plus
+    ``assets``). Collective: rank 0 writes, every rank returns once it is complete or raises."""
     local = _full_cpu_state_dict(model_parts)
     merged = _gather_to_rank0(local)
     del local
@@ -283,30 +266,12 @@ def export_hf(
             raise RuntimeError(f"HF export to {folder} failed on rank 0: {outcome[0]}")
 
 
-# ---------------------------------------------------------------------------
-# Import
-# ---------------------------------------------------------------------------
-
-
-def weights_only_problem(checkpoint: Checkpoint) -> str | None:
-    """What is wrong when ``checkpoint.initial_load_path`` is a Hugging Face folder, which holds
-    weights only, but the job asks to load a training checkpoint's whole state; None otherwise."""
-    path = checkpoint.initial_load_path
-    if checkpoint.initial_load_model_only or not (path and is_hf_folder(path)):
-        return None
-    return (
-        f"checkpoint.initial_load_model_only: false loads a training checkpoint's state, but {path} is a "
-        "Hugging Face folder of weights only"
-    )
-
-
 class StoredWeight(NamedTuple):
     """A weight as a safetensors header describes it."""
 
     path: str
     shape: tuple[int, ...]
-    dtype: str
-    """safetensors' name of the dtype: F32, BF16, I32, ..."""
+    dtype: str  # safetensors' name: F32, BF16, I32, ...
 
 
 def _weight_files(folder: str) -> dict[str, StoredWeight]:
@@ -393,10 +358,9 @@ def _dtype_problems(files: dict[str, StoredWeight]) -> list[str]:
 
 
 def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, StoredWeight], bool]:
-    """(HF key -> where and how every weight is stored, whether the folder's table is tied) of the
-    folder the model of ``args`` will load. ValueError naming the folder and every way its
-    config.json differs from ``args`` (or, when it matches, every missing, unexpected, misshapen
-    or non-floating-point tensor)."""
+    """(HF key -> how every weight is stored, whether the table is tied) of the folder the model of
+    ``args`` will load. ValueError naming every way its config.json differs from ``args`` (else
+    every missing, unexpected, misshapen or non-floating-point tensor)."""
     config_path = os.path.join(folder, CONFIG_NAME)
     config = read_hf_config(folder)
     mismatches = config_mismatches(args_from_hf_config(config, base=args, source=config_path), args)
@@ -422,12 +386,9 @@ def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, 
 
 
 def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
-    """Loads an HF ``LlamaForCausalLM`` folder into the model parts, in place.
-
-    Every rank reads the files itself (only the tensors its parts hold) and keeps its shard of
-    each DTensor parameter, so no communication is needed. The file must hold the full model and
-    match the parts' args; otherwise ValueError naming the folder and what differs.
-    """
+    """Loads an HF ``LlamaForCausalLM`` folder into the model parts, in place: every rank reads only
+    the tensors its parts hold and keeps its shard of each, without communication. ValueError
+    naming the folder and what differs when it does not hold the parts' model."""
     args = _model_args(model_parts)
     files, tied = check_hf_folder(folder, args)
     expected = hf_param_shapes(args, tied=tied or args.tie_word_embeddings)

@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import sysconfig
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from config.job_config import JobConfig, first_few, first_line, typed_first_line
+from trainer.folders import write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -393,28 +393,15 @@ def _arrow_schema(source: Any) -> Any:
 
 
 def create_file_once(path: str, write: Callable[[str], None]) -> None:
-    """Create ``path`` by calling ``write(tmp_path)`` unless it already exists.
-
-    Safe for concurrent processes: an exclusive lock on ``path + ".lock"`` lets
-    one process build the file while the others wait, and the file appears
-    atomically (``os.replace``) so nobody reads a partial one.
-    """
+    """Creates ``path`` with ``write(partial path)`` (``write_whole``) unless it exists. Safe for
+    concurrent processes: an exclusive lock on ``path + ".lock"`` lets one process build the file
+    while the others wait."""
     if os.path.exists(path):
         return
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # The lock file is never deleted: removing it would let two processes hold
     # locks on different inodes.
     with open(path + ".lock", "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            return  # built by another process while we waited
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp_path)
-            os.chmod(tmp_path, 0o644)  # mkstemp creates owner-only files
-            os.replace(tmp_path, path)
-        finally:
-            if os.path.exists(tmp_path):
-                os.unlink(tmp_path)
+        if not os.path.exists(path):  # else built by another process while we waited
+            write_whole(path, write)
