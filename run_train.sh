@@ -27,30 +27,22 @@ check_log_rank() { # the ranks per node
 CONFIG_FILE_GIVEN=${CONFIG_FILE:+yes}
 CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
-# At most 6 digits: bash's arithmetic below takes 64-bit numbers, and no job has a million nodes.
-[[ "$NNODES" =~ ^[1-9][0-9]{0,5}$ ]] || fail "NNODES: '$NNODES' is not a number of nodes (1 to 999999)"
-[[ "${NGPU:-auto}" =~ ^([1-9][0-9]{0,3}|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node (1 to 9999)"
-[[ "${MAX_RESTARTS:-3}" =~ ^[0-9]{1,6}$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
+[[ "${NGPU:-auto}" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node"
+[[ "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
 LOG_RANK=${LOG_RANK:-0}
-[[ "$LOG_RANK" =~ ^[0-9]{1,4}(,[0-9]{1,4})*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
+[[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "LOG_RANK: '$LOG_RANK' is not a list of local ranks (e.g. 0,1)"
 # OpenMP ignores a value it cannot read (a line per rank) and takes every core, as many ranks at once.
-[[ "${OMP_NUM_THREADS:-1}" =~ ^[1-9][0-9]{0,3}(,[1-9][0-9]{0,3})*$ ]] ||
-  fail "OMP_NUM_THREADS: '$OMP_NUM_THREADS' is not a number of threads per rank (1 to 9999)"
+[[ "${OMP_NUM_THREADS:-1}" =~ ^[1-9][0-9,]*$ ]] || fail "OMP_NUM_THREADS: '$OMP_NUM_THREADS' is not a number of threads"
 [ "${COMM_MODE:-}" = fake_backend ] && COMM_MODE=fake # torchtitan's name for it
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake (or fake_backend)"
 if [ "${COMM_MODE:-}" = fake ]; then
   : # a dry run plays one rank of NNODES nodes: no rendezvous
 elif [ "$NNODES" -gt 1 ]; then
   [ -n "${RDZV_ENDPOINT:-}" ] || fail "RDZV_ENDPOINT: set it to host:port of the first node for a job of $NNODES nodes"
-  # host[:port] (torchrun's default port 29400), the host a name, an IPv4 address or a bracketed
-  # IPv6 one; otherwise torchrun's agent fails with a traceback, and restarts.
-  [[ "$RDZV_ENDPOINT" =~ ^([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(:([0-9]{1,5}))?$ ]] &&
-    ((10#${BASH_REMATCH[3]:-29400} >= 1 && 10#${BASH_REMATCH[3]:-29400} <= 65535)) ||
+  # host[:port]; torchrun's agent fails on another with a traceback, and restarts.
+  [[ "$RDZV_ENDPOINT" =~ ^([^:]+|\[.+\])(:[0-9]+)?$ ]] ||
     fail "RDZV_ENDPOINT: '$RDZV_ENDPOINT' is not host:port of the first node (e.g. node0:29500)"
-  host=${BASH_REMATCH[1]}
-  if [[ "$host" != \[* ]] && command -v getent >/dev/null && ! getent ahosts "$host" >/dev/null; then
-    fail "RDZV_ENDPOINT: host '$host' is not known here (not in DNS or /etc/hosts)"
-  fi
 else
   for variable in RDZV_ENDPOINT RDZV_ID; do
     [ -z "${!variable:-}" ] ||

@@ -10,6 +10,7 @@ import sys
 
 from config.job_config import ConfigError, first_line, print_error
 from config.manager import help_text, load_config, named_as_given
+from trainer.refusal import job_refused, refuse
 
 
 def main(argv: list[str]) -> int:
@@ -22,12 +23,12 @@ def main(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    if _error_file_written():
+    if job_refused():
         return 0  # an earlier attempt of this job met a mistake that a restart cannot mend
     try:
         config = load_config(argv)
     except ConfigError as e:
-        return _refuse(named_as_given(e, argv))
+        return refuse(named_as_given(e, argv))
 
     from trainer.checkpoint.manager import CheckpointError
     from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
         trainer.train()
         trainer.close()
     except ConfigError as e:
-        return _refuse(named_as_given(e, argv))
+        return refuse(named_as_given(e, argv))
     except (CheckpointError, NonFiniteError) as e:
         print_error(e)
         return 1
@@ -47,16 +48,16 @@ def main(argv: list[str]) -> int:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         # A restart would meet the same full disk (the folders' check then says so before launch).
-        return _refuse(ConfigError(f"job.dump_folder: {e.filename or 'a file'}: {e.strerror}"))
+        return refuse(ConfigError(f"job.dump_folder: {e.filename or 'a file'}: {e.strerror}"))
     except RuntimeError as e:
         step = trainer.step + 1 if trainer is not None else 0
         if is_out_of_memory(e):
             # The same batches at the same layout would run out again: not worth a restart.
-            return _refuse(out_of_memory_error(f"out of memory in step {step} on rank {rank} ({first_line(e)})"))
+            return refuse(out_of_memory_error(f"out of memory in step {step} on rank {rank} ({first_line(e)})"))
         if not _is_collective_failure(e):
             raise
-        if _peer_refused():
-            return 0  # a peer met a mistake no restart can mend: run_train.sh prints its line
+        if job_refused():
+            return 0  # a peer met a mistake no restart can mend: the launcher prints its line
         # A peer died or hung: torchrun restarts the job from the newest checkpoint.
         from trainer.distributed import dump_collective_trace
 
@@ -70,48 +71,19 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _refuse(error: ConfigError) -> int:
-    """A mistake no restart can mend: one line and exit code 2. Under run_train.sh the line goes to
-    its launcher's error file (programs/launch.py) and the rank exits 0, so that torchrun does not
-    start the group again."""
-    if os.environ.get("TESSERA_ERROR_FILE") and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        from trainer.distributed import record_refusal
-
-        record_refusal(str(error))
-        return 0
-    print_error(error)
-    return 2
-
-
-def _error_file_written() -> bool:
-    error_file = os.environ.get("TESSERA_ERROR_FILE")
-    return bool(error_file) and os.path.isfile(error_file) and os.path.getsize(error_file) > 0
-
-
-def _peer_refused() -> bool:
-    """Whether a rank of this job met a mistake no restart can mend: one of this node's (its line is
-    in the error file), or of another node's (its line, in torchrun's store, is copied to this
-    node's error file for run_train.sh to print)."""
-    from trainer.distributed import adopt_posted_refusal
-
-    return _error_file_written() or adopt_posted_refusal()
-
-
 def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
 
-    # gloo reports a dead or hung peer as a plain RuntimeError raised from its transport, whose text
-    # names gloo's source file; a wait on a connection that another operation's timeout already
-    # closed gets the stored reason alone.
+    # gloo reports a dead or hung peer as a RuntimeError naming its transport's source file; a wait
+    # on a connection that another operation's timeout closed gets the stored reason alone.
     message = str(error)
     return isinstance(error, dist.DistError) or "/gloo/" in message or "timeout caused pair closure" in message
 
 
 def exit_without_teardown(code: int) -> None:
     """Ends the process without Python finalization or C++ destructors: tearing down gloo's
-    connections at exit sometimes aborts a rank (std::terminate) after a finished run, which
-    torchrun would report as a failed job. For the end of a run (train.py's and the workers' of
-    tests/ and bench/), once every rank has passed its last barrier."""
+    connections at exit sometimes aborts a finished rank (std::terminate), a failed job to torchrun.
+    For the end of a run (train.py's, tests/ and bench/ workers'), once every rank passed its last barrier."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

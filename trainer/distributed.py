@@ -83,76 +83,26 @@ def launch_id() -> str:
 
 def is_first_attempt() -> bool:
     """Whether this is the launch's first start of the ranks, not torchrun's restart of them."""
-    return _torchrun_attempt() == "0"
-
-
-def _torchrun_attempt() -> str:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def _join_torchrun_group(backend: str, timeout: datetime.timedelta) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # After an elastic restart the agent's store still holds the dead attempt's addresses and gloo
     # would connect to them; a per-attempt key prefix gives every attempt a clean namespace.
-    store = _torchrun_store(timeout)
+    store = torchrun_store(timeout)
     # The first rank to ask names the launch, in the store that the restarts and the other nodes
     # share; under the run's id, as jobs on one rendezvous port share a store.
     key = f"tessera/launch/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     os.environ[LAUNCH_ID_ENV] = store.compare_set(key, "", uuid.uuid4().hex).decode()
-    store = dist.PrefixStore(f"tessera/attempt_{_torchrun_attempt()}/", store)
+    store = dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _torchrun_store(timeout: datetime.timedelta, address: tuple[str, int] | None = None) -> dist.TCPStore:
-    """A client of torchrun's store, which outlives the ranks of every node: at ``address``, else
-    where the rank's environment says."""
-    host, port = address or (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+def torchrun_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of torchrun's store, which outlives the ranks of every node."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
-
-
-REFUSAL_KEY = "tessera/refusal"
-ERROR_FILE_ENV = "TESSERA_ERROR_FILE"
-"""The file run_train.sh's launcher makes for the line of a refusal (programs/launch.py)."""
-
-
-def _agent_store(address: tuple[str, int] | None) -> dist.Store | None:
-    """torchrun's store; None without torchrun or when it cannot be reached."""
-    if address is None and "MASTER_ADDR" not in os.environ:
-        return None
-    try:
-        return _torchrun_store(datetime.timedelta(seconds=10), address)
-    except (RuntimeError, ValueError):
-        return None
-
-
-def record_refusal(message: str, address: tuple[str, int] | None = None) -> None:
-    """Ends the job with ``message``, a mistake no restart can mend: written as "2 error: message"
-    (exit code, line) to this node's error file, which run_train.sh's launcher prints, and left in
-    torchrun's store, where the ranks and agents of other nodes find it when their collectives
-    break. ``address``: the store's, for torchrun's agent (a rank has it in its environment)."""
-    line = f"2 error: {message}\n"
-    _write_error_file(line)
-    if (store := _agent_store(address)) is not None:
-        store.set(REFUSAL_KEY, line)
-
-
-def adopt_posted_refusal(address: tuple[str, int] | None = None) -> bool:
-    """Whether a rank or agent of another node recorded a refusal, which is then copied to this
-    node's error file. Waits a second for it: an agent posts a killed rank's line a moment after the
-    other ranks' collectives broke."""
-    if not os.environ.get(ERROR_FILE_ENV) or (store := _agent_store(address)) is None:
-        return False
-    try:
-        store.wait([REFUSAL_KEY], datetime.timedelta(seconds=1))
-    except dist.DistStoreError:  # none posted
-        return False
-    _write_error_file(store.get(REFUSAL_KEY).decode())
-    return True
-
-
-def _write_error_file(line: str) -> None:
-    with open(os.environ[ERROR_FILE_ENV], "w") as f:
-        f.write(line)
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:

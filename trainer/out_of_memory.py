@@ -7,9 +7,8 @@ from config.job_config import ConfigError
 
 
 def out_of_memory_error(what: str, batch: str = "training.local_batch_size") -> ConfigError:
-    """A run that ran out of memory (``what`` says how) on the batches of option ``batch``: the same
-    batches at the same layout would run out again, so it is a mistake in the job, with what would
-    fit."""
+    """The line for a run that ran out of memory (``what`` says how) on the batches of option
+    ``batch``, with what would fit."""
     section = batch.split(".")[0]
     return ConfigError(
         f"{batch}: {what}; a smaller local_batch_size or seq_len in [{section}], activation_checkpoint.mode "

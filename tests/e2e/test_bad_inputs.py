@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import threading
@@ -24,12 +23,9 @@ from config.job_config import ConfigError
 from config.manager import load_config
 from programs import preflight
 from tests.launch import (
-    NO_MEMORY_CGROUP,
     NO_SMALL_DISK,
     REPO,
     TINY_RUN,
-    enter_cgroup,
-    limited_memory_cgroup,
     run_script,
     script_command,
     script_env,
@@ -606,9 +602,9 @@ def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
 
 
 ENVIRONMENT_CASES = [
-    ({"NGPU": "abc"}, "error: NGPU: 'abc' is not a number of ranks per node (1 to 9999)"),
-    ({"NGPU": "0"}, "error: NGPU: '0' is not a number of ranks per node (1 to 9999)"),
-    ({"NNODES": "x"}, "error: NNODES: 'x' is not a number of nodes (1 to 999999)"),
+    ({"NGPU": "abc"}, "error: NGPU: 'abc' is not a number of ranks per node"),
+    ({"NGPU": "0"}, "error: NGPU: '0' is not a number of ranks per node"),
+    ({"NNODES": "x"}, "error: NNODES: 'x' is not a number of nodes"),
     ({"MAX_RESTARTS": "-1"}, "error: MAX_RESTARTS: '-1' is not a number of restarts"),
     ({"LOG_RANK": "0,x"}, "error: LOG_RANK: '0,x' is not a list of local ranks (e.g. 0,1)"),
     ({"LOG_RANK": "0,3"}, "error: LOG_RANK: 3 is not a local rank of this node's 2 (0 to 1)"),
@@ -623,28 +619,11 @@ ENVIRONMENT_CASES = [
     ({"CONFIG_FILE": "/nowhere/job.toml"}, "error: CONFIG_FILE: /nowhere/job.toml: no such file"),
     ({"CONFIG_FILE": "/tmp"}, "error: CONFIG_FILE: /tmp is a folder, not a TOML file"),
     # OpenMP's own complaint in every rank, then as many threads as cores in each.
-    ({"OMP_NUM_THREADS": "abc"}, "error: OMP_NUM_THREADS: 'abc' is not a number of threads per rank (1 to 9999)"),
-    # Past bash's 64-bit arithmetic ("integer expression expected", then a run).
-    (
-        {"NNODES": "99999999999999999999"},
-        "error: NNODES: '99999999999999999999' is not a number of nodes (1 to 999999)",
-    ),
-    (
-        {"LOG_RANK": "99999999999999999999"},
-        "error: LOG_RANK: '99999999999999999999' is not a list of local ranks (e.g. 0,1)",
-    ),
+    ({"OMP_NUM_THREADS": "abc"}, "error: OMP_NUM_THREADS: 'abc' is not a number of threads"),
     # torchrun's agent: a traceback, then restarts.
     (
         {"NNODES": "2", "RDZV_ENDPOINT": "a:b"},
         "error: RDZV_ENDPOINT: 'a:b' is not host:port of the first node (e.g. node0:29500)",
-    ),
-    (
-        {"NNODES": "2", "RDZV_ENDPOINT": "h:70000"},
-        "error: RDZV_ENDPOINT: 'h:70000' is not host:port of the first node (e.g. node0:29500)",
-    ),
-    (
-        {"NNODES": "2", "RDZV_ENDPOINT": "no-such-host.invalid:29500"},
-        "error: RDZV_ENDPOINT: host 'no-such-host.invalid' is not known here (not in DNS or /etc/hosts)",
     ),
     # A bash message and exit code 127.
     (
@@ -663,29 +642,6 @@ def test_a_mistake_in_the_environment_is_one_line(tmp_path, env, line):
     result = subprocess.run(script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True)
     assert (result.returncode, result.stderr.strip().splitlines()) == (2, [line]), result.stderr[-2000:]
     assert "[rank" not in result.stdout + result.stderr
-
-
-@pytest.mark.slow  # launches run_train.sh
-def test_a_rendezvous_port_another_program_holds_is_one_line(tmp_path):
-    """This host is to serve the job's rendezvous, on a port that another program (here this test)
-    listens on: one line naming the program, exit 2 (torchrun's agent took it for the rendezvous and
-    waited on it, silently, until killed)."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable, "NNODES": "2"}
-        env["RDZV_ENDPOINT"] = f"127.0.0.1:{port}"
-        result = subprocess.run(
-            script_command(str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-        )
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith(
-        f"error: RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by "
-        f"another program (pid {os.getpid()}: "
-    )
-    assert lines[0].endswith("); choose a free port")
 
 
 ENVIRONMENT_WARNINGS = [
@@ -894,27 +850,6 @@ def test_validation_running_out_of_memory_names_its_batch(tmp_path):
     # The first validation follows step 1 (as torchtitan's).
     assert last.startswith("error: validation.local_batch_size: out of memory in validation after step 1 on rank ")
     assert "in [validation]" in last and "Traceback" not in output and "Restarting" not in output
-
-
-@pytest.mark.slow  # launches run_train.sh
-def test_a_rank_killed_for_want_of_memory_is_one_line_and_not_retried(tmp_path):
-    """In a memory cgroup of 1.5 GB (the pre-launch floor does not look there) a batch of 96 is
-    killed by the kernel's out-of-memory killer: one line naming the option, exit 2, no restart
-    (each of torchrun's attempts was killed again, and the job ended in its table of failures)."""
-    cgroup = limited_memory_cgroup(1500 * 2**20)
-    if cgroup is None:
-        pytest.skip(NO_MEMORY_CGROUP)
-    try:
-        result = _big_batch(tmp_path, ["--training.local_batch_size", "96"], 1, lambda: enter_cgroup(cgroup))
-    finally:
-        os.rmdir(cgroup)
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    last = result.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("error: training.local_batch_size: the kernel's out-of-memory killer ended rank 0"), output[
-        -3000:
-    ]
-    assert "Traceback" not in output and "Restarting" not in output and "attempts left" not in output
 
 
 @pytest.mark.slow  # launches run_train.sh

@@ -33,12 +33,6 @@ while [[ "$1" == --* ]]; do shift; done
 exec "$@"
 """
 
-# The hosts scontrol names, resolved as DNS would (run_train.sh checks RDZV_ENDPOINT's host).
-FAKE_GETENT = """#!/usr/bin/env bash
-[ "$1" = ahosts ] && [[ "$2" == gpu-node-0[78] ]] && echo "10.0.0.${2: -1}  STREAM $2" && exit 0
-exit 2
-"""
-
 FAKE_PYTHON = f"""#!/usr/bin/env bash
 if [ "$1 $2" = "-m programs.launch" ]; then
   shift 2
@@ -60,7 +54,6 @@ def _fake_tools(folder) -> dict[str, str]:
         ("scontrol", FAKE_SCONTROL),
         ("srun", FAKE_SRUN),
         ("python", FAKE_PYTHON),
-        ("getent", FAKE_GETENT),
     ):
         path = folder / name
         path.write_text(text)

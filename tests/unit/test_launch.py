@@ -1,17 +1,15 @@
-"""programs/launch.py (run_train.sh's torchrun): a failed rendezvous is one line, exit 2; so is a
-rendezvous port taken by a program that is not a rendezvous store."""
+"""programs/launch.py (run_train.sh's torchrun): a rank's refusal is the last line and the exit
+code; a failed rendezvous is one line, exit 2."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+import os
 
 import pytest
-from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
 from programs import launch
+from trainer.refusal import ERROR_FILE_ENV
 
 ARGV = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--nproc-per-node=1", "train.py"]
 
@@ -51,38 +49,19 @@ def _connection_error() -> RendezvousConnectionError:
 def test_a_failed_rendezvous_is_one_line_naming_the_setting(monkeypatch, capsys, error, line):
     """torchrun's agent ended in its traceback (after a C++ stack for every retry of the store)."""
     monkeypatch.setattr(launch, "torchrun", _raising(error))
-    assert launch._run(ARGV) == (2, "")
+    assert launch._run(ARGV) == 2
     assert capsys.readouterr().err.splitlines() == [line]
 
 
-def _holder_line(monkeypatch, port: int) -> str | None:
-    """_foreign_rendezvous_holder for a job whose rendezvous is on ``port`` of this host, whose
-    listener's program this user cannot see (as another user's)."""
-    monkeypatch.setattr(launch, "_listeners", lambda _: (True, []))
-    monkeypatch.setattr(launch, "STORE_PROBE_SECONDS", 2)
-    return launch._foreign_rendezvous_holder([f"--rdzv-endpoint=localhost:{port}"])
+def test_a_refusal_in_the_error_file_is_the_last_line_and_the_exit_code(monkeypatch, capsys):
+    """A rank wrote its line to the error file and exited 0: torchrun ended as for a finished job."""
+    monkeypatch.setenv(ERROR_FILE_ENV, "")  # main sets it; restored after the test
 
+    def refusing_rank(argv: list[str]) -> None:
+        with open(os.environ[ERROR_FILE_ENV], "w") as f:
+            f.write("2 error: training.dataset: fewer than one window\n")
 
-def test_a_listener_that_cannot_be_seen_and_does_not_answer_as_a_store_is_one_line(monkeypatch):
-    """It was joined, and the agent waited on it without a word (in this sandbox, a proxy listening
-    on port 2024 held a run for as long as it was let wait)."""
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never replies
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        port = silent.getsockname()[1]
-        line = _holder_line(monkeypatch, port)
-    # Closed, the listener ends the probe's client, which logs that with C++ stacks: within the
-    # test, whose output is kept, rather than in another test's or none's.
-    deadline = time.monotonic() + 30
-    while any(t.name == "rendezvous-store-probe" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert line == (
-        f"RDZV_ENDPOINT: port {port} of this host, where the job's rendezvous is to be, is taken by a program "
-        "this user cannot see, which does not answer as a rendezvous store within 2 s; choose a free port"
-    )
-
-
-def test_a_listener_that_cannot_be_seen_and_answers_as_a_store_is_joined(monkeypatch):
-    """Another node's agent in a container of this host (another PID namespace) serves the store."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    assert _holder_line(monkeypatch, store.port) is None
+    monkeypatch.setattr(launch, "torchrun", refusing_rank)
+    assert launch.main(ARGV) == 2
+    assert capsys.readouterr().err == "error: training.dataset: fewer than one window\n"
+    assert not os.path.exists(os.environ[ERROR_FILE_ENV])  # the launcher's file is gone

@@ -2,15 +2,15 @@
 anything else a traceback; a refusal posted by another node ends this one too."""
 
 import errno
-import threading
 
 import pytest
 import torch.distributed as dist
 
 import train
 import trainer.trainer
-from train import _is_collective_failure, _peer_refused
-from trainer.distributed import REFUSAL_KEY
+from config.job_config import ConfigError
+from train import _is_collective_failure
+from trainer.refusal import ERROR_FILE_ENV, job_refused, refuse
 
 
 @pytest.mark.parametrize(
@@ -30,25 +30,27 @@ def test_other_runtime_errors_are_not():
     assert not _is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"))
 
 
-def test_a_refusal_posted_a_moment_after_the_collective_broke_is_found(tmp_path, monkeypatch):
-    """An agent posts the line of a rank the kernel killed a moment after the peers' collectives
-    broke (its monitor polls): a peer waits a second for it, copies it to its node's error file and
-    ends, where it would have exited 1 and been restarted."""
+def test_a_refusal_on_another_node_reaches_this_nodes_error_file(tmp_path, monkeypatch):
+    """A rank of another node refused (its line in torchrun's store) and this node's ranks saw only
+    a broken collective: they copy the line to their node's error file and end without a restart."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
-    error_file = tmp_path / "error"
-    error_file.write_text("")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
-    monkeypatch.setenv("TESSERA_ERROR_FILE", str(error_file))
-    assert not _peer_refused()  # nothing posted: a rank died, the job restarts
-    line = "2 error: training.local_batch_size: the kernel's out-of-memory killer ended rank 1\n"
-    agent = threading.Timer(0.3, store.set, args=(REFUSAL_KEY, line))  # another node's agent
-    agent.start()
-    try:
-        assert _peer_refused()
-    finally:
-        agent.join()
-    assert error_file.read_text() == line
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    this_node, other_node = tmp_path / "this", tmp_path / "other"
+    this_node.write_text("")
+    other_node.write_text("")
+    monkeypatch.setenv(ERROR_FILE_ENV, str(this_node))
+    assert not job_refused()  # nothing posted: a rank died, the job restarts
+    monkeypatch.setenv(ERROR_FILE_ENV, str(other_node))
+    assert refuse(ConfigError("training.local_batch_size: out of memory in step 2 on rank 1")) == 0
+    monkeypatch.setenv(ERROR_FILE_ENV, str(this_node))
+    assert job_refused()
+    assert (
+        this_node.read_text()
+        == other_node.read_text()
+        == ("2 error: training.local_batch_size: out of memory in step 2 on rank 1\n")
+    )
 
 
 def test_a_full_disk_in_the_ranks_is_a_refusal_not_a_traceback(monkeypatch, capsys):
@@ -59,7 +61,7 @@ def test_a_full_disk_in_the_ranks_is_a_refusal_not_a_traceback(monkeypatch, caps
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")
 
     monkeypatch.setattr(trainer.trainer, "Trainer", write_on_a_full_disk)
-    monkeypatch.delenv("TESSERA_ERROR_FILE", raising=False)
+    monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
     assert train.main(["--training.steps", "1"]) == 2
     assert capsys.readouterr().err == "error: job.dump_folder: /data/run/metrics.jsonl: No space left on device\n"
 
