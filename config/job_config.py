@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,7 +34,8 @@ METRICS_FILE = "metrics.jsonl"
 VALIDATION_FILE = "validation.jsonl"
 """In job.dump_folder: one JSON record per validation."""
 
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+CheckpointPart = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]
+CHECKPOINT_PARTS: tuple[str, ...] = typing.get_args(CheckpointPart)
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
 
 
@@ -306,7 +308,7 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
     load_step: int = -1
     """Resume from step-N exactly instead of the newest complete checkpoint; -1 = the newest."""
-    exclude_from_loading: list[str] = field(default_factory=list)
+    exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
     """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
     initial_load_path: str = ""
     """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
