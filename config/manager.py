@@ -28,9 +28,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-# ---------------------------------------------------------------------------------------------
-# Introspection: field types and docstrings
-
 
 def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(JobConfig)
@@ -56,7 +53,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _type_name(tp: typing.Any) -> str:
     inner, optional = _unwrap_optional(tp)
-    name = _type_name(_list_item_type(inner)) + " list" if _is_list(inner) else inner.__name__
+    name = _type_name(_list_item(inner)) + " list" if _list_item(inner) else inner.__name__
     name = "str" if choices_of(inner) else name
     return name + " (optional)" if optional else name
 
@@ -68,21 +65,14 @@ def _unwrap_optional(tp: typing.Any) -> tuple[typing.Any, bool]:
     return tp, False
 
 
-def _is_list(tp: typing.Any) -> bool:
-    return typing.get_origin(tp) is list
-
-
-def _list_item_type(tp: typing.Any) -> type:
-    return typing.get_args(tp)[0]
+def _list_item(tp: typing.Any) -> typing.Any:
+    """The type of a list's items; None for any other type."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
 
 
 def choices_of(tp: typing.Any) -> tuple[str, ...]:
     """The values a ``Literal[...]`` field accepts; empty for any other type."""
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
-
-
-# ---------------------------------------------------------------------------------------------
-# Value conversion
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -94,19 +84,19 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
     field's type, or raises ConfigError."""
     inner, optional = _unwrap_optional(tp)
     choices = choices_of(inner)
-    if not from_cli and isinstance(value, str) and inner is not str and not choices and not _is_list(inner):
+    item_type = _list_item(inner)
+    if not from_cli and isinstance(value, str) and inner is not str and not choices and not item_type:
         raise ConfigError(f"{key}: expected {_type_name(inner)}, got the string {value!r}")
     if optional and (value is None or (isinstance(value, str) and value.lower() in ("", "none"))):
         return None
-    if _is_list(inner):
-        item_type = _list_item_type(inner)
+    if item_type:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-            if _is_list(item_type):  # a list of lists on the command line: 'a+b,c'
+            if _list_item(item_type):  # a list of lists on the command line: 'a+b,c'
                 value = [[w.strip() for w in v.split("+")] for v in value]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
-        if _is_list(item_type) and not all(isinstance(v, list) for v in value):
+        if _list_item(item_type) and not all(isinstance(v, list) for v in value):
             # A flat TOML list would be read as one list per name (for stages: a stage per module).
             raise ConfigError(f"{key}: expected a list of lists ([[...], [...]]), got {value!r}")
         return [_convert(key, v, item_type, from_cli) for v in value]
@@ -116,20 +106,14 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if inner is int:
-        if isinstance(value, bool) or isinstance(value, float):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if inner in (int, float):
+        expected = f"{key}: expected {'an integer' if inner is int else 'a number'}, got {value!r}"
+        if isinstance(value, bool) or (inner is int and isinstance(value, float)):
+            raise ConfigError(expected)
         try:
-            return int(value)
+            return inner(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if inner is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+            raise ConfigError(expected) from None
     if choices and value not in choices:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}{_suggest(str(value), choices)}")
     if inner is str or choices:
@@ -163,10 +147,6 @@ def _set(config: JobConfig, key: str, raw: typing.Any, origin: str) -> None:
         raise ConfigError(f"{e}{origin}") from None
     section_name, _, field_name = key.partition(".")
     setattr(getattr(config, section_name), field_name, value)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -329,11 +309,8 @@ def _disagreement(first: str, first_value: typing.Any, second: str, second_value
         f"{prefix}{key} {_toml_value(not value if key in torchtitan.NEGATED else value)}"
         for key, value in ((first, first_value), (second, second_value))
     ]
-    why = (
-        "the same option twice; give it once"
-        if first == second
-        else "one option by Tessera's and torchtitan's names; give one"
-    )
+    why = "one option by Tessera's and torchtitan's names; give one"
+    why = "the same option twice; give it once" if first == second else why
     return f"{shown[0]} and {shown[1]}{origin} contradict each other: {why}"
 
 
@@ -418,13 +395,7 @@ def help_text(program: str = "train.py") -> str:
 
 
 def _toml_value(value: typing.Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON's escapes are TOML's
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
+    return json.dumps(value, ensure_ascii=False)  # JSON's strings, numbers, booleans and arrays are TOML's
 
 
 def to_toml(config: JobConfig) -> str:
