@@ -19,7 +19,8 @@ import types
 import typing
 
 from config import rules, torchtitan
-from config.job_config import ConfigError, JobConfig, written_by_a_run
+from config.errors import ConfigError
+from config.job_config import JobConfig, written_by_a_run
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 def _type_name(tp: typing.Any) -> str:
     inner, optional = _unwrap_optional(tp)
     name = _type_name(_list_item(inner)) + " list" if _list_item(inner) else inner.__name__
-    name = "str" if choices_of(inner) else name
+    name = "str" if _choices(inner) else name
     return name + " (optional)" if optional else name
 
 
@@ -70,7 +71,7 @@ def _list_item(tp: typing.Any) -> typing.Any:
     return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
 
 
-def choices_of(tp: typing.Any) -> tuple[str, ...]:
+def _choices(tp: typing.Any) -> tuple[str, ...]:
     """The values a ``Literal[...]`` field accepts; empty for any other type."""
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
 
@@ -83,7 +84,7 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
     """Converts a CLI string (or a TOML value, which must already have the right type) to the
     field's type, or raises ConfigError."""
     inner, optional = _unwrap_optional(tp)
-    choices = choices_of(inner)
+    choices = _choices(inner)
     item_type = _list_item(inner)
     if not from_cli and isinstance(value, str) and inner is not str and not choices and not item_type:
         raise ConfigError(f"{key}: expected {_type_name(inner)}, got the string {value!r}")
@@ -385,7 +386,7 @@ def help_text(program: str = "train.py") -> str:
         for f in dataclasses.fields(cls):
             key = f"{section_name}.{f.name}"
             default = getattr(getattr(defaults, section_name), f.name)
-            choices = choices_of(hints[f.name])
+            choices = _choices(hints[f.name])
             lines.append(f"  --{key} {_type_name(hints[f.name])} (default: {default!r})")
             doc = docs.get(f.name, "")
             if choices:

@@ -8,11 +8,11 @@ import logging
 import os
 import typing
 
+from config.errors import ConfigError
 from config.job_config import (
     CHECKPOINT_PARTS,
     DEFAULT_TOKENIZER_MIN_VOCAB,
     MODEL_SIZE_FIELDS,
-    ConfigError,
     Float8,
     JobConfig,
     Parallelism,
@@ -23,7 +23,7 @@ from config.job_config import (
 logger = logging.getLogger(__name__)
 
 # The blocks the first and last pipeline stages count their embeddings and output as.
-PIPELINE_END_WEIGHTS = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+_PIPELINE_END_WEIGHTS = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
 _MODEL_SIZES = " ".join(f"model.{n}" for n in MODEL_SIZE_FIELDS if n not in ("use_rope_scaling", "tie_word_embeddings"))
 
 _IN_RANGE: dict[str, typing.Callable[[float], bool]] = {
@@ -199,21 +199,20 @@ _PIPELINE = _fields(Parallelism, but="pipeline_parallel_degree").split()
 _PIPELINE = " ".join(n for n in _PIPELINE if n.startswith("pipeline_parallel_")) + " module_fqns_per_model_part"
 
 
-def _no_effect(c: JobConfig, dp: tuple[int, int] | None = None) -> dict[str, str]:
-    """option: why it does nothing in this run; ``dp`` is the (replicate, shard) degrees, None
-    before the world size is known."""
+def _no_effect_rules(c: JobConfig, dp: tuple[int, int] | None) -> list[tuple[typing.Any, str, str]]:
+    """(when, why, section: options), in the order the reasons are given: the first that holds
+    names an option's. ``dp``: the (replicate, shard) degrees, None before they are known."""
     ck, comp, ac, p, m, dbg = c.checkpoint, c.compile, c.activation_checkpoint, c.parallelism, c.metrics, c.debug
     unsharded, one_dp = dp is not None and dp[1] == 1, dp is not None and dp[0] * dp[1] == 1
-    ac_mode, ends = f"activation_checkpoint.mode is {ac.mode}", " ".join(PIPELINE_END_WEIGHTS)
-    loaded = ck.enable or (ck.initial_load_path and not ck.initial_load_model_only)
-    # (when, why, section: options), in the order the reasons are given: the first that holds names an option's.
+    ac_mode, ends = f"activation_checkpoint.mode is {ac.mode}", " ".join(_PIPELINE_END_WEIGHTS)
     # fmt: off
-    rules = [
+    return [
         (not ck.enable, "checkpoint.enable is false", "checkpoint: folder interval async_mode keep_latest_k export_dtype"),
         (ck.load_only, "checkpoint.load_only saves nothing", "checkpoint: interval async_mode keep_latest_k"),
         (not ck.export_hf, "checkpoint.export_hf is false", "checkpoint: export_dtype"),
         (not ck.initial_load_path, "no checkpoint.initial_load_path", "checkpoint: initial_load_model_only"),
-        (not loaded, "nothing loads but model weights", "checkpoint: exclude_from_loading"),
+        (not ck.enable and (not ck.initial_load_path or ck.initial_load_model_only), "nothing loads but model weights",
+         "checkpoint: exclude_from_loading"),
         (not comp.enable, "compile.enable is false", f"compile: components backend {_SIMPLE_FSDP}"),
         # SimpleFSDP's buckets are made in the model's graph.
         (not comp.compiles_model, "compile.components has no model", f"compile: {_SIMPLE_FSDP}"),
@@ -222,6 +221,8 @@ def _no_effect(c: JobConfig, dp: tuple[int, int] | None = None) -> dict[str, str
         (comp.bucketing != "manual", f"compile.bucketing is {comp.bucketing}", "compile: manual_buckets"),
         (comp.bucketing != "auto", f"compile.bucketing is {comp.bucketing}", "compile: bucket_memory_cap_mb compute_flops"),
         ("float8" not in c.model.converters, "model.converters has no float8", f"float8: {_fields(Float8)}"),
+        (not c.float8.enable_fsdp_float8_all_gather, "float8.enable_fsdp_float8_all_gather is false",
+         "float8: precompute_float8_dynamic_scale_for_fsdp"),
         (ac.mode != "selective", ac_mode, "activation_checkpoint: selective_ac_option"),
         (ac.mode != "memory_budget", ac_mode, "activation_checkpoint: memory_budget"),
         # No block is wrapped in torch's checkpoint.
@@ -253,8 +254,12 @@ def _no_effect(c: JobConfig, dp: tuple[int, int] | None = None) -> dict[str, str
         (one_dp and comp.bucketing != "block", _NO_DP, "compile: bucketing"),
     ]
     # fmt: on
+
+
+def _no_effect(c: JobConfig, dp: tuple[int, int] | None = None) -> dict[str, str]:
+    """option: why it does nothing in this run."""
     reasons: dict[str, str] = {}
-    for holds, why, options in rules:
+    for holds, why, options in _no_effect_rules(c, dp):
         section, _, names = options.partition(": ")
         for name in names.split() if holds else ():
             reasons.setdefault(f"{section}.{name}", why)
@@ -290,13 +295,6 @@ def warn_no_effect(config: JobConfig, typed: typing.AbstractSet[str]) -> None:
             "which is off: the last checkpoint is saved whole, as trained",
             ck.export_dtype,
         )
-    f8 = config.float8
-    if "float8" in config.model.converters and f8.precompute_float8_dynamic_scale_for_fsdp:
-        if not f8.enable_fsdp_float8_all_gather:
-            logger.warning(
-                "float8.precompute_float8_dynamic_scale_for_fsdp: no effect without "
-                "float8.enable_fsdp_float8_all_gather"
-            )
     steps = config.training.steps
     windows = {
         "validation.freq": (config.validation.enable, config.validation.freq, "only validation after step 1"),

@@ -62,7 +62,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import main as torchrun
 
-from config.job_config import first_line, print_error
+from config.errors import first_line, print_error
 from trainer.distributed import ERROR_FILE_ENV, adopt_posted_refusal, record_refusal
 from trainer.out_of_memory import out_of_memory_error
 

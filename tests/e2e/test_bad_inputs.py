@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config
 from programs import preflight
 from tests.launch import (

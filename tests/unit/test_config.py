@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from config.job_config import RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, print_error, typed_first_line
+from config.errors import ConfigError, print_error, typed_first_line
+from config.job_config import RESOLVED_CONFIG_HEADER, JobConfig
 from config.manager import help_text, load_config, to_toml
 from config.rules import batch_layout
 from programs.preflight import check

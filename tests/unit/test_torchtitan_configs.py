@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config, named_as_given
 from programs.preflight import check
 from tests.launch import REPO
