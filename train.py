@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from config.job_config import ConfigError, first_line, print_error
+from config.errors import ConfigError, first_line, print_error
 from config.manager import help_text, load_config, named_as_given
 from trainer.refusal import job_refused, refuse
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from config.manager import batch_layout, load_config
+from config.manager import load_config
+from config.rules import batch_layout
 from models.builder import build_model
 from models.llama3.model import Attention
 from models.sizes import model_args

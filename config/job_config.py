@@ -1,17 +1,11 @@
-"""The job's configuration schema: one typed dataclass per section, the one user-error type.
-
-The string under each field is its documentation, shown by ``--help``. TOML tables and CLI flags
-use the field names: ``[training] steps = 20`` or ``--training.steps 20``. Fields typed
-``Literal[...]`` accept only those values.
-"""
+"""The job's configuration schema, one typed dataclass per section. The string under each field is its
+documentation (``--help``); ``[training] steps = 20`` in TOML is ``--training.steps 20`` on the command line."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import sys
-from collections.abc import Iterator
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,41 +27,9 @@ METRICS_FILE = "metrics.jsonl"
 VALIDATION_FILE = "validation.jsonl"
 """In job.dump_folder: one JSON record per validation."""
 
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+CheckpointPart = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]
+CHECKPOINT_PARTS: tuple[str, ...] = typing.get_args(CheckpointPart)
 """What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration: reported as one line, without a traceback."""
-
-
-def print_error(message: object) -> None:
-    """``error: <message>`` on stderr in one write. print() writes the text and its newline apart,
-    which unbuffered (PYTHONUNBUFFERED) lets another rank's output, on the same stderr, split."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-
-
-def first_line(error: BaseException) -> str:
-    """An error's first line, for a one-line message (its type's name when it says nothing)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def first_few(items: list[str], limit: int = 4) -> str:
-    """The first ``limit`` of ``items``, and how many more, for a one-line message."""
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def typed_first_line(error: BaseException) -> str:
-    """'Type: first line' of an error, or its type's name alone when it says nothing."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
-def _default_cache_dir() -> str:
-    return os.environ.get("TESSERA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
 
 
 @dataclass
@@ -81,11 +43,12 @@ class Job:
     print_config: bool = False
     """Log the resolved config at start (it is always written to <dump_folder>/config.toml)."""
     save_config_file: str = ""
-    """Also write the resolved config as JSON to this file in the dump folder, as torchtitan does;
-    empty = not."""
+    """Also write the resolved config as JSON to this file in the dump folder, as torchtitan does; empty = not."""
     run_name: str = ""
     """TensorBoard run sub-folder under <dump_folder>/tb; empty = a timestamp."""
-    cache_dir: str = field(default_factory=_default_cache_dir)
+    cache_dir: str = field(
+        default_factory=lambda: os.environ.get("TESSERA_CACHE_DIR") or os.path.expanduser("~/.cache/tessera")
+    )
     """Where the default tokenizer and tokenized corpora are cached (env TESSERA_CACHE_DIR)."""
 
 
@@ -94,12 +57,10 @@ class Model:
     name: str = "llama3"
     """Model family from the registry."""
     flavor: str = "debugmodel"
-    """Size of the model within its family: debugmodel, debugmodel_wide, 1B, 3B (Llama 3.2), 8B,
-    70B, 405B (Llama 3.1)."""
+    """Size within the family: debugmodel, debugmodel_wide, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1)."""
     architecture: str = "auto"
-    """Where the model's sizes come from: 'flavor' (model.flavor alone), a Hugging Face folder (or
-    its config.json) whose sizes replace the flavor's, or 'auto' (checkpoint.initial_load_path when
-    it is a Hugging Face folder, else the flavor). The fields below override either."""
+    """Where the sizes come from: 'flavor', a Hugging Face folder (or its config.json) replacing the flavor's, or
+    'auto' (checkpoint.initial_load_path if a Hugging Face folder, else the flavor). Fields below override either."""
     dim: int | None = None
     """Width of the residual stream (HF hidden_size); unset = the architecture's."""
     n_layers: int | None = None
@@ -109,8 +70,8 @@ class Model:
     n_kv_heads: int | None = None
     """Key/value heads of grouped-query attention (HF num_key_value_heads); unset = the architecture's."""
     ffn_dim: int | None = None
-    """SwiGLU hidden width (HF intermediate_size); unset = the architecture's, or derived from
-    ffn_dim_multiplier and multiple_of when either is set."""
+    """SwiGLU width (HF intermediate_size); unset = the architecture's, or from ffn_dim_multiplier and multiple_of if
+    set."""
     ffn_dim_multiplier: float | None = None
     """Factor on the default SwiGLU width int(8 * dim / 3); unset = the architecture's."""
     multiple_of: int | None = None
@@ -128,8 +89,7 @@ class Model:
     rope_high_freq_factor: float | None = None
     """RoPE scaling: HF high_freq_factor; unset = the architecture's."""
     rope_original_max_position_embeddings: int | None = None
-    """RoPE scaling: the original context length (HF original_max_position_embeddings); unset = the
-    architecture's."""
+    """RoPE scaling: the original context length (HF original_max_position_embeddings); unset = the architecture's."""
     max_position_embeddings: int | None = None
     """Context length written to a Hugging Face export's config.json; unset = the architecture's
     (the source folder's, a published flavor's), else training.seq_len."""
@@ -139,12 +99,10 @@ class Model:
     """Vocabulary of the embedding and output head; unset = the Hugging Face folder's when the
     architecture comes from one, else the tokenizer's. Must hold every id of the tokenizer."""
     tokenizer_path: str = ""
-    """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json; torchtitan's
-    model.hf_assets_path) or tokenizer.json, a sentencepiece .model or a tiktoken BPE file; empty =
-    a tokenizer trained on the default corpus."""
+    """A Hugging Face tokenizer folder (torchtitan's model.hf_assets_path) or its tokenizer.json, a sentencepiece
+    .model or a tiktoken BPE file; empty = a tokenizer trained on the default corpus."""
     default_tokenizer_vocab_size: int = 2048
-    """Vocabulary size of the tokenizer trained on first use when tokenizer_path is empty (at least
-    DEFAULT_TOKENIZER_MIN_VOCAB)."""
+    """Vocabulary of the tokenizer trained on first use when tokenizer_path is empty (at least 349)."""
     converters: list[Literal["float8"]] = field(default_factory=list)
     """Conversions of the model before it is parallelized: float8 trains its nn.Linear layers with
     float8 matmuls (torchao's Float8Linear; needs the torchao package), as [float8] sets."""
@@ -152,25 +110,21 @@ class Model:
     """Log the model's modules after the conversions (rank 0)."""
 
 
-# The [model] fields that, when set, override the architecture's model args field of the same name
-# (all and only the fields unset by default).
+# The [model] fields that, when set, override the architecture's (all and only those unset by default).
 MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default is None)
 
-# The largest model sizes a run takes, from [model] or a Hugging Face config.json: tensor dims are
-# int32 in places, and 10,000 blocks build in seconds (a billion would hang the pre-launch check).
-MAX_MODEL_SIZE = 2**31 - 1
-# The default corpus's distinct characters, each of which the default tokenizer must hold
-# (tests/unit/test_tokenizer.py checks it against the trainer's own count).
+# The largest sizes a Hugging Face config.json may give: tensor dims are int32 in places, and 10,000
+# blocks build in seconds (a billion would hang the pre-launch check).
+MAX_MODEL_SIZE, MAX_LAYERS = 2**31 - 1, 10_000
+# The default corpus's distinct characters, each of which the default tokenizer must hold.
 DEFAULT_TOKENIZER_MIN_VOCAB = 349
-MAX_LAYERS = 10_000
 
 
 @dataclass
 class Training:
     dataset: str = "python_docs"
-    """'python_docs' (the interpreter's own documentation); local files, a folder of them or a
-    comma-separated list: .txt/.jsonl, or Parquet/Arrow/JSON shards read through the Hugging Face
-    `datasets` library; or a Hugging Face hub dataset name (streamed; 'c4' is allenai/c4 'en')."""
+    """'python_docs' (Python's docs); .txt/.jsonl files, a folder or comma-separated list of them, Parquet/Arrow/JSON
+    shards (via `datasets`), or a hub dataset (streamed; 'c4' is allenai/c4 'en')."""
     dataset_config: str = ""
     """Configuration (subset) of a hub dataset, e.g. 'en' for allenai/c4; empty = its default."""
     dataset_split: str = "train"
@@ -182,30 +136,27 @@ class Training:
     local_batch_size: int = 8
     """Sequences per rank per microbatch."""
     global_batch_size: int = -1
-    """Sequences per optimizer step over all data-parallel ranks; -1 = local x data-parallel degree.
-    Larger multiples accumulate gradients over microbatches."""
+    """Sequences per optimizer step over all data-parallel ranks; -1 = local x data-parallel degree. Larger multiples
+    accumulate gradients over microbatches."""
     steps: int = 100
     """Optimizer steps to train."""
     max_norm: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping."""
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Dtype of the forward/backward compute: bfloat16, float32, or auto: bfloat16 where the device
-    multiplies it fast (GPUs with bf16, CPUs with AVX512-BF16 or AMX), else float32. Weights,
-    gradients and optimizer state stay float32 (see training.dtype). Sharded data parallelism
-    (FSDP2, HSDP, SimpleFSDP) casts the parameters; without it (one process, DDP, TP or PP alone)
-    the forward runs under autocast, as torchtitan's."""
+    """Dtype of the forward/backward compute; auto = bfloat16 where the device multiplies it fast (GPUs with bf16,
+    CPUs with AVX512-BF16 or AMX), else float32. Sharded data parallelism casts the parameters; without it (one
+    process, DDP, TP or PP alone) the forward runs under autocast, as torchtitan's. Weights and optimizer state:
+    training.dtype."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the weights, gradients and optimizer state. bfloat16 (torchtitan's pure bf16) halves
-    their memory and keeps no float32 copy, so small updates can round away; the compute then runs
-    in bfloat16 too."""
+    """Dtype of the weights, gradients and optimizer state. bfloat16 (torchtitan's pure bf16) halves their memory and
+    keeps no float32 copy, so small updates can round away; the compute then runs in bfloat16 too."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
     dataloader_num_workers: int = 0
     """Data-loading worker processes per rank."""
     nonfinite_policy: Literal["error", "skip_step", "rollback"] = "error"
-    """On a non-finite loss or gradient norm: error (stop; the restart resumes from the last
-    checkpoint), skip_step (drop the update and the batch) or rollback (reload the last checkpoint
-    and go on past the batches since)."""
+    """On a non-finite loss or gradient norm: error (stop; a restart resumes from the last checkpoint), skip_step
+    (drop the update and the batch) or rollback (reload the last checkpoint, go on past the batches since)."""
 
 
 @dataclass
@@ -223,13 +174,11 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     implementation: Literal["foreach", "fused", "for-loop"] = "fused"
-    """Kernel choice: fused (one pass over each tensor, where the device has the kernel: CUDA and
-    CPU do), foreach or for-loop."""
+    """Kernel: fused (one pass over each tensor, where the device has it: CUDA and CPU do), foreach or for-loop."""
     early_step_in_backward: bool = False
-    """Update each parameter as soon as backward has its gradient, then free that gradient, so the
-    model's gradients are never all held at once. Gradients are not clipped (training.max_norm
-    does not apply; the norm is still logged), and no update can be skipped (not with
-    training.nonfinite_policy skip_step). Not with pipeline parallelism."""
+    """Update each parameter once backward has its gradient, then free that gradient: the gradients are never all
+    held at once. No clipping (training.max_norm does not apply; the norm is still logged), no skipped update (not
+    with training.nonfinite_policy skip_step), and not with pipeline parallelism."""
 
 
 @dataclass
@@ -241,11 +190,9 @@ class LRScheduler:
     decay_ratio: float | None = None
     """Fraction of all steps spent decaying at the end (WSD); unset = decay over all steps after warmup."""
     min_lr_factor: float = 0.1
-    """The learning rate the decay ends at, as a fraction of the peak: reached one step after the
-    last (the last step is a step short of it), as in torchtitan."""
+    """Final learning rate as a fraction of the peak, reached one step after the last (as in torchtitan)."""
     total_steps: int | None = None
-    """Steps the schedule spans; unset = training.steps. Longer than the run, a short run follows
-    the first steps of a long run's schedule."""
+    """Steps the schedule spans; unset = training.steps. Longer, a short run follows a long run's first steps."""
 
 
 @dataclass
@@ -261,8 +208,7 @@ class Parallelism:
     data_parallel_impl: Literal["fsdp2", "simple_fsdp"] = "fsdp2"
     """Data-parallel implementation: fsdp2 (torch's fully_shard) or simple_fsdp."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: default (always, except under pipeline parallel),
-    always or never."""
+    """Free gathered parameters after forward: default (always, except under pipeline parallel), always or never."""
     enable_loss_parallel: bool = True
     """Under tensor parallelism, compute the cross-entropy on the vocabulary-sharded logits."""
     enable_async_tensor_parallel: bool = False
@@ -272,21 +218,19 @@ class Parallelism:
     ] = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Blocks per (virtual) stage, as torchtitan counts them: ceil((layers + first and last stage
-    weights) / this) stages; unset = one stage per rank (two for the multi-stage schedules). Either
-    way the blocks are shared as evenly as the first and last stages' weights allow."""
+    """Blocks per (virtual) stage, as torchtitan counts them: ceil((layers + first and last stage weights) / this)
+    stages; unset = one stage per rank (two for multi-stage schedules), blocks shared as evenly as the end weights
+    allow."""
     pipeline_parallel_first_stage_less_layers: int = 1
-    """Without split_points: the first stage counts its embeddings as this many blocks and gets
-    that many fewer (as torchtitan splits)."""
+    """Without split_points: the first stage counts its embeddings as this many blocks, and gets that many fewer."""
     pipeline_parallel_last_stage_less_layers: int = 1
     """Likewise for the last stage's final norm and output layer."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Explicit stage boundaries, e.g. 'layers.2,layers.4': each named layer starts a stage."""
     module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
-    """Explicit stages by their modules, as torchtitan names them: in TOML a list of lists, e.g.
-    [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]; on the command line stages
-    joined by ',' and a stage's modules by '+'. tok_embeddings goes in the first stage, norm and
-    output in the last, the blocks in order."""
+    """Explicit stages by their modules, as torchtitan names them: in TOML a list of lists, e.g. [["tok_embeddings",
+    "layers.0"], ["layers.1", "norm", "output"]]; on the command line stages joined by ',' and a stage's modules by
+    '+'. tok_embeddings goes in the first stage, norm and output in the last, the blocks in order."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline microbatch; the local batch is split into microbatches of this size."""
 
@@ -306,15 +250,14 @@ class Checkpoint:
     """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
     load_step: int = -1
     """Resume from step-N exactly instead of the newest complete checkpoint; -1 = the newest."""
-    exclude_from_loading: list[str] = field(default_factory=list)
+    exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
     """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
     initial_load_path: str = ""
     """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
     folder (e.g. a seed checkpoint's step-0) or Hugging Face safetensors folder (fine-tuning)."""
     initial_load_model_only: bool = True
-    """With initial_load_path a DCP checkpoint: false loads it as a resume (optimizer, LR schedule,
-    data position and step too, but the parts exclude_from_loading names), to go on from another
-    job's checkpoint."""
+    """With initial_load_path a DCP checkpoint: false loads it as a resume (optimizer, LR schedule, data position and
+    step too, but what exclude_from_loading names), to go on from another job's checkpoint."""
     create_seed_checkpoint: bool = False
     """On 1 rank: write the initialized model as <folder>/step-0 and exit; loadable at any layout."""
     export_hf: bool = False
@@ -336,9 +279,8 @@ class ActivationCheckpoint:
     """For selective mode: N (checkpoint every N-th block of the model; torchtitan's default 2) or
     'op' (every block, saving its compute-heavy ops' outputs and recomputing the rest)."""
     memory_budget: float = 0.5
-    """For memory_budget mode, from 0 to 1: the activations kept for backward, as a fraction
-    between what full checkpointing keeps (0) and what compiling without checkpointing keeps (1);
-    torch's partitioner recomputes as little as fits."""
+    """For memory_budget mode, from 0 (what full checkpointing keeps) to 1 (what compiling without it keeps): the
+    activations kept for backward; torch's partitioner recomputes as little as fits."""
     early_stop: bool = True
     """Stop recomputing a block in backward once every tensor backward needs from it is back
     (torch's default; torchtitan's is false). The numbers are the same either way."""
@@ -346,8 +288,7 @@ class ActivationCheckpoint:
     """Restore the random number generator's state before recomputing a block, so that random
     ops draw the same numbers again (torchtitan's default is true; Llama's blocks draw none)."""
     determinism_check: Literal["default", "none"] = "default"
-    """Check that recomputed tensors have the shapes, dtypes and devices of the first forward's
-    ('default') or not ('none')."""
+    """Check that recomputed tensors have the first forward's shapes, dtypes and devices ('default') or not ('none')."""
     debug: bool = False
     """Record the ops a block runs and recomputes, shown when the check above fails (slower)."""
 
@@ -357,27 +298,23 @@ class Compile:
     enable: bool = False
     """torch.compile what compile.components names."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
-    """What compile.enable compiles: the model (per transformer block for fsdp2, the whole model for
-    simple_fsdp) and the loss (except under tensor parallelism, whose loss parallel runs eagerly on
-    the vocabulary-sharded logits)."""
+    """What compile.enable compiles: the model (per block for fsdp2, whole for simple_fsdp) and the loss (except
+    under tensor parallelism, whose loss parallel runs eagerly on the vocabulary-sharded logits)."""
     backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile backend: inductor or aot_eager."""
     bucketing: Literal["none", "manual", "auto", "block"] = "manual"
-    """SimpleFSDP collective bucketing in the compiled graph: none (one all-gather and one
-    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (equal buckets of
-    blocks, sized by a cost model), each compiling the whole model as one graph; or block: each
-    transformer block compiled on its own (one graph, compiled once for all blocks, as FSDP2's
-    per-block compile), its attention and its feed-forward one bucket each, the rest of the model
-    eager."""
+    """SimpleFSDP's collective bucketing, each compiling the whole model as one graph: none (one all-gather and one
+    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (equal buckets of blocks, sized by a cost
+    model); or block: each block compiled on its own (one graph for all, as FSDP2's per-block compile), its attention
+    and its feed-forward one bucket each, the rest of the model eager."""
     manual_buckets: list[str] = field(default_factory=list)
-    """Buckets for manual bucketing, each a '+'-joined list of module-name patterns
-    (e.g. 'layers.0+layers.1', 'norm+output'); empty = one bucket per transformer block,
-    tok_embeddings, and norm+output."""
+    """Manual buckets, each a '+'-joined list of module-name patterns ('layers.0+layers.1', 'norm+output'); empty =
+    one per transformer block, tok_embeddings, and norm+output."""
     bucket_memory_cap_mb: float = 1024.0
     """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
     compute_flops: float | None = None
-    """Auto bucketing: FLOP/s one rank achieves; unset = measured at start on one transformer
-    block's forward and backward at the run's batch (the slowest rank's)."""
+    """Auto bucketing: FLOP/s of one rank; unset = measured at start on a block's forward and backward at the run's
+    batch."""
 
     @property
     def compiles_model(self) -> bool:
@@ -393,18 +330,16 @@ class Float8:
     """Float8 training (model.converters = ["float8"]), torchtitan's [quantize.linear.float8]."""
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """How values are scaled into float8: one scale per tensor, one per row, or per row with the
-    weight gradient's matmul in high precision."""
+    """How values are scaled into float8: per tensor, per row, or per row with the weight gradient's matmul in high
+    precision."""
     enable_fsdp_float8_all_gather: bool = False
     """FSDP2 gathers the weights already cast to float8 (half the bytes of bf16); tensorwise only."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With the float8 all-gather: the weights' scales computed once after each optimizer step,
-    for all weights together, instead of in each gather."""
+    """With the float8 all-gather: the weights' scales computed once after each step, for all weights, not in each
+    gather."""
     filter_fqns: list[str] = field(default_factory=list)
-    """Linear layers left in high precision: those whose name contains one of these (e.g.
-    'output'); with 'auto_filter_small_kn' among them also those torchao finds too small to gain
-    from float8 on H100s (tensorwise and rowwise). Layers with a dim not divisible by 16 always are
-    (float8 matmuls need it)."""
+    """Linear layers left in high precision: names containing one of these (e.g. 'output'); 'auto_filter_small_kn'
+    adds those torchao finds too small to gain on H100s (tensorwise, rowwise). Dims not divisible by 16 always are."""
     emulate: bool = False
     """Run the float8 matmuls in high precision on the float8-rounded values: for GPUs without
     float8 units (compute capability below 8.9). CPUs multiply float8 themselves."""
@@ -424,10 +359,8 @@ class Metrics:
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; unset = known GPU table or a CPU matmul benchmark."""
     enable_wandb: bool = False
-    """Also log to Weights & Biases (needs the wandb package): a run named as TensorBoard's (per
-    rank with save_for_all_ranks) in project WANDB_PROJECT (default tessera), its files under
-    <dump_folder>/wandb. WANDB_MODE=offline keeps it on disk for `wandb sync`. A run that cannot
-    start on W&B's side is a warning, and training goes on."""
+    """Also log to Weights & Biases (wandb package): a run named as TensorBoard's (per rank with save_for_all_ranks),
+    project WANDB_PROJECT (default tessera), files in <dump_folder>/wandb; WANDB_MODE=offline for `wandb sync`."""
 
 
 @dataclass
@@ -442,9 +375,8 @@ class Comm:
     train_timeout_seconds: int = 100
     """Timeout of collectives once training runs; a hung rank ends the job with an error."""
     trace_buf_size: int = 20000
-    """Collectives torch's flight recorder keeps per rank, the latest (0: none). A rank whose
-    collective fails or times out writes them to <dump_folder>/<save_traces_folder>, for
-    torch.distributed.flight_recorder.fr_trace to tell which collective each rank was in."""
+    """Collectives torch's flight recorder keeps per rank (0: none). A rank whose collective fails or times out
+    writes them to <dump_folder>/<save_traces_folder>: fr_trace tells which collective each rank was in."""
     save_traces_folder: str = "comm_traces"
     """Folder in the dump folder for the flight recorder's files."""
     save_traces_file_prefix: str = "rank_"
@@ -462,12 +394,11 @@ class Profiling:
     profiler_active: int = 1
     """Steps each trace records: the last ones of every profile_freq window."""
     profiler_warmup: int = 3
-    """Steps the profiler runs unrecorded before them, so that its start-up stays out of the trace
-    (cut to fit the window when profile_freq is smaller)."""
+    """Steps the profiler runs unrecorded before them, its start-up out of the trace (fewer when profile_freq is
+    smaller)."""
     enable_memory_snapshot: bool = False
-    """Record the GPU allocator's history and save a snapshot (for pytorch.org/memory_viz) every
-    profile_freq steps, and when a step runs out of memory (iteration_<last step>_exit). CUDA and
-    XPU only: a CPU rank's allocator keeps no history (a warning, and training goes on)."""
+    """Record the GPU allocator's history and save a snapshot (pytorch.org/memory_viz) every profile_freq steps and
+    on running out of memory (iteration_<step>_exit). CUDA and XPU only (on CPU: a warning)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder inside the dump folder: iteration_<step>/rank<rank>_memory_snapshot.pickle."""
 
@@ -494,6 +425,9 @@ class Validation:
     """Tokens per validation sequence, at most training.seq_len; unset = training.seq_len."""
 
 
+Failure = Literal["kill", "hang", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan", "oom"]
+
+
 @dataclass
 class Debug:
     seed: int = 0
@@ -508,15 +442,11 @@ class Debug:
     """Collect garbage fully at every step instead, and warn of the tensors reference cycles were
     holding (their number and bytes): memory only a collection frees. Slows every step."""
     fail_at_step: int = -1
-    """Failure injection for tests, on the first attempt only (before any torchrun restart): at this
-    step the last rank does what debug.failure says; -1 = never."""
-    failure: Literal["kill", "hang", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan", "oom"] = (
-        "kill"
-    )
-    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save (die
-    while writing that step's checkpoint), hang_during_save (hang there), disk_full_during_save (the
-    disk fills up during that save: OSError ENOSPC), nan (non-finite gradients) or oom (out of
-    memory on that rank alone)."""
+    """Failure injection for tests, on the first attempt only (before any torchrun restart): at this step the last
+    rank does what debug.failure says; -1 = never."""
+    failure: Failure = "kill"
+    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save or hang_during_save
+    (in that step's save), disk_full_during_save (ENOSPC there), nan (non-finite gradients) or oom (that rank alone)."""
 
 
 @dataclass
@@ -568,18 +498,3 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@contextlib.contextmanager
-def user_input(option: str = "") -> Iterator[None]:
-    """Reports a ValueError or OSError raised while acting on ``option``'s value as a one-line
-    ConfigError (without a prefix when the message already names its option).
-
-    The one convention: code below the config raises ValueError/OSError naming what is wrong; the
-    code that hands it a config value wraps the call in this context."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{option}: {e}" if option else str(e)) from None

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import logging
 import os
 from typing import Any
 
-from config.job_config import MODEL_SIZE_FIELDS, ConfigError, JobConfig, user_input
+from config.errors import ConfigError, user_input
+from config.job_config import MODEL_SIZE_FIELDS, JobConfig
 from models.registry import get_flavor, get_model_spec
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Schedule1F1B
 from torch.distributed.tensor import DTensor
 
-from config.job_config import ConfigError, JobConfig, print_error
-from config.manager import batch_layout, load_config, named_as_given, typed_options
+from config.errors import ConfigError, print_error
+from config.job_config import JobConfig
+from config.manager import load_config, named_as_given, typed_options
+from config.rules import batch_layout
 from models.builder import BuiltModel, build_model
 from models.registry import get_model_spec
 from models.sizes import job_model_args

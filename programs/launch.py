@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.run import main as torchrun
 
-from config.job_config import first_line, print_error
+from config.errors import first_line, print_error
 from trainer.refusal import ERROR_FILE_ENV
 
 

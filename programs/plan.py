@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from config.job_config import ConfigError, JobConfig, print_error, user_input
+from config.errors import ConfigError, print_error, user_input
+from config.job_config import JobConfig
 from config.manager import help_text, load_config, named_as_given, to_toml
 from models.registry import get_model_spec
 from models.sizes import architecture_folder, job_model_args

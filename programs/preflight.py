@@ -12,12 +12,10 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from config.job_config import (
-    ConfigError,
-    JobConfig,
-    print_error,
-)
-from config.manager import batch_layout, load_config, named_as_given, typed_options, warn_no_effect_at_degrees
+from config.errors import ConfigError, print_error
+from config.job_config import JobConfig
+from config.manager import load_config, named_as_given, typed_options
+from config.rules import batch_layout, warn_no_effect_at_degrees
 from trainer.data.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_hub
 from trainer.data.tokenizer import build_tokenizer
 from trainer.folders import FOLDER_LOCK, check_output_folders, claimed_folders, lock_folder

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from config.job_config import Comm, Parallelism, user_input
+from config.errors import user_input
+from config.job_config import Comm, Parallelism
 from parallelisms.device import backend_for, cache_freed_host_memory, rank_device
 from parallelisms.parallel_dims import ParallelDims
 

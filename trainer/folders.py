@@ -14,14 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from config.job_config import (
-    METRICS_FILE,
-    RESOLVED_CONFIG_FILE,
-    VALIDATION_FILE,
-    ConfigError,
-    JobConfig,
-    written_by_a_run,
-)
+from config.errors import ConfigError
+from config.job_config import METRICS_FILE, RESOLVED_CONFIG_FILE, VALIDATION_FILE, JobConfig, written_by_a_run
 
 
 def check_output_folders(config: JobConfig) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from config.job_config import METRICS_FILE, VALIDATION_FILE, ConfigError, first_line
+from config.errors import ConfigError, first_line
+from config.job_config import METRICS_FILE, VALIDATION_FILE
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
 from trainer.folders import free_path

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from config.job_config import JobConfig, user_input
+from config.errors import user_input
+from config.job_config import JobConfig
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ same layout would run out again."""
 
 from __future__ import annotations
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 
 
 def out_of_memory_error(what: str, batch: str = "training.local_batch_size") -> ConfigError:

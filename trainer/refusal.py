@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from config.job_config import ConfigError, print_error
+from config.errors import ConfigError, print_error
 
 ERROR_FILE_ENV = "TESSERA_ERROR_FILE"
 

@@ -13,8 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from config.job_config import RESOLVED_CONFIG_FILE, RESOLVED_CONFIG_HEADER, ConfigError, JobConfig, user_input
-from config.manager import batch_layout, to_toml
+from config.errors import ConfigError, user_input
+from config.job_config import RESOLVED_CONFIG_FILE, RESOLVED_CONFIG_HEADER, JobConfig
+from config.manager import to_toml
+from config.rules import batch_layout
 from models.builder import build_model
 from models.sizes import job_model_args
 from parallelisms.compile import log_graph_breaks

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from config.job_config import JobConfig, first_line
+from config.errors import first_line
+from config.job_config import JobConfig
 from models.builder import BuiltModel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import local_loss

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from config.job_config import ConfigError, JobConfig, user_input
+from config.errors import ConfigError, user_input
+from config.job_config import JobConfig
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.bucket_plan import (
     BucketPlan,

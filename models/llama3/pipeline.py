@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from config.job_config import ConfigError, JobConfig, user_input
+from config.errors import ConfigError, user_input
+from config.job_config import JobConfig
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import (
     V_SCHEDULES,

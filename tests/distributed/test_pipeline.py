@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
 from parallelisms.pipeline import plan_pipeline

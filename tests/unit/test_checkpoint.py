@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from config.job_config import Checkpoint, ConfigError, Debug
+from config.errors import ConfigError
+from config.job_config import Checkpoint, Debug
 from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
 from tests.unit.test_data import arange_loader, global_order, take_window_ids

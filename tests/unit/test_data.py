@@ -14,7 +14,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainer.data.corpus
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config
 from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config
 from models.llama3 import llama3_flavors
 from models.llama3.model import Transformer

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config
 from models.builder import build_model
 from models.llama3 import Transformer, llama3_flavors

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from config.job_config import ConfigError
-from config.manager import load_config, validate
+from config.errors import ConfigError
+from config.manager import load_config
+from config.rules import validate
 from models.builder import _log_precision, build_model, resolve_precision
 from models.llama3 import llama3_flavors
 from parallelisms.device import causal_query_chunk

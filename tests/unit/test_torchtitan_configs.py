@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from config.manager import load_config, named_as_given
 from programs.preflight import check
 from tests.launch import REPO
@@ -171,7 +171,7 @@ def test_an_export_dtype_without_the_hf_export_is_a_warning_from_a_file_too(tmp_
     bf16 = write(tmp_path, text.replace('export_dtype = "float32"', 'export_dtype = "bfloat16"'))
     for options, warned in (([], True), (["--checkpoint.last_save_in_hf"], False), (["--checkpoint.no-enable"], False)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="config.manager"):
+        with caplog.at_level(logging.WARNING, logger="config"):
             load_config(["--job.config_file", bf16, *options])
         found = [m for m in caplog.messages if m.startswith("checkpoint.export_dtype bfloat16")]
         assert found == (
@@ -201,7 +201,7 @@ def test_the_last_config_file_wins(tmp_path, caplog):
     dropped without a word)."""
     first = write(tmp_path, "[training]\nsteps = 11\n", "first.toml")
     second = write(tmp_path, "[training]\nsteps = 12\n", "second.toml")
-    with caplog.at_level("WARNING", logger="config.manager"):
+    with caplog.at_level("WARNING", logger="config"):
         assert load_config(["--job.config_file", first, "--job.config_file", second]).training.steps == 12
     assert [r.getMessage() for r in caplog.records] == [
         "given more than once, the last counts: --job.config_file (2 times)"

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import train
 import trainer.trainer
-from config.job_config import ConfigError
+from config.errors import ConfigError
 from train import _is_collective_failure
 from trainer.refusal import ERROR_FILE_ENV, job_refused, refuse
 

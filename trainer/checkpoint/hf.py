@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from config.job_config import JobConfig, first_few
+from config.errors import first_few
+from config.job_config import JobConfig
 from models.llama3.hf_adapter import (
     args_from_hf_config,
     config_mismatches,

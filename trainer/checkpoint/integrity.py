@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from config.job_config import typed_first_line
+from config.errors import typed_first_line
 from trainer.folders import write_run_file
 
 COMPLETE_MARKER = "checkpoint_complete.json"

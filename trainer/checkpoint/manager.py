@@ -31,14 +31,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from config.job_config import (
-    CHECKPOINT_PARTS,
-    RESOLVED_CONFIG_FILE,
-    Checkpoint,
-    ConfigError,
-    typed_first_line,
-    user_input,
-)
+from config.errors import ConfigError, typed_first_line, user_input
+from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint
 from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
 from trainer.checkpoint import integrity, rules

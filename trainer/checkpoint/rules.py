@@ -12,7 +12,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from config.job_config import RESOLVED_CONFIG_FILE, Checkpoint, ConfigError
+from config.errors import ConfigError
+from config.job_config import RESOLVED_CONFIG_FILE, Checkpoint
 from models.sizes import is_hf_folder
 from trainer.checkpoint.hf import files_no_export_wrote
 from trainer.checkpoint.integrity import (

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.job_config import JobConfig, first_few, first_line, typed_first_line
+from config.errors import first_few, first_line, typed_first_line
+from config.job_config import JobConfig
 from trainer.folders import write_whole
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from config.job_config import JobConfig, user_input
+from config.errors import user_input
+from config.job_config import JobConfig
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
 from trainer.data.tokenizer import Tokenizer

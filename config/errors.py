@@ -1,0 +1,51 @@
+"""The one user-error type, and the one-line messages every program reports mistakes in."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: reported as one line, without a traceback."""
+
+
+def print_error(message: object) -> None:
+    """``error: <message>`` on stderr in one write. print() writes the text and its newline apart,
+    which unbuffered (PYTHONUNBUFFERED) lets another rank's output, on the same stderr, split."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, for a one-line message (its type's name when it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def first_few(items: list[str], limit: int = 4) -> str:
+    """The first ``limit`` of ``items``, and how many more, for a one-line message."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def typed_first_line(error: BaseException) -> str:
+    """'Type: first line' of an error, or its type's name alone when it says nothing."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def user_input(option: str = "") -> Iterator[None]:
+    """Reports a ValueError or OSError raised while acting on ``option``'s value as a one-line
+    ConfigError (without a prefix when the message already names its option).
+
+    The one convention: code below the config raises ValueError/OSError naming what is wrong; the
+    code that hands it a config value wraps the call in this context."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{option}: {e}" if option else str(e)) from None
