@@ -164,7 +164,8 @@ def check_folders_at_start(config: JobConfig) -> None:
     first attempt in rank 0 unless run_train.sh's pre-launch check has just done it (its launcher
     sets the error file); on a restart in every rank, so that they refuse together (a disk that
     filled up would fail the first save again), none left waiting for rank 0 to join."""
-    from trainer.distributed import ERROR_FILE_ENV, is_first_attempt
+    from trainer.distributed import is_first_attempt
+    from trainer.refusal import ERROR_FILE_ENV
 
     if not is_first_attempt() or (os.environ.get("RANK", "0") == "0" and not os.environ.get(ERROR_FILE_ENV)):
         check_output_folders(config)
