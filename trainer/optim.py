@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from config.job_config import JobConfig, user_input
+from config.job_config import LRScheduler, Optimizer, Training, user_input
 
 logger = logging.getLogger(__name__)
 
@@ -339,16 +339,15 @@ def clip_grad_norm_(
 
 
 def build_optimizer_and_schedule(
-    config: JobConfig, model_parts: list[nn.Module]
+    optim: Optimizer, schedule: LRScheduler, training: Training, model_parts: list[nn.Module]
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """The configured optimizer over the parts' parameters and its LR schedule; a one-line
-    ConfigError naming the option for a bad value."""
-    optim, schedule = config.optimizer, config.lr_scheduler
-    if optim.early_step_in_backward and config.training.max_norm > 0:
+    """The configured optimizer over the parts' parameters and its LR schedule (``training`` gives
+    max_norm and steps); a one-line ConfigError naming the option for a bad value."""
+    if optim.early_step_in_backward and training.max_norm > 0:
         logger.warning(
             "optimizer.early_step_in_backward: gradients are not clipped (training.max_norm %g does not apply); "
             "their norm is logged",
-            config.training.max_norm,
+            training.max_norm,
         )
     with user_input():
         optimizer = build_optimizer(
@@ -364,7 +363,7 @@ def build_optimizer_and_schedule(
         lr_scheduler = build_lr_scheduler(
             optimizer,
             warmup_steps=schedule.warmup_steps,
-            total_steps=config.training.steps if schedule.total_steps is None else schedule.total_steps,
+            total_steps=training.steps if schedule.total_steps is None else schedule.total_steps,
             total_steps_option="training.steps" if schedule.total_steps is None else "lr_scheduler.total_steps",
             decay_type=schedule.decay_type,
             decay_ratio=schedule.decay_ratio,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -51,23 +52,33 @@ class Trainer:
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)
         self.rank = dist.get_rank()
-        _set_determinism(config)
+        torch.manual_seed(config.debug.seed)
+        if config.debug.deterministic:
+            use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)
         self.parallel_dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
         self.parallel_dims.build_mesh(self.device.type)
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.parallel_dims.dp_degree)
-        self.loss = Loss(config, self.parallel_dims, self.global_batch_size * config.training.seq_len)
+        tokens_per_step = self.global_batch_size * config.training.seq_len
+        self.loss = Loss(tokens_per_step, self.parallel_dims, config.compile, config.parallelism.enable_loss_parallel)
         self._write_resolved_config()
 
         with user_input("model.tokenizer_path"):
             self.tokenizer = build_tokenizer(
                 config.model.tokenizer_path, config.job.cache_dir, config.model.default_tokenizer_vocab_size
             )
-        self.dataloader = config_dataloader(
-            config, "training.dataset", self.tokenizer, self.parallel_dims, config.debug.seed
+        data = functools.partial(
+            config_dataloader,
+            training=config.training,
+            tokenizer=self.tokenizer,
+            parallel_dims=self.parallel_dims,
+            cache_dir=config.job.cache_dir,
         )
+        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed)
         args = job_model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
-        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
+        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
+            config.optimizer, config.lr_scheduler, config.training, self.model.parts
+        )
         self._precompute_float8 = (
             "float8" in config.model.converters and config.float8.precompute_float8_dynamic_scale_for_fsdp
         )
@@ -86,16 +97,16 @@ class Trainer:
             tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{self.rank}") if every_rank else tensorboard_dir,
             wandb_run=self._wandb_run(run_name[0]),
             total_steps=config.training.steps,
-            tokens_per_step=self.global_batch_size * config.training.seq_len,
+            tokens_per_step=tokens_per_step,
         )
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
-        self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
+        # Another seed than training's: other windows of the same corpus.
+        validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
+        self.validator = Validator(config.validation, validation_data, self.parallel_dims.dp_degree, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.step = 0
         self.checkpointer = self._build_checkpointer()
-
-    # ------------------------------------------------------------------ set-up
 
     def _wandb_run(self, run_name: str) -> dict | None:
         """This rank's W&B run settings (metrics.enable_wandb), or None: rank 0's run, or with
@@ -132,13 +143,10 @@ class Trainer:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader,
-            train_state=TrainState(lambda: self.step, self._set_step, self.device),
+            train_state=TrainState(lambda: self.step, lambda step: setattr(self, "step", step), self.device),
             storage_writer=self.failures.storage_writer,
             timeout_seconds=self.config.comm.init_timeout_seconds,
         )
-
-    def _set_step(self, step: int) -> None:
-        self.step = step
 
     def _start_data(self, resumed: str | None):
         """The training batches, from the position the checkpoint ``resumed`` from saved. A position
@@ -156,8 +164,6 @@ class Trainer:
                 "keep the checkpoint's training.dataset, seq_len, global batch and seed, or start the data "
                 "over with --checkpoint.exclude_from_loading dataloader"
             ) from None
-
-    # ------------------------------------------------------------------ training
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one microbatch; returns its loss (this rank's share of the
@@ -287,7 +293,6 @@ class Trainer:
             gc.collect(1)
 
     def _finish(self) -> None:
-        """The Hugging Face export if asked for, the run's summary, and the metrics files closed."""
         config = self.config
         hf_folder = None
         if config.checkpoint.export_hf:
@@ -298,7 +303,6 @@ class Trainer:
         self.metrics.close()
 
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
-        """Metrics, checkpoint and validation after a completed step."""
         step, config = self.step, self.config
         self.throughput.add_tokens(tokens_of_this_rank(microbatches, self.parallel_dims))
         self.metrics.step_done(step, step_metrics["loss"])
@@ -336,9 +340,3 @@ class Trainer:
             self.checkpointer.close()
         if dist.is_initialized():
             dist.barrier()
-
-
-def _set_determinism(config: JobConfig) -> None:
-    torch.manual_seed(config.debug.seed)
-    if config.debug.deterministic:
-        use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)

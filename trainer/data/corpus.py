@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.job_config import JobConfig, first_few, first_line, typed_first_line
+from config.job_config import Training, Validation, first_few, first_line, typed_first_line
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,9 @@ class Corpus:
     """A hub dataset's commit, once ``pin_revision`` asked the hub for it."""
 
 
-def corpus_of(config: JobConfig, option: str) -> Corpus:
-    """The corpus that ``option`` (``training.dataset`` or ``validation.dataset``) names, with its
-    section's config, split and text field; torchtitan's names mapped to what they stand for."""
-    section = getattr(config, option.partition(".")[0])
+def corpus_of(section: Training | Validation) -> Corpus:
+    """The corpus of a section's dataset fields; torchtitan's dataset names mapped to what they
+    stand for."""
     corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
     if corpus.dataset in TORCHTITAN_DATASETS:
         name, config_name, split = TORCHTITAN_DATASETS[corpus.dataset]

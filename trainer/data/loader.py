@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from config.job_config import JobConfig, user_input
+from config.job_config import Training, Validation, user_input
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
 from trainer.data.tokenizer import Tokenizer
@@ -254,25 +254,30 @@ def build_dataset(
 
 
 def config_dataloader(
-    config: JobConfig, option: str, tokenizer: Tokenizer, parallel_dims: ParallelDims, seed: int
+    option: str,
+    section: Training | Validation,
+    training: Training,
+    tokenizer: Tokenizer,
+    parallel_dims: ParallelDims,
+    *,
+    seed: int,
+    cache_dir: str,
 ) -> StatefulDataLoader:
-    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus that
-    ``option`` (``training.dataset`` or ``validation.dataset``) names; a one-line ConfigError
-    naming ``option`` for a bad corpus."""
-    # A validation batch may have a shape of its own.
-    shape = config.validation if option.startswith("validation.") else config.training
+    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus ``section``
+    describes (``option``: ``training.dataset`` or ``validation.dataset``, named in a one-line
+    ConfigError for a bad corpus); a validation batch takes training's shape where it sets none."""
     with user_input(option):
         dataset = build_dataset(
-            corpus_of(config, option),
+            corpus_of(section),
             tokenizer,
-            seq_len=shape.seq_len or config.training.seq_len,
-            local_batch_size=shape.local_batch_size or config.training.local_batch_size,
+            seq_len=section.seq_len or training.seq_len,
+            local_batch_size=section.local_batch_size or training.local_batch_size,
             dp_rank=parallel_dims.dp_rank,
             dp_world_size=parallel_dims.dp_degree,
             seed=seed,
-            cache_dir=config.job.cache_dir,
+            cache_dir=cache_dir,
         )
-        return packed_dataloader(dataset, num_workers=config.training.dataloader_num_workers)
+        return packed_dataloader(dataset, num_workers=training.dataloader_num_workers)
 
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:
