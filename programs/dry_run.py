@@ -125,27 +125,12 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _fake_batch(config: JobConfig, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (config.training.local_batch_size, config.training.seq_len)
-    return torch.randint(vocab_size, shape), torch.randint(vocab_size, shape)
-
-
 def _forward_backward(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
     logits = built.parts[0](inputs)
     with loss.context():
         value = loss(logits, labels)
         mark()
         value.backward()
-
-
-def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
-    dist.send((tensor.to_local() if isinstance(tensor, DTensor) else tensor).contiguous(), dst=peer, group=group)
-
-
-def _receive_like(template: torch.Tensor, peer: int, group: dist.ProcessGroup) -> torch.Tensor:
-    buffer = torch.empty_like(template)
-    dist.recv(buffer.to_local() if isinstance(buffer, DTensor) else buffer, src=peer, group=group)
-    return buffer
 
 
 def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
@@ -180,12 +165,17 @@ class _Boundaries:
         if self.stage_ranks[stage] == dist.get_rank():
             self.own[key] = tensor
         else:
-            _send(tensor, self.stage_ranks[stage], self.group)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.send(local.contiguous(), dst=self.stage_ranks[stage], group=self.group)
 
     def receive(self, template: torch.Tensor, stage: int, key: tuple[str, int, int]) -> torch.Tensor:
         if self.stage_ranks[stage] == dist.get_rank():
             return self.own.pop(key)
-        return _receive_like(template, self.stage_ranks[stage], self.group)
+        buffer = torch.empty_like(template)
+        dist.recv(
+            buffer.to_local() if isinstance(buffer, DTensor) else buffer, src=self.stage_ranks[stage], group=self.group
+        )
+        return buffer
 
 
 def _pipeline_step(
@@ -346,9 +336,12 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         optimizer, lr_scheduler = build_optimizer_and_schedule(
             config.optimizer, config.lr_scheduler, config.training, built.parts
         )
-        peak, after_forward = measure_steps(
-            built, loss, optimizer, lr_scheduler, lambda: _fake_batch(config, args.vocab_size), accumulation, dims
-        )
+        shape = (config.training.local_batch_size, config.training.seq_len)
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)
+
+        peak, after_forward = measure_steps(built, loss, optimizer, lr_scheduler, batch, accumulation, dims)
         model = whole_model(built.parts)
         state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(
             OptimizerState(model, optimizer).state_dict()

@@ -231,22 +231,17 @@ class Trainer:
         self._refresh_float8_scales()  # loading the optimizer's state steps it once, before the weights load
         if self.step >= config.training.steps:
             logger.warning(
-                "resumed at step %d, the run's end (training.steps %d): nothing left to train; raise "
-                "training.steps to train on",
-                self.step,
-                config.training.steps,
+                f"resumed at step {self.step}, the run's end (training.steps {config.training.steps}): nothing left "
+                "to train; raise training.steps to train on"
             )
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
         data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()
         logger.info(
-            "training %d steps: global batch %d sequences (%d microbatches of %d per rank x %d dp ranks)",
-            config.training.steps,
-            self.global_batch_size,
-            self.grad_accum_steps,
-            config.training.local_batch_size,
-            self.parallel_dims.dp_degree,
+            f"training {config.training.steps} steps: global batch {self.global_batch_size} sequences "
+            f"({self.grad_accum_steps} microbatches of {config.training.local_batch_size} per rank x "
+            f"{self.parallel_dims.dp_degree} dp ranks)"
         )
         first_step = self.step + 1
         profiling, dump = config.profiling, config.job.dump_folder
@@ -328,9 +323,7 @@ class Trainer:
         self.step = self.checkpointer.rollback()
         self._refresh_float8_scales()
         logger.warning(
-            "%s: rolled back to step %d, going on with the next batches (training.nonfinite_policy=rollback)",
-            what,
-            self.step,
+            f"{what}: rolled back to step {self.step}, going on with the next batches (training.nonfinite_policy=rollback)"
         )
 
     def close(self) -> None:

@@ -80,11 +80,7 @@ def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
     wanted = steps * windows.global_batch_size
     if windows.num_windows < wanted:
         logger.warning(
-            "validation.dataset: %d windows of seq_len + 1 = %d tokens, fewer than the %d that validation.steps "
-            "%d x %d sequences read: each validation reads some windows more than once",
-            windows.num_windows,
-            windows.seq_len + 1,
-            wanted,
-            steps,
-            windows.global_batch_size,
+            f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
+            f"fewer than the {wanted} that validation.steps {steps} x {windows.global_batch_size} sequences read: "
+            "each validation reads some windows more than once"
         )
