@@ -301,6 +301,18 @@ def _buckets_planned(config: JobConfig) -> bool:
     return True
 
 
+def _eager(config: JobConfig, bucketed: bool) -> JobConfig:
+    """torch.compile does not trace under the fake tensors' dispatch mode: the dry run runs eagerly."""
+    if not config.compile.enable:
+        return config
+    logger.warning(
+        "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
+        "tensors' dispatch mode); the estimate is eager's%s",
+        " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
+    )
+    return dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+
+
 def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
     """``rank``'s build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -313,13 +325,7 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         )
     compiled = config  # what the real run compiles: SimpleFSDP's buckets are planned from it
     bucketed = _buckets_planned(config)
-    if config.compile.enable:
-        logger.warning(
-            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
-            "tensors' dispatch mode); the estimate is eager's%s",
-            " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
-        )
-        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    config = _eager(config, bucketed)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors

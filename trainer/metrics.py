@@ -150,10 +150,6 @@ class RunProgress:
         return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
 
 
-def _format_tflops(tflops: float) -> str:
-    return f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.3g}"
-
-
 def format_step_line(
     step: int, total_steps: int | None, values: dict[str, float], elapsed: float, eta: float | None
 ) -> str:
@@ -166,7 +162,7 @@ def format_step_line(
         f"grad_norm {values['grad_norm']:.4f}",
         f"lr {values['lr']:.3e}",
         f"tps/rank {values['tps']:,.0f}",
-        f"tflops/rank {_format_tflops(values['tflops'])}",
+        f"tflops/rank {values['tflops']:.0f}" if values["tflops"] >= 100 else f"tflops/rank {values['tflops']:.3g}",
     ]
     if math.isfinite(values["mfu"]):
         fields.append(f"mfu {values['mfu']:.1f}%")

@@ -85,20 +85,7 @@ class Trainer:
         if self._precompute_float8:
             self.optimizer.register_step_post_hook(lambda *_: self._refresh_float8_scales())
 
-        run_name = [config.job.run_name or time.strftime("%Y%m%d-%H%M%S")]
-        every_rank = config.metrics.save_for_all_ranks
-        if every_rank and not config.job.run_name:
-            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
-        tensorboard_dir = os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name[0])
-        self.metrics = MetricsLogger(
-            config.job.dump_folder,
-            enable=self.rank == 0,
-            enable_tensorboard=config.metrics.enable_tensorboard and (self.rank == 0 or every_rank),
-            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{self.rank}") if every_rank else tensorboard_dir,
-            wandb_run=self._wandb_run(run_name[0]),
-            total_steps=config.training.steps,
-            tokens_per_step=tokens_per_step,
-        )
+        self.metrics = self._build_metrics(tokens_per_step)
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         # Another seed than training's: other windows of the same corpus.
@@ -108,16 +95,30 @@ class Trainer:
         self.step = 0
         self.checkpointer = self._build_checkpointer()
 
-    def _wandb_run(self, run_name: str) -> dict | None:
-        """This rank's W&B run settings (metrics.enable_wandb), or None: rank 0's run, or with
-        metrics.save_for_all_ranks one per rank, grouped under the run's name."""
-        metrics = self.config.metrics
-        if not metrics.enable_wandb or not (self.rank == 0 or metrics.save_for_all_ranks):
-            return None
-        config = dataclasses.asdict(self.config)
-        if metrics.save_for_all_ranks:
-            return {"name": f"{run_name}-rank_{self.rank}", "group": run_name, "config": config}
-        return {"name": run_name, "config": config}
+    def _build_metrics(self, tokens_per_step: int) -> MetricsLogger:
+        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) runs of
+        its own, grouped under the run's name."""
+        job, metrics, rank = self.config.job, self.config.metrics, self.rank
+        run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
+        every_rank = metrics.save_for_all_ranks
+        if every_rank and not job.run_name:
+            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
+        name = run_name[0]
+        tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
+        wandb_run = None
+        if metrics.enable_wandb and (rank == 0 or every_rank):
+            wandb_run = {"name": name, "config": dataclasses.asdict(self.config)}
+            if every_rank:
+                wandb_run.update(name=f"{name}-rank_{rank}", group=name)
+        return MetricsLogger(
+            job.dump_folder,
+            enable=rank == 0,
+            enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
+            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
+            wandb_run=wandb_run,
+            total_steps=self.config.training.steps,
+            tokens_per_step=tokens_per_step,
+        )
 
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)

@@ -60,17 +60,12 @@ def default_corpus_texts() -> Iterator[str]:
 def _default_corpus_documents() -> tuple[str, ...]:
     # Parsing the stdlib takes seconds, and the default tokenizer and the token stream both need
     # it on first use; the text is a few MB.
-    return tuple(_python_docs())
-
-
-def _python_docs() -> Iterator[str]:
     try:
         topics: dict[str, str] = importlib.import_module("pydoc_data.topics").topics
     except ImportError:  # some distributions package pydoc_data separately
         topics = {}
-    for name in sorted(topics):
-        yield topics[name]
-    yield from _stdlib_docstrings(Path(sysconfig.get_path("stdlib")))
+    stdlib = _stdlib_docstrings(Path(sysconfig.get_path("stdlib")))
+    return (*(topics[name] for name in sorted(topics)), *stdlib)
 
 
 def _stdlib_docstrings(stdlib_root: Path) -> Iterator[str]:

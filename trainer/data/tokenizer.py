@@ -31,17 +31,10 @@ LLAMA3_NUM_SPECIAL_TOKENS = 256
 # Named Llama 3 special tokens in id order; the remaining ids up to 256 are
 # `<|reserved_special_token_{5..250}|>`.
 _LLAMA3_NAMED_SPECIAL_TOKENS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>",
-    "<|reserved_special_token_2|>",
-    "<|reserved_special_token_3|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|reserved_special_token_4|>",
-    "<|eot_id|>",
-)
+    "<|begin_of_text|> <|end_of_text|> <|reserved_special_token_0|> <|reserved_special_token_1|> "
+    "<|reserved_special_token_2|> <|reserved_special_token_3|> <|start_header_id|> <|end_header_id|> "
+    "<|reserved_special_token_4|> <|eot_id|>"
+).split()
 
 # Some tiktoken versions backtrack or recurse deeply on very long runs of (non-)whitespace; bounded
 # pieces (Llama 3's reference code's two bounds) keep encoding fast on all of them.
