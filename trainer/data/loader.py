@@ -101,9 +101,13 @@ class PackedTokenDataset(IterableDataset):
         dp_world_size: int,
         seed: int,
     ) -> None:
-        _check_positive("seq_len", seq_len)
-        _check_positive("local_batch_size", local_batch_size)
-        _check_positive("dp_world_size", dp_world_size)
+        for name, value in (
+            ("seq_len", seq_len),
+            ("local_batch_size", local_batch_size),
+            ("dp_world_size", dp_world_size),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_world_size={dp_world_size})")
         window_len = seq_len + 1
@@ -208,27 +212,11 @@ class PackedTokenDataset(IterableDataset):
         self._chunk_stride = state_dict["chunk_stride"]
 
 
-def build_dataset(
-    corpus: Corpus,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    seed: int,
-    cache_dir: str,
-) -> PackedTokenDataset:
+def build_dataset(corpus: Corpus, tokenizer: Tokenizer, *, cache_dir: str, **layout: int) -> PackedTokenDataset:
+    """This DP rank's dataset of ``corpus``; ``layout``: PackedTokenDataset's keyword arguments."""
     tokens = load_token_stream(corpus, tokenizer, cache_dir)
     try:
-        return PackedTokenDataset(
-            tokens,
-            seq_len=seq_len,
-            local_batch_size=local_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            seed=seed,
-        )
+        return PackedTokenDataset(tokens, **layout)
     except ValueError as error:
         raise ValueError(f"dataset {corpus.dataset}: {error}") from None
 
@@ -274,8 +262,3 @@ def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> St
 
 def stack_samples(samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.stack(field) for field in zip(*samples))
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be positive")

@@ -45,16 +45,12 @@ _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RU
 # Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
-MODEL_FILE = "tokenizer.model"
-"""Hugging Face's name for a sentencepiece or tiktoken file in a model folder."""
+MODEL_FILE = "tokenizer.model"  # Hugging Face's name for a sentencepiece or tiktoken file
 # tokenizer_config.json keys whose tokens are registered as special, in torchtitan's order (which
 # decides the ids of new tokens).
 _HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 # Tried in order when tokenizer_config.json does not name a BOS/EOS token.
-_HF_FALLBACK_TOKENS = {
-    "bos_token": ("<|begin_of_text|>", "<s>"),
-    "eos_token": ("<|end_of_text|>", "</s>"),
-}
+_HF_FALLBACK_TOKENS = {"bos_token": ("<|begin_of_text|>", "<s>"), "eos_token": ("<|end_of_text|>", "</s>")}
 # Part of the fingerprint: bump when the files-to-ids mapping of this module changes.
 _HF_ENCODING_VERSION = b"tessera-hf-tokenizer-v1"
 
@@ -234,9 +230,7 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer from a config value: ``""`` (the default tokenizer), a Hugging Face tokenizer
-    folder (``tokenizer.json`` + ``tokenizer_config.json``) or a tokenizer file
-    (``tokenizer.json``, sentencepiece ``.model`` or tiktoken BPE)."""
+    """Tokenizer of a config value: ``""`` for the default tokenizer, else ``load_tokenizer``'s."""
     if not path:
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
