@@ -63,14 +63,16 @@ def real_peak(argv: list[str]) -> dict[str, int]:
     dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
     global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
-    loss = Loss(config, dims, global_batch * config.training.seq_len)
+    loss = Loss(global_batch * config.training.seq_len, dims, config.compile, config.parallelism.enable_loss_parallel)
     args = model_args(config)
     built = build_model(config, dims, torch.device("cpu"), args, loss)
     for part in built.parts:
         for module in part.modules():
             if isinstance(module, Attention):
                 module.attention_dtype = None
-    optimizer, schedule = build_optimizer_and_schedule(config, built.parts)
+    optimizer, schedule = build_optimizer_and_schedule(
+        config.optimizer, config.lr_scheduler, config.training, built.parts
+    )
     shape = (config.training.local_batch_size, config.training.seq_len)
     peak, _ = measure_steps(
         built,

@@ -32,17 +32,13 @@ class BuiltModel:
     schedule running them."""
 
     parts: list[nn.Module]
-    args: Any
-    """The family's hyper-parameters (vocabulary and sequence length included)."""
-    flops_per_token: float
-    """Training FLOPs per token of the whole model, for MFU."""
-    compute_dtype: torch.dtype
-    """The dtype the matmuls run in (``training.mixed_precision_param``, decided)."""
+    args: Any  # the family's hyper-parameters
+    flops_per_token: float  # training FLOPs per token of the whole model, for MFU
+    compute_dtype: torch.dtype  # of the matmuls (training.mixed_precision_param, decided)
     autocast: bool
-    """The parts' forwards run under ``torch.autocast`` (no sharding wrapper to cast the weights,
-    which are not in the compute dtype): the activations between blocks stay in the weights' dtype."""
-    graph_passes: list[BucketingPass] = field(default_factory=list)
-    """SimpleFSDP's compile passes, one per compiled part: what each compiled graph holds."""
+    """The forwards run under ``torch.autocast`` (no sharding wrapper casts the weights, which are
+    not in the compute dtype): the activations between blocks stay in the weights' dtype."""
+    graph_passes: list[BucketingPass] = field(default_factory=list)  # SimpleFSDP's, per compiled part
     schedule: Schedule | None = None
     has_first_stage: bool = True
     has_last_stage: bool = True
@@ -62,7 +58,7 @@ class BuiltModel:
 
 
 def _describe(config: JobConfig, args: Any) -> str:
-    """The flavor's name and the fields where ``args`` differ from it (a folder's or [model]'s sizes)."""
+    """The flavor's name and the fields where ``args`` differ from it."""
     flavor = dataclasses.asdict(get_flavor(get_model_spec(config.model.name), config.model.flavor))
     changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items() if v != flavor[k] and k != "max_seq_len"]
     return config.model.flavor + (f" with {', '.join(changed)}" if changed else "")
@@ -81,10 +77,7 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
     fast, device = fast_bfloat16(device_type)
     param = "bfloat16" if fast else "float32"
     logger.info(
-        "training.mixed_precision_param auto -> %s: %s %s bf16 matmuls",
-        param,
-        device,
-        "has fast" if fast else "has no fast",
+        f"training.mixed_precision_param auto -> {param}: {device} has {'' if fast else 'no '}fast bf16 matmuls"
     )
     return dataclasses.replace(config, training=dataclasses.replace(training, mixed_precision_param=param))
 
@@ -122,9 +115,10 @@ def build_model(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     fake_mode: FakeTensorMode | None = None,
 ) -> BuiltModel:
-    """Builds the model of ``args`` on ``parallel_dims.mesh`` as ``config`` asks; ``loss_fn`` is
-    what the last pipeline stage computes (needed only under pipeline parallelism). With
-    ``fake_mode`` (a dry run) the weights are allocated as fake tensors: no memory, no values."""
+    """Builds the model of ``args`` on ``parallel_dims.mesh``; ``loss_fn`` is what the last pipeline
+    stage computes. With ``fake_mode`` (a dry run) the weights are fake tensors: no memory.
+    The whole JobConfig: model, training, parallelism, compile, activation checkpointing and float8
+    all shape the build."""
     config = resolve_precision(config, device.type)
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
@@ -141,10 +135,8 @@ def build_model(
         logger.info("attention in %s: faster than %s for heads of %d on %s", *names, args.head_dim, device.type)
     if query_chunk is not None:
         logger.info(
-            "attention over queries in chunks of %d at seq %d: faster than %s's causal kernel, which masks keys it could skip",
-            query_chunk,
-            config.training.seq_len,
-            device.type,
+            f"attention over queries in chunks of {query_chunk} at seq {config.training.seq_len}: faster than "
+            f"{device.type}'s causal kernel, which masks keys it could skip"
         )
     model.configure_attention(upcast, query_chunk)
     _log_precision(config, parallel_dims)

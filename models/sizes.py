@@ -34,12 +34,10 @@ def model_args(
     args = dataclasses.replace(args, max_seq_len=config.training.seq_len, **overrides)
     if args.max_position_embeddings is not None and args.max_seq_len > args.max_position_embeddings:
         # RoPE runs at any length, but the weights never saw positions past their context.
-        logger.warning(
-            "training.seq_len %d is longer than the %d positions of %s (max_position_embeddings)",
-            args.max_seq_len,
-            args.max_position_embeddings,
-            source or f"{config.model.name} {config.model.flavor}",
+        positions = (
+            f"the {args.max_position_embeddings} positions of {source or config.model.name + ' ' + config.model.flavor}"
         )
+        logger.warning(f"training.seq_len {args.max_seq_len} is longer than {positions} (max_position_embeddings)")
     if vocab_size is None or vocab_size == args.vocab_size:
         return args
     if "vocab_size" in overrides or hf_config is not None:
@@ -59,7 +57,7 @@ CONFIG_NAME = "config.json"
 
 
 def is_hf_folder(path: str) -> bool:
-    """True if ``path`` is a folder with a ``config.json`` and at least one ``.safetensors`` file."""
+    """A folder with a ``config.json`` and ``.safetensors`` files."""
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         return False
     return any(name.endswith(".safetensors") for name in os.listdir(path))
@@ -99,9 +97,9 @@ def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
 
 
 def job_model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
-    """The model args of the job: the flavor's, an HF folder's (``model.architecture``), the [model]
-    fields (``model_args``); ConfigError naming the option when the folder cannot
-    give them."""
+    """The job's model args (``model_args``, from ``model.architecture``'s folder if any); ConfigError
+    naming the option when the folder cannot give them. The whole JobConfig: the model section,
+    training.seq_len and checkpoint.initial_load_path (``architecture = "auto"``) size the model."""
     found = architecture_folder(config)
     if found is None:
         return model_args(config, vocab_size)

@@ -1,23 +1,19 @@
 """Dry run at any world size: one process plays one rank of ``--world-size`` ranks.
 
 ``python -m programs.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
-joins torch's fake process group (every collective returns at once, moving nothing) and builds
-the run's real mesh, model (``build_model``: pipeline split, tensor parallel, activation
-checkpointing, data parallel), optimizer and LR schedule with the weights as fake tensors, so a
-405B model costs no memory. It then runs two training steps (forward, backward, clip, optimizer
-step) on fake token batches, takes the checkpoint's model and optimizer state dicts, and prints
-the rank's peak memory with its breakdown as ``MemTracker`` counts it (every tensor's storage, by
-what it holds): rank 0's, and under pipeline parallelism also the last stage's first rank's, which
-holds the output layer, the logits and the loss (each in a process of its own). A config the real
-run would refuse exits 2 with the same one line.
+joins torch's fake process group (collectives return at once, moving nothing), builds the run's
+real mesh, model, optimizer and LR schedule with the weights as fake tensors (a 405B model costs
+no memory), runs two training steps on fake batches, takes the checkpoint's state dicts, and
+prints the rank's peak memory by what ``MemTracker`` says each storage holds: rank 0's, and under
+pipeline parallelism also the last stage's first rank's (the output layer, logits and loss). A
+config the real run would refuse exits 2 with the same one line.
 
-Pipeline parallelism: torch's schedules agree on a warm-up by reading values the other ranks
-send, which a fake group cannot deliver. The dry run replays instead the action list torch's
-schedule gives the rank (``pipeline_order``: forward and backward of which stage on which
-microbatch, in order), with the stage boundaries' sends and receives on the fake group, so the
-microbatches in flight and their saved activations are the schedule's; as there, FSDP's gradients
-accumulate unsharded until the stages' closing reduce-scatter. Zero-bubble schedules'
-split backward runs as one full backward at the input-gradient action.
+Pipeline parallelism: torch's schedules agree on a warm-up by values the other ranks send, which
+a fake group cannot deliver; the dry run replays the action list torch's schedule gives the rank
+(``pipeline_order``), with the boundaries' sends and receives on the fake group, so the
+microbatches in flight and their saved activations are the schedule's; FSDP's gradients
+accumulate unsharded until the closing reduce-scatter. A zero-bubble schedule's split backward
+runs as one full backward at the input-gradient action.
 """
 
 from __future__ import annotations
@@ -56,12 +52,8 @@ from trainer.optim import build_optimizer_and_schedule, clip_grad_norm_, optimiz
 
 logger = logging.getLogger(__name__)
 
-STEPS = 2
-"""Training steps a dry run takes; the last one is measured, with the optimizer state and the
-wrappers' buffers that the first step allocates."""
-
-CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
-"""MemTracker's categories, in the order the summary prints them."""
+STEPS = 2  # the last is measured, with the optimizer state and wrappers' buffers the first allocates
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")  # MemTracker's
 
 
 class _PeakTracker(MemTracker):
@@ -95,25 +87,17 @@ class DryRunReport:
     rank: int
     world_size: int
     mesh: dict[str, int]
-    parameters: int
-    """Parameters of the rank's model parts (all of them without pipelining), before sharding."""
-    vocab_size: int
-    """The model's vocabulary: model.tokenizer_path's, else the flavor's or Hugging Face folder's
-    (not the default tokenizer's, which is for trial runs)."""
-    peak_bytes: int
-    """The rank's peak of live tensor storage in the last step (the first one is a warm-up)."""
-    peak: dict[str, int]
-    """The peak's bytes by MemTracker category."""
-    after_forward: dict[str, int]
-    """Bytes by category at the end of the last step's forward (the activations saved for backward)."""
-    state_dict_bytes: int
-    """Bytes of this rank's checkpoint state dicts (model and optimizer)."""
-    buckets: int | None
-    """Compiled SimpleFSDP's buckets on this rank (None: no bucketing to estimate)."""
+    parameters: int  # of the rank's model parts, before sharding
+    vocab_size: int  # model.tokenizer_path's, else the flavor's or HF folder's (not the default tokenizer's)
+    peak_bytes: int  # live tensor storage in the last step (the first is a warm-up)
+    peak: dict[str, int]  # the peak's bytes by MemTracker category
+    after_forward: dict[str, int]  # by category at the end of the last forward: the saved activations
+    state_dict_bytes: int  # this rank's checkpoint state dicts (model and optimizer)
+    buckets: int | None  # compiled SimpleFSDP's buckets on this rank (None: no bucketing)
     bucket_pair_bytes: int
     """Analytical, compiled SimpleFSDP: the gathered weights of the two largest neighbouring
-    buckets, which the compiled step holds at once (one computes while the next is gathered); the
-    eager run measured gathers one parameter at a time."""
+    buckets, held at once (one computes while the next is gathered); the eager run measured
+    gathers one parameter at a time."""
     seconds: float
 
     def summary(self) -> str:
@@ -143,27 +127,12 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _fake_batch(config: JobConfig, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (config.training.local_batch_size, config.training.seq_len)
-    return torch.randint(vocab_size, shape), torch.randint(vocab_size, shape)
-
-
 def _forward_backward(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
     logits = built.parts[0](inputs)
     with loss.context():
         value = loss(logits, labels)
         mark()
         value.backward()
-
-
-def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
-    dist.send((tensor.to_local() if isinstance(tensor, DTensor) else tensor).contiguous(), dst=peer, group=group)
-
-
-def _receive_like(template: torch.Tensor, peer: int, group: dist.ProcessGroup) -> torch.Tensor:
-    buffer = torch.empty_like(template)
-    dist.recv(buffer.to_local() if isinstance(buffer, DTensor) else buffer, src=peer, group=group)
-    return buffer
 
 
 def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
@@ -198,12 +167,17 @@ class _Boundaries:
         if self.stage_ranks[stage] == dist.get_rank():
             self.own[key] = tensor
         else:
-            _send(tensor, self.stage_ranks[stage], self.group)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.send(local.contiguous(), dst=self.stage_ranks[stage], group=self.group)
 
     def receive(self, template: torch.Tensor, stage: int, key: tuple[str, int, int]) -> torch.Tensor:
         if self.stage_ranks[stage] == dist.get_rank():
             return self.own.pop(key)
-        return _receive_like(template, self.stage_ranks[stage], self.group)
+        buffer = torch.empty_like(template)
+        dist.recv(
+            buffer.to_local() if isinstance(buffer, DTensor) else buffer, src=self.stage_ranks[stage], group=self.group
+        )
+        return buffer
 
 
 def _pipeline_step(
@@ -306,15 +280,13 @@ def measure_steps(
     return tracker.get_tracker_snapshot("peak").get(device, {}), after_forward
 
 
-def _bytes_of(tree) -> int:
-    total = 0
-    for value in tree.values():
-        if isinstance(value, dict):
-            total += _bytes_of(value)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            total += local.numel() * local.element_size()
-    return total
+def _bytes_of(value) -> int:
+    if isinstance(value, dict):
+        return sum(_bytes_of(item) for item in value.values())
+    if not isinstance(value, torch.Tensor):
+        return 0
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.numel() * local.element_size()
 
 
 def _buckets_planned(config: JobConfig) -> bool:
@@ -331,6 +303,18 @@ def _buckets_planned(config: JobConfig) -> bool:
     return True
 
 
+def _eager(config: JobConfig, bucketed: bool) -> JobConfig:
+    """torch.compile does not trace under the fake tensors' dispatch mode: the dry run runs eagerly."""
+    if not config.compile.enable:
+        return config
+    logger.warning(
+        "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
+        "tensors' dispatch mode); the estimate is eager's%s",
+        " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
+    )
+    return dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+
+
 def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
     """``rank``'s build, two steps and checkpoint state dicts of ``config`` on ``world_size`` fake ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -343,18 +327,12 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         )
     compiled = config  # what the real run compiles: SimpleFSDP's buckets are planned from it
     bucketed = _buckets_planned(config)
-    if config.compile.enable:
-        logger.warning(
-            "compile.enable: the dry run runs the model eagerly (torch.compile does not trace under the fake "
-            "tensors' dispatch mode); the estimate is eager's%s",
-            " plus SimpleFSDP's gathered buckets, analytically" if bucketed else "",
-        )
-        config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False))
+    config = _eager(config, bucketed)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     dims = parallel_dims_from_config(config.parallelism, world_size)
     dims.build_mesh("cpu")  # outside fake mode: the mesh's own bookkeeping needs real tensors
     global_batch, accumulation = batch_layout(config.training, dims.dp_degree)
-    loss = Loss(config, dims, global_batch * config.training.seq_len)
+    loss = Loss(global_batch * config.training.seq_len, dims, config.compile, config.parallelism.enable_loss_parallel)
     vocab_size = None
     if config.model.tokenizer_path:
         vocab_size = build_tokenizer(config.model.tokenizer_path, config.job.cache_dir).vocab_size
@@ -363,10 +341,15 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
     device = torch.device("cpu")
     built = build_model(config, dims, device, args, loss, fake_mode=fake_mode)
     with fake_mode:
-        optimizer, lr_scheduler = build_optimizer_and_schedule(config, built.parts)
-        peak, after_forward = measure_steps(
-            built, loss, optimizer, lr_scheduler, lambda: _fake_batch(config, args.vocab_size), accumulation, dims
+        optimizer, lr_scheduler = build_optimizer_and_schedule(
+            config.optimizer, config.lr_scheduler, config.training, built.parts
         )
+        shape = (config.training.local_batch_size, config.training.seq_len)
+
+        def batch() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)
+
+        peak, after_forward = measure_steps(built, loss, optimizer, lr_scheduler, batch, accumulation, dims)
         model = whole_model(built.parts)
         state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(
             OptimizerState(model, optimizer).state_dict()

@@ -1,20 +1,17 @@
 """Layout planner: which layout of a model fits the devices, and which is fastest.
 
 ``python -m programs.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
-SimpleFSDP with their shard and replicate degrees, tensor-parallel degrees dividing the heads,
-pipeline degrees with the 1F1B and interleaved 1F1B schedules and microbatches of 1 or 2
-sequences, activation checkpointing none/selective/full), ranks them by an estimated step time
-(FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, and the exposed communication of an
-alpha-beta model per collective), and estimates the per-rank peak memory of the fastest ones with
-the dry run (``programs.dry_run``: the real build and training step on fake tensors) until
-``plan.top`` of them fit ``plan.device_memory_gib``. It prints them as a table and writes the best
-as a config file for ``run_train.sh`` (``plan.output``).
+SimpleFSDP and their shard/replicate degrees, tensor-parallel degrees dividing the heads, pipeline
+degrees with 1F1B and interleaved 1F1B and microbatches of 1 or 2, activation checkpointing),
+ranks them by an estimated step time (FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, the
+exposed communication of an alpha-beta model), and measures the per-rank peak of the fastest with
+the dry run until ``plan.top`` fit ``plan.device_memory_gib``; prints them and writes the best as
+a config file (``plan.output``).
 
-The dry run's peak grows linearly with the blocks a stage holds, so each layout is measured on
-models cut to 1 and 2 blocks per stage (same widths, vocabulary and sequence) and extrapolated to
-the model's depth (plus, for compiled SimpleFSDP, the gathered weights of its two largest
-neighbouring buckets, the dry run's analytical part); measurements are cached by shape (the
-replicate degree of HSDP changes no rank's memory, so it is measured with one replica).
+The dry run's peak grows linearly with a stage's blocks: each layout is measured on models cut to
+1 and 2 blocks per stage and extrapolated to the model's depth (plus compiled SimpleFSDP's two
+largest gathered buckets); measurements are cached by shape (HSDP's replicas change no rank's
+memory: measured with one).
 """
 
 from __future__ import annotations
@@ -38,9 +35,9 @@ from programs.dry_run import dry_run, in_child, measured_ranks
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
+# Extra block FLOPs of each AC mode, of forward + backward's 6 per parameter and token: full
+# recomputes the forward (2 of 6), selective every second matmul (1 of 6).
 RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
-"""Extra block FLOPs of each AC mode, as a fraction of forward + backward (6 FLOPs per parameter
-and token): full recomputes the forward (2 of 6), selective every second matmul (1 of 6)."""
 
 
 @dataclass(frozen=True)
@@ -50,16 +47,11 @@ class Layout:
     shard: int
     tp: int
     pp: int
-    schedule: str
-    """Pipeline schedule; empty without pipelining."""
-    stages: int
-    """Pipeline stages in all (1 without pipelining)."""
-    stage_blocks: int
-    """Blocks of the largest stage (all of them without pipelining)."""
-    microbatch: int
-    """Sequences per forward (a pipeline microbatch or a gradient-accumulation step)."""
-    local_batch: int
-    """training.local_batch_size: one microbatch, or a pipeline step's microbatches."""
+    schedule: str  # empty without pipelining
+    stages: int  # pipeline stages in all
+    stage_blocks: int  # of the largest stage
+    microbatch: int  # sequences per forward (a pipeline microbatch or a gradient-accumulation step)
+    local_batch: int  # training.local_batch_size: one microbatch, or a pipeline step's
     ac: str
 
     def describe(self) -> str:
@@ -77,8 +69,7 @@ class ModelShape:
     n_heads: int
     n_kv_heads: int
     block_params: int
-    other_params: int
-    """Embedding, final norm and output head."""
+    other_params: int  # embedding, final norm and output head
 
 
 def model_shape(config: JobConfig) -> ModelShape:

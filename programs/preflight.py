@@ -68,7 +68,7 @@ def check(
     if ckpt.export_hf:
         check_export_folder(os.path.join(config.job.dump_folder, ckpt.folder, "hf"))
     get_model_spec(config.model.name).check_layout_fn(job_model_args(config), dims, config)
-    build_optimizer_and_schedule(config, [torch.nn.Linear(1, 1)])
+    build_optimizer_and_schedule(config.optimizer, config.lr_scheduler, config.training, [torch.nn.Linear(1, 1)])
     check_output_folders(config)
     if config.metrics.enable_wandb and ranks_per_node is not None:  # a dry run logs nothing
         check_wandb()
@@ -168,7 +168,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     first_documents: dict[str, str] = {}
     for option in options:
         try:
-            if (document := check_corpus(corpus_of(config, option))) is not None:
+            if (document := check_corpus(corpus_of(getattr(config, option.partition(".")[0])))) is not None:
                 first_documents[option] = document
         except (ValueError, OSError) as e:
             problems.append(_dataset_problem(config, option, e))
@@ -237,7 +237,7 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
     field for plain text: it has no records."""
     section_name = option.partition(".")[0]
     section = getattr(config, section_name)
-    dataset = corpus_of(config, option).dataset
+    dataset = corpus_of(section).dataset
     unused = []
     if not is_hub(dataset):
         defaults = {"dataset_config": "", "dataset_split": type(section)().dataset_split}
@@ -255,7 +255,7 @@ def _warn_of_the_validation_corpus(config: JobConfig) -> None:
     Python documentation. Nothing in the run's output says either."""
     if not config.validation.enable:
         return
-    training, validation = corpus_of(config, "training.dataset"), corpus_of(config, "validation.dataset")
+    training, validation = corpus_of(config.training), corpus_of(config.validation)
     # A corpus read whole is the same whatever its config and split say.
     if validation == training or (not is_hub(training.dataset) and validation.dataset == training.dataset):
         logger.warning(

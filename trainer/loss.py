@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from config.job_config import JobConfig
+from config.job_config import Compile
 from parallelisms.compile import apply_compile_loss
 from parallelisms.parallel_dims import ParallelDims
 
@@ -27,19 +27,18 @@ class Loss:
     """``loss(logits, labels)``: what backward starts from, per microbatch (and per pipeline
     microbatch on the last stage). Compute it, and its backward, inside ``context()``."""
 
-    def __init__(self, config: JobConfig, parallel_dims: ParallelDims, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int, parallel_dims: ParallelDims, compile: Compile, enable_loss_parallel: bool):
         self.tokens_per_step = tokens_per_step
         # Loss parallel: under tensor parallelism the output layer leaves the logits sharded on the
         # vocabulary, and the cross-entropy runs on the shards.
-        self.loss_parallel = parallel_dims.tp_enabled and config.parallelism.enable_loss_parallel
+        self.loss_parallel = parallel_dims.tp_enabled and enable_loss_parallel
         self.summed = summed_cross_entropy
-        if config.compile.compiles_loss and not parallel_dims.tp_enabled:
+        if compile.compiles_loss and not parallel_dims.tp_enabled:
             # Under tensor parallelism the logits are DTensors that loss parallel handles: left eager.
-            self.summed = apply_compile_loss(summed_cross_entropy, config.compile.backend)
+            self.summed = apply_compile_loss(summed_cross_entropy, compile.backend)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.summed(logits, labels) / self.tokens_per_step
 
     def context(self) -> contextlib.AbstractContextManager:
-        """``loss_parallel()`` when it is on, else no context."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()

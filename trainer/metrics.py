@@ -1,8 +1,5 @@
-"""Training metrics: peak memory, throughput and logging.
-
-The global loss average across data-parallel ranks is computed by the trainer;
-this module only formats and writes what it is given, on the logging rank.
-"""
+"""Training metrics: peak memory, throughput, and the logs (console, JSON lines, TensorBoard, W&B)
+of the global values the trainer computes."""
 
 from __future__ import annotations
 
@@ -45,33 +42,27 @@ def log_peak(peak: PeakFlops | None) -> float | None:
 
 
 class ThroughputTracker:
-    """Accumulates tokens, data-loading time and wall time between two logs.
-
-    Count only the tokens this rank processed, so the rates are per rank.
-    """
+    """Tokens this rank processed, data-loading time and wall time between two logs: the rates
+    are per rank. ``clock`` returns seconds (tests inject a fake one)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        """``clock`` returns seconds; tests inject a fake one."""
         self._clock = clock
         self.reset()
 
     def reset(self) -> None:
-        """Start a new window now."""
         self.window_start: float = self._clock()
         self.tokens: int = 0
         self.data_loading_seconds: float = 0.0
 
     def add_tokens(self, num_tokens: int) -> None:
-        """Count tokens processed by this rank (e.g. ``batch * seq_len`` per step)."""
         self.tokens += num_tokens
 
     def add_data_loading_time(self, seconds: float) -> None:
-        """Count time spent waiting for the next batch."""
         self.data_loading_seconds += seconds
 
     @contextlib.contextmanager
     def data_loading(self) -> Iterator[None]:
-        """Time the enclosed block as data loading: ``with tracker.data_loading(): batch = next(it)``."""
+        """Times the enclosed block as data loading."""
         start = self._clock()
         try:
             yield
@@ -79,14 +70,8 @@ class ThroughputTracker:
             self.add_data_loading_time(self._clock() - start)
 
     def summarize(self, num_flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
-        """Rates over the window since the last reset, then start a new window.
-
-        Returns:
-            ``tps`` (tokens/s), ``tflops`` (achieved TFLOP/s), ``mfu`` (percent of
-            ``peak_flops``; NaN when the peak is unknown) and ``data_loading_pct``
-            (percent of wall time), all per rank. Zero rates for an empty
-            (zero-length) window.
-        """
+        """Per-rank rates over the window, which starts anew: ``tps``, ``tflops``, ``mfu`` (percent
+        of ``peak_flops``; NaN when unknown) and ``data_loading_pct`` (zero for an empty window)."""
         elapsed = self._clock() - self.window_start
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
         achieved_flops = num_flops_per_token * tps
@@ -147,7 +132,6 @@ class RunProgress:
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=rate_window + 1)
 
     def step_done(self, step: int, loss: float) -> None:
-        """``step`` completed with global loss ``loss``."""
         if self._recent and step <= self._recent[-1][1]:
             self._recent.clear()  # rolled back: the rate restarts
         self._recent.append((self._clock(), step))
@@ -157,7 +141,6 @@ class RunProgress:
             self.best = (step, loss)
 
     def elapsed(self) -> float:
-        """Seconds since training started."""
         return self._clock() - self.start_time
 
     def eta(self) -> float | None:
@@ -167,10 +150,6 @@ class RunProgress:
             return None
         (first_time, first_step), (last_time, last_step) = self._recent[0], self._recent[-1]
         return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
-
-
-def _format_tflops(tflops: float) -> str:
-    return f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.3g}"
 
 
 def format_step_line(
@@ -185,7 +164,7 @@ def format_step_line(
         f"grad_norm {values['grad_norm']:.4f}",
         f"lr {values['lr']:.3e}",
         f"tps/rank {values['tps']:,.0f}",
-        f"tflops/rank {_format_tflops(values['tflops'])}",
+        f"tflops/rank {values['tflops']:.0f}" if values["tflops"] >= 100 else f"tflops/rank {values['tflops']:.3g}",
     ]
     if math.isfinite(values["mfu"]):
         fields.append(f"mfu {values['mfu']:.1f}%")
@@ -200,8 +179,7 @@ def format_step_line(
 
 
 def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[str, str | None]) -> str:
-    """The end-of-run summary: wall time, steps, global tokens, final and best loss, then each of
-    ``folders`` (label -> path; None ones are left out)."""
+    """Wall time, steps, global tokens, final and best loss, then ``folders`` (label -> path, or None)."""
     where = f"step {progress.last[0]}" if progress.last else f"step {progress.start_step}"
     total = f"/{progress.total_steps}" if progress.total_steps else ""
     resumed = f" (resumed from step {progress.start_step})" if progress.start_step else ""
@@ -292,8 +270,7 @@ def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
 
 
 def _wandb_location(run: Any) -> str:
-    """Where to find a W&B run: its page, or offline its folder (``run.dir`` is its files/)."""
-    return run.url or os.path.dirname(run.dir)
+    return run.url or os.path.dirname(run.dir)  # offline, the folder (run.dir is its files/)
 
 
 def _json_number(value: float) -> float | None:
@@ -334,19 +311,13 @@ def _move_events_aside(folder: str, events: list[str]) -> None:
 
 
 class MetricsLogger:
-    """Writes per-step metrics to the console, ``metrics.jsonl`` and TensorBoard, and the summary
-    at the end of the run.
+    """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary.
 
-    Construct it on every rank with ``enable`` true only on the logging rank (console, JSON lines,
-    summary), and ``enable_tensorboard`` on the ranks that write TensorBoard (the logging rank, or
-    every rank in a folder of its own); the other instances do nothing. ``wandb_run`` (the
-    ``wandb.init`` settings: name, group, config) also logs the TensorBoard scalars to W&B.
-
-    ``log`` expects the keys ``loss, grad_norm, lr, tps, tflops, mfu, memory_gib,
-    data_loading_pct`` (``mfu`` and ``data_loading_pct`` in percent, ``mfu`` NaN when the peak is
-    unknown). ``total_steps`` and ``tokens_per_step`` (global) feed the progress, ETA and summary;
-    ``clock`` returns seconds (tests inject a fake one). ``start`` comes before the first ``log``.
-    """
+    Built on every rank: ``enable`` on the logging rank (console, JSON lines, summary),
+    ``enable_tensorboard`` on the ranks writing TensorBoard, ``wandb_run`` (``wandb.init``'s
+    settings) where W&B gets the TensorBoard scalars; the others do nothing. ``log`` takes the keys
+    of ``_TENSORBOARD_TAGS``; ``total_steps`` and the global ``tokens_per_step`` feed the ETA and
+    summary. ``start`` comes before the first ``log``."""
 
     def __init__(
         self,
@@ -394,11 +365,10 @@ class MetricsLogger:
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
 
     def step_done(self, step: int, loss: float) -> None:
-        """Every completed step, logged or not, with its global loss: the ETA and the summary."""
+        """Every completed step, logged or not: the ETA and the summary."""
         self.progress.step_done(step, loss)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record the metrics of ``step`` (see the class docstring for the keys)."""
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
@@ -424,7 +394,6 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def summary(self, *, checkpoint_folder: str | None = None, hf_folder: str | None = None) -> None:
-        """Log the end-of-run summary (see ``format_summary``)."""
         if not self.enabled:
             return
         folders = {
@@ -437,7 +406,6 @@ class MetricsLogger:
         logger.info("%s", format_summary(self.progress, self.tokens_per_step, folders))
 
     def log_validation(self, step: int, loss: float) -> None:
-        """Record a validation loss: console, ``validation.jsonl`` and TensorBoard ``validation/loss``."""
         if self.enabled:
             logger.info("step %d | validation loss %.4f", step, loss)
             with open(os.path.join(os.path.dirname(self.jsonl_path), VALIDATION_FILE), "a", encoding="utf-8") as f:
@@ -448,7 +416,7 @@ class MetricsLogger:
             self._wandb.log({"validation/loss": loss}, step=step)
 
     def close(self) -> None:
-        """Flush and close the files; further ``log`` calls are no-ops."""
+        """Closes the files; further calls log nothing."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -1,9 +1,5 @@
-"""Optimizer, learning-rate schedule and gradient clipping.
-
-Everything here works with plain tensors and with DTensor parameters/gradients
-(FSDP2, SimpleFSDP and tensor parallelism all produce DTensors), so the trainer
-does not need to know how a model was parallelized.
-"""
+"""Optimizer, learning-rate schedule and gradient clipping, for plain tensors and the DTensors
+of every parallelism alike: the trainer need not know how a model was parallelized."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from config.errors import user_input
-from config.job_config import JobConfig
+from config.job_config import LRScheduler, Optimizer, Training
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +28,12 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 
 def _trainable_parameters(model_parts: list[nn.Module]) -> list[nn.Parameter]:
     """Parameters requiring grad over all parts, each once (parts may share tied weights)."""
-    seen: set[int] = set()
-    params = []
-    for part in model_parts:
-        for param in part.parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params
+    return list({id(p): p for part in model_parts for p in part.parameters() if p.requires_grad}.values())
 
 
 def _supports_fused(params: list[nn.Parameter]) -> bool:
-    # Same rule torch applies at the first step(); checking up front lets us fall
-    # back before training starts instead of failing mid-run. For DTensors,
-    # `.device` is the device of the local shard, which is what the kernel sees.
+    # torch's rule at the first step(), checked before training starts. A DTensor's `.device` is
+    # its local shard's, which the kernel sees.
     supported_devices = _get_fused_kernels_supported_devices()
     return all(p.device.type in supported_devices and torch.is_floating_point(p) for p in params)
 
@@ -53,10 +41,9 @@ def _supports_fused(params: list[nn.Parameter]) -> bool:
 class OptimizerInBackward(torch.optim.Optimizer):
     """Steps each parameter as soon as backward has finished its gradient, and frees that gradient:
     the whole model's gradients are never held at once. One optimizer per parameter updates it;
-    this one holds the shared settings (the LR schedule sets its ``lr``), and its ``step()`` does
-    nothing. Nothing is clipped (the gradient norm is known only after every parameter has
-    stepped), but the norm is measured on the way, for the log. ``stepping`` False lets gradients
-    accumulate (microbatches before a step's last)."""
+    this one holds the shared settings (the LR schedule sets its ``lr``). Nothing is clipped (the
+    norm is known only once every parameter has stepped); the norm is measured for the log.
+    ``stepping`` False lets gradients accumulate (microbatches before a step's last)."""
 
     def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **settings):
         super().__init__(params, settings)
@@ -95,7 +82,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         param.grad = None
 
     def step(self, closure=None) -> None:
-        """Nothing left to do: every parameter stepped in backward."""
+        """Nothing left: every parameter stepped in backward."""
 
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the gradients stepped since the last call (every rank calls it)."""
@@ -132,10 +119,9 @@ def build_optimizer(
     implementation: str = "fused",
     early_step_in_backward: bool = False,
 ) -> torch.optim.Optimizer:
-    """One optimizer over the trainable parameters of all model parts (e.g. this rank's pipeline
-    stages; DTensors welcome), or with ``early_step_in_backward`` an ``OptimizerInBackward``.
-    ``fused`` falls back to ``foreach`` with a warning where the parameters' device or dtype has no
-    fused kernel. ValueError names a bad ``optimizer.*`` value."""
+    """One optimizer over the trainable parameters of all model parts, or with
+    ``early_step_in_backward`` an ``OptimizerInBackward``. ``fused`` falls back to ``foreach``, with a
+    warning, where the parameters' device or dtype has no fused kernel. ValueError names a bad value."""
     if not lr > 0:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
     if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
@@ -173,22 +159,11 @@ def build_optimizer(
 
 
 class WarmupStableDecay:
-    """LR multiplier for step ``s`` (0-based count of optimizer steps already taken), as
-    torchtitan's schedule gives it.
-
-    * warmup, ``s < warmup_steps``: ``(s + 1) / warmup_steps``, so the first step
-      uses ``peak / warmup_steps`` (never 0) and step ``warmup_steps - 1`` the peak;
-    * stable: 1 up to and including ``decay_start = total_steps - decay_steps``;
-    * decay, ``decay_start < s``: ``min + (1 - min) * shape(p)`` with progress
-      ``p = (s - decay_start) / decay_steps``. The decay ends one step past the run:
-      the last step (``s = total_steps - 1``) is at ``p = (decay_steps - 1) / decay_steps``,
-      so it still learns with ``min_lr_factor`` 0; later steps (a schedule shorter than
-      the run) stay at ``min_lr_factor * peak``.
-
-    A callable object rather than a closure because ``LambdaLR.state_dict`` saves
-    the ``__dict__`` of callable objects, so the schedule round-trips through a
-    checkpoint.
-    """
+    """LR multiplier after ``s`` optimizer steps, as torchtitan's schedule gives it: warmup
+    ``(s + 1) / warmup_steps`` (never 0); 1 up to ``decay_start``; then ``min + (1 - min) *
+    shape(p)``, ``p = (s - decay_start) / decay_steps``, which ends one step past the run (its last
+    step still learns with ``min_lr_factor`` 0) and holds after. An object, not a closure:
+    ``LambdaLR.state_dict`` saves a callable object's ``__dict__``, so it round-trips a checkpoint."""
 
     def __init__(self, warmup_steps: int, decay_start: int, decay_steps: int, decay_type: str, min_lr_factor: float):
         self.warmup_steps = warmup_steps
@@ -223,25 +198,20 @@ def build_lr_scheduler(
     decay_ratio: float | None = None,
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """Linear warmup from ``peak / warmup_steps``, an optional stable phase, then a linear, cosine
-    or sqrt (``1 - sqrt(progress)``) decay towards ``min_lr_factor * peak``, which the step after
-    the last would reach (torchtitan's schedule, step for step); the optimizer's ``lr`` is the
-    peak. ``decay_ratio``: the fraction of ``total_steps`` spent decaying (WSD); None decays over
-    all steps after warmup. Step it once after each ``optimizer.step()``.
-    ``total_steps_option`` is the option that gave ``total_steps``, for messages.
-    A run shorter than its warmup and decay (a short trial of a long job's config) gets them cut to
-    fit, with a warning, as torchtitan does. ValueError names a bad ``lr_scheduler.*`` value."""
+    """Linear warmup, an optional stable phase, then a linear, cosine or sqrt decay towards
+    ``min_lr_factor`` x the optimizer's ``lr`` (torchtitan's schedule, step for step).
+    ``decay_ratio``: the fraction of ``total_steps`` spent decaying (WSD); None decays over all
+    steps after warmup. A run shorter than its warmup and decay gets them cut to fit, with a
+    warning, as torchtitan does. ValueError names a bad value (``total_steps_option`` gave
+    ``total_steps``)."""
     if total_steps < 1:
         raise ValueError(f"{total_steps_option} must be >= 1, got {total_steps}")
     if warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {warmup_steps}")
     if warmup_steps > total_steps:
         logger.warning(
-            "lr_scheduler.warmup_steps %d exceeds %s %d: warming up over all %d steps",
-            warmup_steps,
-            total_steps_option,
-            total_steps,
-            total_steps,
+            f"lr_scheduler.warmup_steps {warmup_steps} exceeds {total_steps_option} {total_steps}: warming up over "
+            f"all {total_steps} steps"
         )
         warmup_steps = total_steps
     if not 0.0 <= min_lr_factor <= 1.0:
@@ -256,8 +226,7 @@ def build_lr_scheduler(
 
 
 def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int, total_steps_option: str) -> int:
-    """build_lr_scheduler's decay steps: ``decay_ratio`` of ``total_steps``, those after warmup when
-    it is None, and at most those."""
+    """``decay_ratio`` of ``total_steps``; at most (and for None) those after warmup."""
     if decay_ratio is None:
         return total_steps - warmup_steps
     if not 0.0 <= decay_ratio <= 1.0:
@@ -265,20 +234,13 @@ def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int,
     decay_steps = round(decay_ratio * total_steps)
     if decay_ratio > 0 and decay_steps == 0:
         logger.warning(
-            "lr_scheduler.decay_ratio %g of %s %d rounds to 0 decay steps: the learning rate stays at "
-            "its peak to the end",
-            decay_ratio,
-            total_steps_option,
-            total_steps,
+            f"lr_scheduler.decay_ratio {decay_ratio:g} of {total_steps_option} {total_steps} rounds to 0 decay steps: "
+            "the learning rate stays at its peak to the end"
         )
     if warmup_steps + decay_steps > total_steps:
         logger.warning(
-            "lr_scheduler.decay_ratio %g gives %d decay steps, more than the %d after %d of warmup: "
-            "decaying over those",
-            decay_ratio,
-            decay_steps,
-            total_steps - warmup_steps,
-            warmup_steps,
+            f"lr_scheduler.decay_ratio {decay_ratio:g} gives {decay_steps} decay steps, more than the "
+            f"{total_steps - warmup_steps} after {warmup_steps} of warmup: decaying over those"
         )
         decay_steps = total_steps - warmup_steps
     return decay_steps
@@ -292,13 +254,10 @@ def clip_grad_norm_(
     *,
     pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
-    """Clips the gradients in place by their global ``norm_type``-norm and returns that norm as a
-    float32 scalar (a non-finite norm is returned, not raised: checking would sync every step).
-
-    Gradients may be plain tensors or DTensors on any mix of meshes: torch's helpers stack all
-    gradients in one DTensor op, which fails across meshes, so each mesh's gradients get their own
-    norm, reduced over that mesh, and the norms are combined. With ``pp_mesh`` (this rank holds
-    only some pipeline stages) the stages' norms are combined too; every rank of it must call."""
+    """Clips the gradients in place by their global norm and returns it as a float32 scalar (not
+    finite is returned, not raised: checking would sync every step). Each mesh's gradients get
+    their own norm, reduced over it (torch's one DTensor op over all fails across meshes), and the
+    norms are combined, over ``pp_mesh``'s stages too, where every rank must call."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
@@ -340,16 +299,15 @@ def clip_grad_norm_(
 
 
 def build_optimizer_and_schedule(
-    config: JobConfig, model_parts: list[nn.Module]
+    optim: Optimizer, schedule: LRScheduler, training: Training, model_parts: list[nn.Module]
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """The configured optimizer over the parts' parameters and its LR schedule; a one-line
-    ConfigError naming the option for a bad value."""
-    optim, schedule = config.optimizer, config.lr_scheduler
-    if optim.early_step_in_backward and config.training.max_norm > 0:
+    """The configured optimizer over the parts' parameters and its LR schedule (``training`` gives
+    max_norm and steps); a one-line ConfigError naming the option for a bad value."""
+    if optim.early_step_in_backward and training.max_norm > 0:
         logger.warning(
             "optimizer.early_step_in_backward: gradients are not clipped (training.max_norm %g does not apply); "
             "their norm is logged",
-            config.training.max_norm,
+            training.max_norm,
         )
     with user_input():
         optimizer = build_optimizer(
@@ -365,7 +323,7 @@ def build_optimizer_and_schedule(
         lr_scheduler = build_lr_scheduler(
             optimizer,
             warmup_steps=schedule.warmup_steps,
-            total_steps=config.training.steps if schedule.total_steps is None else schedule.total_steps,
+            total_steps=training.steps if schedule.total_steps is None else schedule.total_steps,
             total_steps_option="training.steps" if schedule.total_steps is None else "lr_scheduler.total_steps",
             decay_type=schedule.decay_type,
             decay_ratio=schedule.decay_ratio,

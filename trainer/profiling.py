@@ -47,11 +47,8 @@ def maybe_profile(
     warmup = min(config.profiler_warmup, config.profile_freq - config.profiler_active)
     if warmup < config.profiler_warmup:
         logger.warning(
-            "profiling.profiler_warmup %d cut to %d: profile_freq %d holds %d active steps",
-            config.profiler_warmup,
-            warmup,
-            config.profile_freq,
-            config.profiler_active,
+            f"profiling.profiler_warmup {config.profiler_warmup} cut to {warmup}: profile_freq "
+            f"{config.profile_freq} holds {config.profiler_active} active steps"
         )
     wait = config.profile_freq - config.profiler_active - warmup
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=config.profiler_active)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -53,62 +54,73 @@ class Trainer:
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)
         self.rank = dist.get_rank()
-        _set_determinism(config)
+        torch.manual_seed(config.debug.seed)
+        if config.debug.deterministic:
+            use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)
         self.parallel_dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
         self.parallel_dims.build_mesh(self.device.type)
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.parallel_dims.dp_degree)
-        self.loss = Loss(config, self.parallel_dims, self.global_batch_size * config.training.seq_len)
+        tokens_per_step = self.global_batch_size * config.training.seq_len
+        self.loss = Loss(tokens_per_step, self.parallel_dims, config.compile, config.parallelism.enable_loss_parallel)
         self._write_resolved_config()
 
         with user_input("model.tokenizer_path"):
             self.tokenizer = build_tokenizer(
                 config.model.tokenizer_path, config.job.cache_dir, config.model.default_tokenizer_vocab_size
             )
-        self.dataloader = config_dataloader(
-            config, "training.dataset", self.tokenizer, self.parallel_dims, config.debug.seed
+        data = functools.partial(
+            config_dataloader,
+            training=config.training,
+            tokenizer=self.tokenizer,
+            parallel_dims=self.parallel_dims,
+            cache_dir=config.job.cache_dir,
         )
+        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed)
         args = job_model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
-        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(config, self.model.parts)
+        self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
+            config.optimizer, config.lr_scheduler, config.training, self.model.parts
+        )
         self._precompute_float8 = (
             "float8" in config.model.converters and config.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         if self._precompute_float8:
             self.optimizer.register_step_post_hook(lambda *_: self._refresh_float8_scales())
 
-        run_name = [config.job.run_name or time.strftime("%Y%m%d-%H%M%S")]
-        every_rank = config.metrics.save_for_all_ranks
-        if every_rank and not config.job.run_name:
-            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
-        tensorboard_dir = os.path.join(config.job.dump_folder, config.metrics.save_tb_folder, run_name[0])
-        self.metrics = MetricsLogger(
-            config.job.dump_folder,
-            enable=self.rank == 0,
-            enable_tensorboard=config.metrics.enable_tensorboard and (self.rank == 0 or every_rank),
-            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{self.rank}") if every_rank else tensorboard_dir,
-            wandb_run=self._wandb_run(run_name[0]),
-            total_steps=config.training.steps,
-            tokens_per_step=self.global_batch_size * config.training.seq_len,
-        )
+        self.metrics = self._build_metrics(tokens_per_step)
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
-        self.validator = Validator(config, self.parallel_dims, self.tokenizer, self.loss)
+        # Another seed than training's: other windows of the same corpus.
+        validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
+        self.validator = Validator(config.validation, validation_data, self.parallel_dims.dp_degree, self.loss)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.step = 0
         self.checkpointer = self._build_checkpointer()
 
-    # ------------------------------------------------------------------ set-up
-
-    def _wandb_run(self, run_name: str) -> dict | None:
-        """This rank's W&B run settings (metrics.enable_wandb), or None: rank 0's run, or with
-        metrics.save_for_all_ranks one per rank, grouped under the run's name."""
-        metrics = self.config.metrics
-        if not metrics.enable_wandb or not (self.rank == 0 or metrics.save_for_all_ranks):
-            return None
-        config = dataclasses.asdict(self.config)
-        if metrics.save_for_all_ranks:
-            return {"name": f"{run_name}-rank_{self.rank}", "group": run_name, "config": config}
-        return {"name": run_name, "config": config}
+    def _build_metrics(self, tokens_per_step: int) -> MetricsLogger:
+        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) runs of
+        its own, grouped under the run's name."""
+        job, metrics, rank = self.config.job, self.config.metrics, self.rank
+        run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
+        every_rank = metrics.save_for_all_ranks
+        if every_rank and not job.run_name:
+            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
+        name = run_name[0]
+        tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
+        wandb_run = None
+        if metrics.enable_wandb and (rank == 0 or every_rank):
+            wandb_run = {"name": name, "config": dataclasses.asdict(self.config)}
+            if every_rank:
+                wandb_run.update(name=f"{name}-rank_{rank}", group=name)
+        return MetricsLogger(
+            job.dump_folder,
+            enable=rank == 0,
+            enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
+            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
+            wandb_run=wandb_run,
+            total_steps=self.config.training.steps,
+            tokens_per_step=tokens_per_step,
+        )
 
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)
@@ -134,13 +146,10 @@ class Trainer:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader,
-            train_state=TrainState(lambda: self.step, self._set_step, self.device),
+            train_state=TrainState(lambda: self.step, lambda step: setattr(self, "step", step), self.device),
             storage_writer=self.failures.storage_writer,
             timeout_seconds=self.config.comm.init_timeout_seconds,
         )
-
-    def _set_step(self, step: int) -> None:
-        self.step = step
 
     def _start_data(self, resumed: str | None):
         """The training batches, from the position the checkpoint ``resumed`` from saved. A position
@@ -158,8 +167,6 @@ class Trainer:
                 "keep the checkpoint's training.dataset, seq_len, global batch and seed, or start the data "
                 "over with --checkpoint.exclude_from_loading dataloader"
             ) from None
-
-    # ------------------------------------------------------------------ training
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one microbatch; returns its loss (this rank's share of the
@@ -227,22 +234,17 @@ class Trainer:
         self._refresh_float8_scales()  # loading the optimizer's state steps it once, before the weights load
         if self.step >= config.training.steps:
             logger.warning(
-                "resumed at step %d, the run's end (training.steps %d): nothing left to train; raise "
-                "training.steps to train on",
-                self.step,
-                config.training.steps,
+                f"resumed at step {self.step}, the run's end (training.steps {config.training.steps}): nothing left "
+                "to train; raise training.steps to train on"
             )
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
         data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()
         logger.info(
-            "training %d steps: global batch %d sequences (%d microbatches of %d per rank x %d dp ranks)",
-            config.training.steps,
-            self.global_batch_size,
-            self.grad_accum_steps,
-            config.training.local_batch_size,
-            self.parallel_dims.dp_degree,
+            f"training {config.training.steps} steps: global batch {self.global_batch_size} sequences "
+            f"({self.grad_accum_steps} microbatches of {config.training.local_batch_size} per rank x "
+            f"{self.parallel_dims.dp_degree} dp ranks)"
         )
         first_step = self.step + 1
         profiling, dump = config.profiling, config.job.dump_folder
@@ -289,7 +291,6 @@ class Trainer:
             gc.collect(1)
 
     def _finish(self) -> None:
-        """The Hugging Face export if asked for, the run's summary, and the metrics files closed."""
         config = self.config
         hf_folder = None
         if config.checkpoint.export_hf:
@@ -300,7 +301,6 @@ class Trainer:
         self.metrics.close()
 
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
-        """Metrics, checkpoint and validation after a completed step."""
         step, config = self.step, self.config
         self.throughput.add_tokens(tokens_of_this_rank(microbatches, self.parallel_dims))
         self.metrics.step_done(step, step_metrics["loss"])
@@ -326,9 +326,7 @@ class Trainer:
         self.step = self.checkpointer.rollback()
         self._refresh_float8_scales()
         logger.warning(
-            "%s: rolled back to step %d, going on with the next batches (training.nonfinite_policy=rollback)",
-            what,
-            self.step,
+            f"{what}: rolled back to step {self.step}, going on with the next batches (training.nonfinite_policy=rollback)"
         )
 
     def close(self) -> None:
@@ -338,9 +336,3 @@ class Trainer:
             self.checkpointer.close()
         if dist.is_initialized():
             dist.barrier()
-
-
-def _set_determinism(config: JobConfig) -> None:
-    torch.manual_seed(config.debug.seed)
-    if config.debug.deterministic:
-        use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)

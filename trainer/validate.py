@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.errors import first_line
-from config.job_config import JobConfig
+from config.job_config import Validation
 from models.builder import BuiltModel
-from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import local_loss
-from trainer.data.loader import PackedTokenDataset, config_dataloader
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.loader import PackedTokenDataset
 from trainer.loss import Loss
 from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
@@ -28,24 +27,18 @@ def validation_due(step: int, freq: int) -> bool:
 
 
 class Validator:
-    """Evaluates ``validation.steps`` batches of ``validation.dataset`` (with another seed than
-    training's, so it reads other windows of the same corpus)."""
+    """Evaluates ``validation.steps`` batches of the loaders ``loader()`` gives, each at the start
+    of the same held-out windows."""
 
-    def __init__(self, config: JobConfig, parallel_dims: ParallelDims, tokenizer: Tokenizer, loss: Loss):
-        self.config = config
-        self.parallel_dims = parallel_dims
-        self.tokenizer = tokenizer
+    def __init__(self, validation: Validation, loader: Callable[[], StatefulDataLoader], dp_degree: int, loss: Loss):
+        self.steps = validation.steps
+        self.loader = loader
+        self.dp_degree = dp_degree
         self.loss = loss
-        if config.validation.enable:
+        if validation.enable:
             # Tokenized and counted now: a held-out corpus too short for one window would otherwise
             # be refused at the first validation, after the first step of training.
-            _warn_of_repeated_windows(self._loader().dataset, config.validation.steps)
-
-    def _loader(self) -> StatefulDataLoader:
-        """A loader at the start of the validation windows (each validation reads the same ones)."""
-        return config_dataloader(
-            self.config, "validation.dataset", self.tokenizer, self.parallel_dims, self.config.debug.seed + 1
-        )
+            _warn_of_repeated_windows(loader().dataset, validation.steps)
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
         """The mean token loss after ``step``, over all data-parallel ranks (a global value, the same
@@ -61,12 +54,12 @@ class Validator:
 
     @torch.no_grad()
     def _mean_loss(self, model: BuiltModel, device: torch.device) -> torch.Tensor:
-        loader = self._loader()
+        loader = self.loader()
         for part in model.parts:
             part.eval()
         total = torch.zeros((), device=device)
         tokens = 0
-        for _, (inputs, labels) in zip(range(self.config.validation.steps), loader):
+        for _, (inputs, labels) in zip(range(self.steps), loader):
             inputs, labels = inputs.to(device), labels.to(device)
             if model.schedule is not None:
                 with self.loss.context():
@@ -79,7 +72,7 @@ class Validator:
             tokens += labels.numel()
         for part in model.parts:
             part.train()
-        return total / (tokens * self.parallel_dims.dp_degree)
+        return total / (tokens * self.dp_degree)
 
 
 def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
@@ -88,11 +81,7 @@ def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
     wanted = steps * windows.global_batch_size
     if windows.num_windows < wanted:
         logger.warning(
-            "validation.dataset: %d windows of seq_len + 1 = %d tokens, fewer than the %d that validation.steps "
-            "%d x %d sequences read: each validation reads some windows more than once",
-            windows.num_windows,
-            windows.seq_len + 1,
-            wanted,
-            steps,
-            windows.global_batch_size,
+            f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
+            f"fewer than the {wanted} that validation.steps {steps} x {windows.global_batch_size} sequences read: "
+            "each validation reads some windows more than once"
         )

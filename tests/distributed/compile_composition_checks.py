@@ -128,7 +128,11 @@ def build(layout: str, compiled: bool, ac: str) -> tuple[BuiltModel, ParallelDim
     dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, tp=tp, pp=1, world_size=world)
     dims.build_mesh("cpu")
     model = build_model(config, dims, torch.device("cpu"), ARGS)
-    return model, dims, Loss(config, dims, tokens_per_step=BATCH * SEQ * dims.dp_degree)
+    return (
+        model,
+        dims,
+        Loss(BATCH * SEQ * dims.dp_degree, dims, config.compile, config.parallelism.enable_loss_parallel),
+    )
 
 
 def train(model: BuiltModel, dims: ParallelDims, loss_fn: Loss) -> list[float]:

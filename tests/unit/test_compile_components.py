@@ -47,7 +47,7 @@ def test_components_name_what_is_compiled(components):
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
     dims.build_mesh("cpu")
     model = build_model(config, dims, torch.device("cpu"), ARGS).parts[0]
-    loss_fn = Loss(config, dims, tokens_per_step=2 * ARGS.max_seq_len)
+    loss_fn = Loss(2 * ARGS.max_seq_len, dims, config.compile, config.parallelism.enable_loss_parallel)
     tokens = torch.randint(0, ARGS.vocab_size, (2, ARGS.max_seq_len), generator=torch.Generator().manual_seed(0))
     outputs = {}
     model_graphs = graphs_captured(lambda: outputs.setdefault("logits", model(tokens)))

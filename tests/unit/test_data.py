@@ -128,7 +128,11 @@ def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, ch
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
 
     def shape(option: str, *overrides: str) -> tuple[int, ...]:
-        loader = config_dataloader(load_config([*common, *overrides]), option, char_tokenizer, dims, seed=0)
+        config = load_config([*common, *overrides])
+        section = getattr(config, option.partition(".")[0])
+        loader = config_dataloader(
+            option, section, config.training, char_tokenizer, dims, seed=0, cache_dir=config.job.cache_dir
+        )
         return tuple(next(iter(loader))[0].shape)
 
     own = ["--validation.seq_len", "8", "--validation.local_batch_size", "6"]
@@ -143,6 +147,26 @@ def test_validation_follows_step_one_and_every_freq_steps(freq: int, steps: list
     assert [step for step in range(1, 11) if validation_due(step, freq)] == steps
 
 
+def validator(argv: list[str], tokenizer: CharTokenizer) -> Validator:
+    """The Validator the trainer builds for ``argv``, on one rank."""
+    config = load_config(argv)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    return Validator(
+        config.validation,
+        lambda: config_dataloader(
+            "validation.dataset",
+            config.validation,
+            config.training,
+            tokenizer,
+            dims,
+            seed=1,
+            cache_dir=config.job.cache_dir,
+        ),
+        dims.dp_degree,
+        loss=None,
+    )
+
+
 def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     tmp_path: Path, char_tokenizer: CharTokenizer
 ) -> None:
@@ -151,11 +175,10 @@ def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     corpus = write_corpus(tmp_path, {"held_out.txt": "abc"})
     options = ["--training.seq_len", "8", "--job.cache_dir", str(tmp_path / "cache")]
     options += ["--validation.dataset", str(corpus / "held_out.txt")]
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
     message = r"^validation.dataset: dataset .*held_out.txt: corpus has 5 tokens, fewer than one window"
     with pytest.raises(ConfigError, match=message):
-        Validator(load_config([*options, "--validation.enable"]), dims, char_tokenizer, loss=None)
-    Validator(load_config(options), dims, char_tokenizer, loss=None)  # validation off: not read
+        validator([*options, "--validation.enable"], char_tokenizer)
+    validator(options, char_tokenizer)  # validation off: not read
 
 
 def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warning(
@@ -166,11 +189,10 @@ def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warni
     corpus = write_corpus(tmp_path, {"held_out.txt": "abcdefghijklmnopqrstuvwxyz"})
     options = ["--training.seq_len", "8", "--training.local_batch_size", "2", "--job.cache_dir", str(tmp_path)]
     options += ["--validation.enable", "--validation.dataset", str(corpus / "held_out.txt")]
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
     with caplog.at_level("WARNING"):
-        Validator(load_config([*options, "--validation.steps", "1"]), dims, char_tokenizer, loss=None)
+        validator([*options, "--validation.steps", "1"], char_tokenizer)
         assert caplog.messages == []
-        Validator(load_config([*options, "--validation.steps", "2"]), dims, char_tokenizer, loss=None)
+        validator([*options, "--validation.steps", "2"], char_tokenizer)
     assert caplog.messages == [
         "validation.dataset: 3 windows of seq_len + 1 = 9 tokens, fewer than the 4 that validation.steps 2 x 2 "
         "sequences read: each validation reads some windows more than once"

@@ -80,10 +80,10 @@ def test_torchtitan_names_and_the_hub(tmp_path: Path) -> None:
     """torchtitan's 'c4' and 'c4_validation' are allenai/c4 'en' on the hub; other names that are
     no local path are hub names with this section's config and split."""
     config = load_config(["--training.dataset", "c4", "--validation.dataset", "c4_validation"])
-    assert corpus_of(config, "training.dataset") == Corpus("allenai/c4", "en", "train", "text")
-    assert corpus_of(config, "validation.dataset") == Corpus("allenai/c4", "en", "validation", "text")
+    assert corpus_of(config.training) == Corpus("allenai/c4", "en", "train", "text")
+    assert corpus_of(config.validation) == Corpus("allenai/c4", "en", "validation", "text")
     config = load_config(["--training.dataset", "org/data", "--training.dataset_config", "sub"])
-    assert corpus_of(config, "training.dataset") == Corpus("org/data", "sub", "train", "text")
+    assert corpus_of(config.training) == Corpus("org/data", "sub", "train", "text")
 
 
 def preflight_error(capsys: pytest.CaptureFixture, *options: str) -> str:
@@ -184,7 +184,7 @@ def test_a_later_record_whose_text_is_null_is_named_as_such(tmp_path: Path) -> N
     """The pre-launch check reads the first record; a later one is refused in the ranks, by what it holds."""
     path = tmp_path / "records.json"
     path.write_text(json.dumps({"text": "a document"}) + "\n" + json.dumps({"text": None, "id": 7}) + "\n")
-    corpus = corpus_of(load_config(["--training.dataset", str(path)]), "training.dataset")
+    corpus = corpus_of(load_config(["--training.dataset", str(path)]).training)
     with pytest.raises(ValueError) as raised:
         list(corpus_texts(corpus))
     assert str(raised.value) == f"{path}: record 1's field 'text' is null, not text"
@@ -210,7 +210,7 @@ def test_torchtitans_c4_test_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     records = [{"text": f"c4 document {i}", "timestamp": "2019-04-25T00:00:00Z", "url": f"u{i}"} for i in range(3)]
     (folder / "data.json").write_text("".join(json.dumps(r) + "\n" for r in records))
     monkeypatch.chdir(tmp_path)
-    corpus = corpus_of(load_config(["--training.dataset", "c4_test"]), "training.dataset")
+    corpus = corpus_of(load_config(["--training.dataset", "c4_test"]).training)
     assert list(corpus_texts(corpus)) == ["c4 document 0", "c4 document 1", "c4 document 2"]
     assert preflight.main(["--world-size", "1", "--training.dataset", "c4_test"]) == 0
 

@@ -91,7 +91,8 @@ def test_pure_bfloat16_keeps_weights_gradients_and_optimizer_state_in_bfloat16()
     assert compute_dtype == matmul_dtype == torch.bfloat16
     assert torch.equal(logits, forward_backward(reference)[0])
     assert {param.grad.dtype for param in model.parameters()} == {torch.bfloat16}
-    optimizer, _ = build_optimizer_and_schedule(load_config(["--training.dtype", "bfloat16"]), [model])
+    config = load_config(["--training.dtype", "bfloat16"])
+    optimizer, _ = build_optimizer_and_schedule(config.optimizer, config.lr_scheduler, config.training, [model])
     optimizer.step()
     assert {state["exp_avg"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
 

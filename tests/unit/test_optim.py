@@ -290,7 +290,9 @@ def test_total_steps_lets_a_short_run_follow_a_long_runs_schedule(caplog) -> Non
 
     def rates(*overrides: str) -> list[float]:
         config = load_config(["--training.steps", "4", "--lr_scheduler.warmup_steps", "2", *overrides])
-        optimizer, scheduler = build_optimizer_and_schedule(config, [model])
+        optimizer, scheduler = build_optimizer_and_schedule(
+            config.optimizer, config.lr_scheduler, config.training, [model]
+        )
         trace = []
         for _ in range(4):
             trace.append(scheduler.get_last_lr()[0] / config.optimizer.lr)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from config.errors import first_few, first_line, typed_first_line
-from config.job_config import JobConfig
+from config.job_config import Training, Validation
 from trainer.folders import write_whole
 
 logger = logging.getLogger(__name__)
@@ -50,31 +50,23 @@ _DOCUMENTED_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctio
 
 
 def default_corpus_texts() -> Iterator[str]:
-    """Documents of the default corpus, available wherever Python is installed.
-
-    First the interpreter's help topics (``pydoc_data.topics``, one document
-    per topic, sorted by name), then one document per standard-library module
-    (its docstrings in source order; folders walked in sorted order). Modules are
-    parsed with ``ast``, never imported, since some have import side effects.
-    """
+    """Documents of the default corpus, available wherever Python is installed: the interpreter's
+    help topics (``pydoc_data.topics``, by name), then each standard-library module's docstrings
+    in source order (folders in sorted order; parsed with ``ast``, never imported: some imports
+    have side effects)."""
     return iter(_default_corpus_documents())
 
 
 @functools.cache
 def _default_corpus_documents() -> tuple[str, ...]:
-    # Parsing the stdlib takes seconds and both the default tokenizer and the
-    # token stream need it on first use; the text is only a few MB.
-    return tuple(_python_docs())
-
-
-def _python_docs() -> Iterator[str]:
+    # Parsing the stdlib takes seconds, and the default tokenizer and the token stream both need
+    # it on first use; the text is a few MB.
     try:
         topics: dict[str, str] = importlib.import_module("pydoc_data.topics").topics
     except ImportError:  # some distributions package pydoc_data separately
         topics = {}
-    for name in sorted(topics):
-        yield topics[name]
-    yield from _stdlib_docstrings(Path(sysconfig.get_path("stdlib")))
+    stdlib = _stdlib_docstrings(Path(sysconfig.get_path("stdlib")))
+    return (*(topics[name] for name in sorted(topics)), *stdlib)
 
 
 def _stdlib_docstrings(stdlib_root: Path) -> Iterator[str]:
@@ -114,14 +106,12 @@ class Corpus:
     config_name: str = ""
     split: str = "train"
     text_field: str = "text"
-    revision: str = ""
-    """A hub dataset's commit, once ``pin_revision`` asked the hub for it."""
+    revision: str = ""  # a hub dataset's commit, once pin_revision asked the hub for it
 
 
-def corpus_of(config: JobConfig, option: str) -> Corpus:
-    """The corpus that ``option`` (``training.dataset`` or ``validation.dataset``) names, with its
-    section's config, split and text field; torchtitan's names mapped to what they stand for."""
-    section = getattr(config, option.partition(".")[0])
+def corpus_of(section: Training | Validation) -> Corpus:
+    """The corpus of a section's dataset fields; torchtitan's dataset names mapped to what they
+    stand for."""
     corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
     if corpus.dataset in TORCHTITAN_DATASETS:
         name, config_name, split = TORCHTITAN_DATASETS[corpus.dataset]
@@ -130,13 +120,12 @@ def corpus_of(config: JobConfig, option: str) -> Corpus:
 
 
 def is_hub(dataset: str) -> bool:
-    """Whether ``dataset`` names a Hugging Face hub dataset, whose config and split choose a part;
-    the default corpus and local files are read whole."""
+    """Whether ``dataset`` names a hub dataset (the default corpus and local files are read whole)."""
     return dataset != DEFAULT_DATASET and not is_local(dataset)
 
 
 def is_local(dataset: str) -> bool:
-    """Whether ``dataset`` names local files (existing or meant to be) rather than a hub dataset."""
+    """Whether ``dataset`` names local files (existing or meant to be)."""
     if "," in dataset or dataset.count("/") > 1:  # hub names are 'name' or 'owner/name'
         return True
     path = Path(dataset).expanduser()
@@ -149,9 +138,8 @@ def corpus_suffix(path: Path) -> str:
 
 
 def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
-    """Documents of a local corpus: ``.txt`` files (one document each), ``.jsonl`` files (one
-    document per line, from its ``text_field``), or Parquet/Arrow/JSON shards (one document per
-    record, read through ``datasets``); files in the order ``local_corpus_files`` gives."""
+    """Documents of a local corpus: one per ``.txt`` file, per ``.jsonl`` line (its ``text_field``),
+    or per record of Parquet/Arrow/JSON shards (read through ``datasets``)."""
     files = local_corpus_files(path)
     if corpus_suffix(files[0]) in DATASETS_BUILDERS:
         builder = DATASETS_BUILDERS[corpus_suffix(files[0])]
@@ -166,9 +154,8 @@ def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
 
 
 def local_corpus_files(path: str) -> list[Path]:
-    """The files that make up the local corpus at ``path``: a file, a folder (its corpus files,
-    recursively, in sorted order) or a comma-separated list of them; all .txt/.jsonl, or all of one
-    format read through ``datasets``."""
+    """The files of the local corpus at ``path``: a file, a folder (its corpus files, recursively,
+    sorted) or a comma-separated list of them; all .txt/.jsonl, or all of one ``datasets`` format."""
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
     if not files:
         raise ValueError(f"dataset {path!r} names no files")
@@ -315,7 +302,6 @@ def pin_revision(corpus: Corpus) -> Corpus:
 
 
 def hub_corpus_texts(corpus: Corpus) -> Iterator[str]:
-    """Documents of a hub dataset's split at its pinned commit, streamed."""
     corpus = pin_revision(corpus)
     records = _streamed_records(
         corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
@@ -324,7 +310,6 @@ def hub_corpus_texts(corpus: Corpus) -> Iterator[str]:
 
 
 def corpus_texts(corpus: Corpus) -> Iterator[str]:
-    """Documents of ``corpus``."""
     if corpus.dataset == DEFAULT_DATASET:
         return default_corpus_texts()
     if is_local(corpus.dataset):

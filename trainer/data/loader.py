@@ -1,12 +1,10 @@
 """Token streams, packing, and the sharded, resumable training data stream.
 
-The packed windows of a corpus form one infinite *global stream*: epoch ``e``
-is the permutation of all window indices drawn from a generator seeded with
-``seed + e``, and epochs follow each other forever. The data-parallel group
-reads the stream in chunks of ``dp_world_size * local_batch_size`` samples and
-DP rank ``r`` takes the ``r``-th slice of ``local_batch_size`` samples of each
-chunk. State is a position in the global stream, so a run can resume with a
-different DP layout (same global batch) without losing or repeating samples.
+The packed windows of a corpus form one infinite *global stream*: epoch ``e`` is the permutation
+of all window indices seeded with ``seed + e``. The data-parallel group reads it in chunks of
+``dp_world_size * local_batch_size`` samples, DP rank ``r`` taking the ``r``-th slice of each. The
+state is a position in the global stream: a run resumes with another DP layout (same global
+batch) without losing or repeating samples.
 """
 
 from __future__ import annotations
@@ -23,13 +21,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from config.errors import user_input
-from config.job_config import JobConfig
+from config.job_config import Training, Validation
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.corpus import Corpus, corpus_identity, corpus_of, corpus_texts, create_file_once, pin_revision
 from trainer.data.tokenizer import Tokenizer
 
-# Bump when the corpus extraction or the token file layout changes, so stale
-# cached token streams are not reused.
+# Bump when the corpus extraction or the token file layout changes: no stale token stream is reused.
 _TOKEN_CACHE_VERSION = 1
 
 
@@ -43,13 +40,8 @@ def tokenize_corpus(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
 
 
 def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
-    """Token stream of ``corpus``, tokenized once and cached in ``cache_dir``.
-
-    The cache key covers the corpus identity (files, sizes, mtimes and the text
-    field; a hub dataset's name, config, split and commit; or the Python build
-    for the default corpus) and the tokenizer fingerprint. The returned array is
-    memory-mapped and read-only: each rank reads only the windows it trains on.
-    """
+    """Token stream of ``corpus``, tokenized once into ``cache_dir`` under the corpus identity and
+    the tokenizer's fingerprint; memory-mapped, read-only: each rank reads only its windows."""
     corpus = pin_revision(corpus)  # one question to the hub, for both the key and the documents
     key = json.dumps(
         {
@@ -90,22 +82,15 @@ def _id_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
-    """Order of the window indices in ``epoch`` of the global stream."""
     generator = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(num_windows, generator=generator)
 
 
 class PackedTokenDataset(IterableDataset):
-    """This DP rank's share of the infinite global stream of packed windows.
-
-    Window ``w`` is ``tokens[w * (seq_len + 1) : (w + 1) * (seq_len + 1)]``;
-    a sample is ``(window[:-1], window[1:])`` as int64 tensors.
-
-    Implements ``state_dict``/``load_state_dict`` (torchdata's Stateful
-    protocol). With DataLoader workers, worker ``k`` of ``K`` reads every
-    ``K``-th chunk, which makes the loader's round-robin batch order equal the
-    single-process order (it must batch with ``batch_size=local_batch_size``).
-    """
+    """This DP rank's share of the infinite global stream of packed windows of ``seq_len + 1``
+    tokens; a sample is ``(window[:-1], window[1:])`` as int64 tensors. Stateful (torchdata's
+    protocol). Worker ``k`` of ``K`` reads every ``K``-th chunk: the loader's round-robin batches
+    (of ``local_batch_size``) come in the single-process order."""
 
     def __init__(
         self,
@@ -117,9 +102,13 @@ class PackedTokenDataset(IterableDataset):
         dp_world_size: int,
         seed: int,
     ) -> None:
-        _check_positive("seq_len", seq_len)
-        _check_positive("local_batch_size", local_batch_size)
-        _check_positive("dp_world_size", dp_world_size)
+        for name, value in (
+            ("seq_len", seq_len),
+            ("local_batch_size", local_batch_size),
+            ("dp_world_size", dp_world_size),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_world_size={dp_world_size})")
         window_len = seq_len + 1
@@ -133,10 +122,8 @@ class PackedTokenDataset(IterableDataset):
         self.dp_world_size = dp_world_size
         self.global_batch_size = local_batch_size * dp_world_size
         self.seed = seed
-        # Position of this iterator: global-stream index where its current chunk
-        # starts, samples of this rank's slice of it already yielded, and the
-        # distance to its next chunk in chunks (K for a DataLoader worker's
-        # stream, 1 for the whole rank's stream).
+        # Position: where the current chunk starts in the global stream, samples of this rank's
+        # slice of it yielded, and the distance to the next chunk (K for a worker's stream, else 1).
         self._chunk_start = 0
         self._index_in_slice = 0
         self._chunk_stride = 1
@@ -144,7 +131,6 @@ class PackedTokenDataset(IterableDataset):
         self._permutation = torch.empty(0, dtype=torch.int64)
 
     def window_id(self, global_position: int) -> int:
-        """Window index at ``global_position`` of the global stream."""
         epoch, offset = divmod(global_position, self.num_windows)
         if epoch != self._permutation_epoch:
             self._permutation = epoch_permutation(self.num_windows, self.seed, epoch)
@@ -152,7 +138,6 @@ class PackedTokenDataset(IterableDataset):
         return int(self._permutation[offset])
 
     def window(self, window_id: int) -> torch.Tensor:
-        """Tokens of window ``window_id`` (``seq_len + 1`` int64 values)."""
         window_len = self.seq_len + 1
         start = window_id * window_len
         return torch.from_numpy(np.asarray(self.tokens[start : start + window_len], dtype=np.int64))
@@ -228,57 +213,44 @@ class PackedTokenDataset(IterableDataset):
         self._chunk_stride = state_dict["chunk_stride"]
 
 
-def build_dataset(
-    corpus: Corpus,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_world_size: int,
-    seed: int,
-    cache_dir: str,
-) -> PackedTokenDataset:
-    """This DP rank's dataset of ``corpus``."""
+def build_dataset(corpus: Corpus, tokenizer: Tokenizer, *, cache_dir: str, **layout: int) -> PackedTokenDataset:
+    """This DP rank's dataset of ``corpus``; ``layout``: PackedTokenDataset's keyword arguments."""
     tokens = load_token_stream(corpus, tokenizer, cache_dir)
     try:
-        return PackedTokenDataset(
-            tokens,
-            seq_len=seq_len,
-            local_batch_size=local_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            seed=seed,
-        )
+        return PackedTokenDataset(tokens, **layout)
     except ValueError as error:
         raise ValueError(f"dataset {corpus.dataset}: {error}") from None
 
 
 def config_dataloader(
-    config: JobConfig, option: str, tokenizer: Tokenizer, parallel_dims: ParallelDims, seed: int
+    option: str,
+    section: Training | Validation,
+    training: Training,
+    tokenizer: Tokenizer,
+    parallel_dims: ParallelDims,
+    *,
+    seed: int,
+    cache_dir: str,
 ) -> StatefulDataLoader:
-    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus that
-    ``option`` (``training.dataset`` or ``validation.dataset``) names; a one-line ConfigError
-    naming ``option`` for a bad corpus."""
-    # A validation batch may have a shape of its own.
-    shape = config.validation if option.startswith("validation.") else config.training
+    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus ``section``
+    describes (``option``: ``training.dataset`` or ``validation.dataset``, named in a one-line
+    ConfigError for a bad corpus); a validation batch takes training's shape where it sets none."""
     with user_input(option):
         dataset = build_dataset(
-            corpus_of(config, option),
+            corpus_of(section),
             tokenizer,
-            seq_len=shape.seq_len or config.training.seq_len,
-            local_batch_size=shape.local_batch_size or config.training.local_batch_size,
+            seq_len=section.seq_len or training.seq_len,
+            local_batch_size=section.local_batch_size or training.local_batch_size,
             dp_rank=parallel_dims.dp_rank,
             dp_world_size=parallel_dims.dp_degree,
             seed=seed,
-            cache_dir=config.job.cache_dir,
+            cache_dir=cache_dir,
         )
-        return packed_dataloader(dataset, num_workers=config.training.dataloader_num_workers)
+        return packed_dataloader(dataset, num_workers=training.dataloader_num_workers)
 
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:
-    """Resumable loader batching ``packed`` by its ``local_batch_size`` into int64
-    ``[local_batch_size, seq_len]`` inputs and labels."""
+    """Resumable loader of int64 ``[local_batch_size, seq_len]`` inputs and labels."""
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be >= 0")
     with warnings.catch_warnings():
@@ -290,10 +262,4 @@ def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> St
 
 
 def stack_samples(samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """Collate samples into a tuple of batched tensors."""
     return tuple(torch.stack(field) for field in zip(*samples))
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be positive")

@@ -1,7 +1,6 @@
-"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, Hugging Face
-tokenizer folders (``tokenizer.json`` + ``tokenizer_config.json``), plus a default
-sentencepiece BPE model trained on the Python documentation of the running
-interpreter, so that training works on any machine without downloads."""
+"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, Hugging Face tokenizer folders
+(``tokenizer.json`` + ``tokenizer_config.json``), and a default sentencepiece BPE model trained on
+the running interpreter's Python documentation, so that training works on any machine offline."""
 
 from __future__ import annotations
 
@@ -32,21 +31,13 @@ LLAMA3_NUM_SPECIAL_TOKENS = 256
 # Named Llama 3 special tokens in id order; the remaining ids up to 256 are
 # `<|reserved_special_token_{5..250}|>`.
 _LLAMA3_NAMED_SPECIAL_TOKENS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>",
-    "<|reserved_special_token_2|>",
-    "<|reserved_special_token_3|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|reserved_special_token_4|>",
-    "<|eot_id|>",
-)
+    "<|begin_of_text|> <|end_of_text|> <|reserved_special_token_0|> <|reserved_special_token_1|> "
+    "<|reserved_special_token_2|> <|reserved_special_token_3|> <|start_header_id|> <|end_header_id|> "
+    "<|reserved_special_token_4|> <|eot_id|>"
+).split()
 
-# Some tiktoken versions backtrack or recurse deeply on very long runs of
-# (non-)whitespace; bounded pieces keep encoding fast on all of them. Llama 3's
-# reference code uses the same two bounds.
+# Some tiktoken versions backtrack or recurse deeply on very long runs of (non-)whitespace; bounded
+# pieces (Llama 3's reference code's two bounds) keep encoding fast on all of them.
 _TIKTOKEN_MAX_RUN_CHARS = 25_000
 _TIKTOKEN_MAX_CHUNK_CHARS = 400_000
 _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS},}}")
@@ -54,36 +45,24 @@ _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RU
 # Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
-MODEL_FILE = "tokenizer.model"
-"""Hugging Face's name for a sentencepiece or tiktoken file in a model folder."""
-# tokenizer_config.json keys whose tokens are registered as special tokens, in
-# the order torchtitan registers them (the order decides the ids of new tokens).
+MODEL_FILE = "tokenizer.model"  # Hugging Face's name for a sentencepiece or tiktoken file
+# tokenizer_config.json keys whose tokens are registered as special, in torchtitan's order (which
+# decides the ids of new tokens).
 _HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 # Tried in order when tokenizer_config.json does not name a BOS/EOS token.
-_HF_FALLBACK_TOKENS = {
-    "bos_token": ("<|begin_of_text|>", "<s>"),
-    "eos_token": ("<|end_of_text|>", "</s>"),
-}
+_HF_FALLBACK_TOKENS = {"bos_token": ("<|begin_of_text|>", "<s>"), "eos_token": ("<|end_of_text|>", "</s>")}
 # Part of the fingerprint: bump when the files-to-ids mapping of this module changes.
 _HF_ENCODING_VERSION = b"tessera-hf-tokenizer-v1"
 
-# Default tokenizer training. Bump the version when the recipe or the corpus
-# extraction changes so stale cached models are not reused.
+# Bump the version when the recipe or the corpus extraction changes: no stale cached model is reused.
 _DEFAULT_MODEL_VERSION = 1
 _DEFAULT_MAX_TRAINING_LINES = 200_000
 _DEFAULT_MAX_LINE_CHARS = 1_000
 
 
 class Tokenizer(ABC):
-    """Maps text to token ids and back.
-
-    Attributes:
-        vocab_size: number of token ids (all ids are in ``[0, vocab_size)``).
-        bos_id: id of the beginning-of-sequence token.
-        eos_id: id of the end-of-sequence token.
-        fingerprint: hex digest that changes whenever the text-to-ids mapping
-            changes; used as a cache key for tokenized corpora.
-    """
+    """Maps text to token ids in ``[0, vocab_size)`` and back. ``fingerprint`` changes whenever
+    the text-to-ids mapping does: the cache key of tokenized corpora."""
 
     def __init__(self, *, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
         self.vocab_size = vocab_size
@@ -96,11 +75,9 @@ class Tokenizer(ABC):
         """Token ids of ``text`` without BOS/EOS."""
 
     @abstractmethod
-    def decode(self, ids: list[int]) -> str:
-        """Text of the token ids ``ids``."""
+    def decode(self, ids: list[int]) -> str: ...
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        """Token ids of ``text``, optionally framed by BOS and EOS."""
         ids = self._encode_text(text)
         if bos:
             ids.insert(0, self.bos_id)
@@ -110,8 +87,6 @@ class Tokenizer(ABC):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """Tokenizer backed by a sentencepiece ``.model`` file."""
-
     def __init__(self, path: str) -> None:
         model_bytes = _read_model_file(path)
         self._processor = _load_sentencepiece(model_bytes, path)
@@ -129,16 +104,12 @@ class SentencePieceTokenizer(Tokenizer):
         return self._processor.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        """Text of the token ids ``ids``."""
         return self._processor.decode(ids)
 
 
 class TiktokenTokenizer(Tokenizer):
-    """Tokenizer for tiktoken BPE files in the Llama 3 ``tokenizer.model`` format.
-
-    Each line of the file is ``base64(token_bytes) rank``; the 256 Llama 3
-    special tokens get the ids right after the base vocabulary.
-    """
+    """A tiktoken BPE file in the Llama 3 ``tokenizer.model`` format (``base64(token_bytes) rank``
+    lines); the 256 Llama 3 special tokens get the ids right after the base vocabulary."""
 
     def __init__(self, path: str) -> None:
         model_bytes = _read_model_file(path)
@@ -166,26 +137,16 @@ class TiktokenTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """Text of the token ids ``ids`` (invalid UTF-8 becomes U+FFFD)."""
-        return self._encoding.decode(ids)
+        return self._encoding.decode(ids)  # invalid UTF-8 becomes U+FFFD
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """Tokenizer of a Hugging Face folder: ``tokenizer.json`` (the ``tokenizers``
-    library format, required) and ``tokenizer_config.json`` (optional).
-
-    ``path`` is the folder or its ``tokenizer.json`` file (a ``tokenizer_config.json``
-    next to the file is read too). Vocabulary size and BOS/EOS ids are those of
-    torchtitan's ``HuggingFaceTokenizer`` for the same folder: the config's special
-    tokens (``bos_token`` ... ``mask_token``, then ``added_tokens_decoder``) are
-    registered with the tokenizer, which gives tokens it does not know yet the next
-    free ids (the ids written in ``added_tokens_decoder`` are not used), and the size
-    counts the added tokens. If the tokenizer's ids have gaps, the size is raised to
-    the largest id + 1 so that every id fits in the embedding.
-
-    Encoding never adds special tokens (BOS/EOS framing is ``encode``'s job) and
-    reads special-token text in documents as plain text.
-    """
+    """A Hugging Face folder (or its ``tokenizer.json``): ``tokenizer.json`` and an optional
+    ``tokenizer_config.json`` beside it. Vocabulary size and BOS/EOS ids are those of torchtitan's
+    ``HuggingFaceTokenizer``: the config's special tokens (``bos_token`` ... ``mask_token``, then
+    ``added_tokens_decoder``) are registered, new ones taking the next free ids (not the ids the
+    file writes), and counted; ids with gaps raise the size to the largest id + 1, so that every id
+    fits the embedding. Special-token text in documents is plain text."""
 
     def __init__(self, path: str) -> None:
         json_path, config_path = hf_tokenizer_files(path)
@@ -216,7 +177,6 @@ class HuggingFaceTokenizer(Tokenizer):
             raise ValueError(f"tokenizer {self._json_path} cannot encode its text: {reason}") from None
 
     def decode(self, ids: list[int]) -> str:
-        """Text of the token ids ``ids`` (special tokens included)."""
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -229,9 +189,8 @@ def llama3_special_tokens() -> list[str]:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a tokenizer, detecting its format: a Hugging Face folder or ``*.json``
-    file (``tokenizer.json``), else a sentencepiece or tiktoken model file (also
-    as a folder's ``tokenizer.model`` when it has no ``tokenizer.json``)."""
+    """A tokenizer of the format found: a Hugging Face folder or ``*.json`` file, else a
+    sentencepiece or tiktoken file (a folder's ``tokenizer.model`` when it has no ``tokenizer.json``)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     model_file = os.path.join(path, MODEL_FILE)
@@ -253,11 +212,8 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def default_tokenizer(cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Sentencepiece BPE tokenizer trained on the Python docs corpus.
-
-    Trained on first use and cached in ``cache_dir``; concurrent callers (e.g.
-    torchrun ranks) wait for a single trainer and then load its file.
-    """
+    """Sentencepiece BPE tokenizer trained on the Python docs corpus, on first use, into
+    ``cache_dir``; concurrent callers (torchrun's ranks) wait for one to train it."""
     path = default_tokenizer_path(cache_dir, vocab_size)
     create_file_once(path, lambda tmp_path: _train_default_model(tmp_path, vocab_size))
     try:
@@ -274,17 +230,14 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer from a config value: ``""`` (the default tokenizer), a Hugging Face tokenizer
-    folder (``tokenizer.json`` + ``tokenizer_config.json``) or a tokenizer file
-    (``tokenizer.json``, sentencepiece ``.model`` or tiktoken BPE)."""
+    """Tokenizer of a config value: ``""`` for the default tokenizer, else ``load_tokenizer``'s."""
     if not path:
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
 
 
 def hf_tokenizer_files(path: str) -> tuple[str, str]:
-    """Paths of ``tokenizer.json`` and ``tokenizer_config.json`` (which may not
-    exist) for a Hugging Face tokenizer folder or ``tokenizer.json`` file."""
+    """Paths of ``tokenizer.json`` and ``tokenizer_config.json`` (which may not exist)."""
     if os.path.isdir(path):
         json_path = os.path.join(path, HF_TOKENIZER_FILE)
         if not os.path.isfile(json_path):
@@ -330,8 +283,7 @@ def _hf_config_token(config: dict[str, Any], key: str, config_path: str) -> str 
 
 
 def _register_hf_special_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], config_path: str) -> None:
-    """Register the config's special tokens as torchtitan does: the named keys,
-    then ``added_tokens_decoder`` in file order, in one call."""
+    """As torchtitan does: the named keys, then ``added_tokens_decoder`` in file order, in one call."""
     added: list[tokenizers.AddedToken] = []
     for key in _HF_SPECIAL_TOKEN_KEYS:
         content = _hf_config_token(config, key, config_path)
@@ -433,8 +385,7 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
 
 
 def _split_for_tiktoken(text: str) -> Iterator[str]:
-    """Cut ``text`` into pieces tiktoken encodes quickly: runs of (non-)whitespace
-    of at most 25k chars and chunks of at most 400k chars cut before a space."""
+    """Runs of (non-)whitespace of at most 25k chars and chunks of at most 400k cut before a space."""
     start = 0
     for run in _LONG_RUN.finditer(text):
         yield from _bounded_chunks(text[start : run.start()])
