@@ -1,10 +1,9 @@
 """Pure mapping between our Llama 3 state dict and Hugging Face's ``LlamaForCausalLM`` layout.
 
-Rotary convention. Our ``apply_rotary_emb`` rotates interleaved feature pairs (2i, 2i+1) of each
-head (Meta's layout); HF's ``rotate_half`` pairs feature i with feature i + head_dim / 2, both at
-frequency i. The attention scores are unchanged if the rows of wq and wk are reordered per head so
-that our row 2i becomes HF row i and our row 2i+1 becomes HF row i + head_dim / 2: the usual
-Meta -> HF conversion. Every other tensor is copied as is.
+Our ``apply_rotary_emb`` rotates interleaved feature pairs (2i, 2i+1) of each head (Meta's layout);
+HF's ``rotate_half`` pairs feature i with i + head_dim / 2, both at frequency i. Reordering the rows
+of wq and wk per head (our row 2i -> HF row i, 2i+1 -> i + head_dim / 2) keeps the attention scores:
+the usual Meta -> HF conversion. Every other tensor is copied as is.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ def from_hf_key(key: str) -> str:
 
 
 def permute_for_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorders the rows of a wq/wk weight [n_heads * head_dim, dim] per head from interleaved
-    pairs to halves: row 2i -> row i, row 2i+1 -> row i + head_dim / 2."""
+    """A wq/wk weight [n_heads * head_dim, dim] with its rows in HF's order (see the module docstring)."""
     rows, cols = weight.shape
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 

@@ -60,12 +60,9 @@ class TransformerModelArgs:
 
 
 def rope_inv_freq(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """Radians per position of each feature pair of a head, shape [head_dim // 2].
-
-    Llama 3.1 scaling keeps the bands shorter than original_max_position_embeddings /
-    high_freq_factor, divides those longer than that / low_freq_factor by rope_scaling_factor,
-    and interpolates linearly in between.
-    """
+    """Radians per position of each feature pair of a head, shape [head_dim // 2]. Llama 3.1 scaling
+    keeps the bands shorter than original_max_position_embeddings / high_freq_factor, divides those
+    longer than that / low_freq_factor by rope_scaling_factor, and interpolates linearly between."""
     head_dim = args.head_dim
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (args.rope_theta**exponents)
