@@ -4,26 +4,9 @@ The flavor instances are shared: copy one (``dataclasses.replace``) before chang
 fields such as ``vocab_size`` or ``max_seq_len``.
 """
 
-from .model import (
-    Transformer,
-    TransformerModelArgs,
-    apply_rotary_emb,
-    flops_per_token,
-    num_params,
-    precompute_rope_cache,
-    rope_inv_freq,
-)
+from .model import Transformer, TransformerModelArgs, flops_per_token, num_params
 
-__all__ = [
-    "Transformer",
-    "TransformerModelArgs",
-    "apply_rotary_emb",
-    "flops_per_token",
-    "llama3_flavors",
-    "num_params",
-    "precompute_rope_cache",
-    "rope_inv_freq",
-]
+__all__ = ["Transformer", "TransformerModelArgs", "flops_per_token", "llama3_flavors", "num_params"]
 
 # What every published Llama 3.1 and 3.2 size shares.
 _LLAMA31 = dict(

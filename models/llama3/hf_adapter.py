@@ -1,10 +1,9 @@
 """Pure mapping between our Llama 3 state dict and Hugging Face's ``LlamaForCausalLM`` layout.
 
-Rotary convention. Our ``apply_rotary_emb`` rotates interleaved feature pairs (2i, 2i+1) of each
-head (Meta's layout); HF's ``rotate_half`` pairs feature i with feature i + head_dim / 2, both at
-frequency i. The attention scores are unchanged if the rows of wq and wk are reordered per head so
-that our row 2i becomes HF row i and our row 2i+1 becomes HF row i + head_dim / 2: the usual
-Meta -> HF conversion. Every other tensor is copied as is.
+Our ``apply_rotary_emb`` rotates interleaved feature pairs (2i, 2i+1) of each head (Meta's layout);
+HF's ``rotate_half`` pairs feature i with i + head_dim / 2, both at frequency i. Reordering the rows
+of wq and wk per head (our row 2i -> HF row i, 2i+1 -> i + head_dim / 2) keeps the attention scores:
+the usual Meta -> HF conversion. Every other tensor is copied as is.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import re
 from typing import Any
 
 import torch
-
-from config.job_config import MAX_LAYERS, MAX_MODEL_SIZE
 
 from .model import Transformer, TransformerModelArgs, ffn_hidden_dim
 
@@ -63,8 +60,7 @@ def from_hf_key(key: str) -> str:
 
 
 def permute_for_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorders the rows of a wq/wk weight [n_heads * head_dim, dim] per head from interleaved
-    pairs to halves: row 2i -> row i, row 2i+1 -> row i + head_dim / 2."""
+    """A wq/wk weight [n_heads * head_dim, dim] with its rows in HF's order (see the module docstring)."""
     rows, cols = weight.shape
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -76,7 +72,7 @@ def unpermute_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _rotary_heads(key: str, args: TransformerModelArgs) -> int | None:
-    """Number of heads of ``key`` (our name) if it is a rotary projection (wq/wk), else None."""
+    """Heads of ``key`` (our name) if it is a rotary projection (wq/wk), else None."""
     if key.endswith(".attention.wq.weight"):
         return args.n_heads
     if key.endswith(".attention.wk.weight"):
@@ -114,13 +110,8 @@ def hf_param_shapes(args: TransformerModelArgs, tied: bool = False) -> dict[str,
     return shapes
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of a ``LlamaForCausalLM`` equal to a model built from ``args``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     rope_scaling = None
     if args.use_rope_scaling:
         rope_scaling = {
@@ -149,7 +140,7 @@ def hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": args.tie_word_embeddings,
         "initializer_range": 0.02,
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -164,7 +155,6 @@ def _rope_theta(config: dict[str, Any], rope: dict[str, Any]) -> Any:
 
 
 def _rope_args(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    """Our RoPE fields from an HF config."""
     rope = _rope_section(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -207,21 +197,9 @@ def _value_problems(config: dict[str, Any]) -> list[str]:
         for name, value in rates.items()
         if value is not None and not number(value)
     ]
-    problems += _too_large(sizes)
     low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
     if number(low) and number(high) and low >= high:
         problems.append(f"rope_scaling.low_freq_factor={low} is not below high_freq_factor={high}")
-    return problems
-
-
-def _too_large(sizes: dict[str, Any]) -> list[str]:
-    """Sizes past the bounds [model]'s options have: a billion blocks would hang the building of
-    the model's shapes, and a dimension past int32 overflows in torch."""
-    problems = []
-    for name, value in sizes.items():
-        largest = MAX_LAYERS if name == "num_hidden_layers" else MAX_MODEL_SIZE
-        if isinstance(value, int) and value > largest:
-            problems.append(f"{name}={value} is more than the largest {largest:,} this run can take")
     return problems
 
 
@@ -240,13 +218,9 @@ _REQUIRED = (
 def args_from_hf_config(
     config: dict[str, Any], base: TransformerModelArgs | None = None, source: str = "config.json"
 ) -> TransformerModelArgs:
-    """``TransformerModelArgs`` of an HF Llama ``config``.
-
-    Fields HF does not store (``multiple_of``, ``ffn_dim_multiplier``, ``max_seq_len``,
-    ``depth_init``) come from ``base`` (default args if None); ``ffn_dim`` is set only when they do
-    not give the file's ``intermediate_size``. ValueError naming ``source`` and every feature of
-    the file a Llama 3 of ours does not have (biases, another activation or RoPE, ...).
-    """
+    """``TransformerModelArgs`` of an HF Llama ``config``; the fields HF does not store come from
+    ``base``, and ``ffn_dim`` is set only when they do not give the file's ``intermediate_size``.
+    ValueError naming ``source`` and every feature of the file ours lacks (biases, ...)."""
     base = base or TransformerModelArgs()
     problems = [f"missing field '{name}'" for name in _REQUIRED if name not in config]
     # model_type: another family's file (mistral, qwen2, ...) can hold every Llama field.

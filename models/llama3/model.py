@@ -1,13 +1,8 @@
 """Llama 3 / 3.1 decoder-only transformer, written to be sharded and pipelined.
 
-Design rules that the parallelisms rely on:
-- Attention infers its local head counts from the projected tensors, so column-sharded
-  wq/wk/wv (tensor parallelism) need no change here.
-- ``layers`` is a ``ModuleDict`` keyed by the global layer index and ``tok_embeddings``,
-  ``norm`` and ``output`` may be ``None``: a pipeline stage deletes what it does not own
-  and parameter names (FQNs) stay the same as in the full model.
-- The model can be built on the meta device; ``init_weights`` then fills every
-  parameter and the rotary table after ``to_empty``.
+Attention infers its local head counts from the projected tensors (tensor parallelism needs no
+change here); ``layers`` is keyed by the global layer index so a pipeline stage keeps the full
+model's parameter names; built on the meta device, ``init_weights`` fills it after ``to_empty``.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from parallelisms.names import clean_name
 
 INIT_STD = 0.02
-"""Standard deviation of the attention/FFN input projections at initialisation."""
 
 
 @dataclass
@@ -34,64 +28,41 @@ class TransformerModelArgs:
     """Hyper-parameters of a Llama 3 transformer."""
 
     dim: int = 4096
-    """Width of the residual stream."""
     n_layers: int = 32
-    """Number of transformer blocks."""
     n_heads: int = 32
-    """Number of query heads; ``dim`` must be divisible by it."""
     n_kv_heads: int | None = None
-    """Number of key/value heads for grouped-query attention (``None``: same as ``n_heads``)."""
+    """Key/value heads for grouped-query attention (``None``: same as ``n_heads``)."""
     vocab_size: int = 128256
-    """Vocabulary size; the trainer overrides it with the tokenizer's."""
+    """The trainer overrides it with the tokenizer's."""
     multiple_of: int = 256
-    """The SwiGLU hidden width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
-    """Optional factor applied to the default SwiGLU hidden width ``int(8 * dim / 3)``."""
     ffn_dim: int | None = None
-    """SwiGLU hidden width (Hugging Face's ``intermediate_size``); ``None``: derived from ``dim``,
-    ``ffn_dim_multiplier`` and ``multiple_of``."""
+    """SwiGLU hidden width (HF's ``intermediate_size``); ``None``: see ``ffn_hidden_dim``."""
     norm_eps: float = 1e-5
-    """Epsilon of every RMSNorm."""
     rope_theta: float = 500000.0
-    """Base of the rotary position embedding frequencies."""
     use_rope_scaling: bool = False
-    """Apply the Llama 3.1 long-context frequency scaling to RoPE."""
+    """Llama 3.1 long-context scaling of the RoPE frequencies (see ``rope_inv_freq``)."""
     rope_scaling_factor: float = 8.0
-    """Llama 3.1 scaling: divisor of the low-frequency bands."""
     rope_low_freq_factor: float = 1.0
-    """Llama 3.1 scaling: wavelengths above original_max_position_embeddings / this are fully scaled."""
     rope_high_freq_factor: float = 4.0
-    """Llama 3.1 scaling: wavelengths below original_max_position_embeddings / this are kept."""
     rope_original_max_position_embeddings: int = 8192
-    """Llama 3.1 scaling: context length the model was originally trained with."""
     max_seq_len: int = 2048
     """Longest sequence the rotary table covers; the trainer sets it to the training length."""
     max_position_embeddings: int | None = None
     """Context length of the published model, written to an export's config; ``None``: max_seq_len."""
     tie_word_embeddings: bool = False
-    """The output head reuses the token embedding table (Llama 3.2 1B and 3B)."""
     depth_init: bool = True
     """Scale the init std of wo/w2 by each layer's depth instead of by the total layer count."""
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
         return self.dim // self.n_heads
 
 
-# ---------------------------------------------------------------------------
-# Rotary position embedding
-# ---------------------------------------------------------------------------
-
-
 def rope_inv_freq(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """Rotation speed (radians per position) of each feature pair of a head, shape [head_dim // 2].
-
-    With ``use_rope_scaling`` the Llama 3.1 scheme is applied: bands whose wavelength is
-    shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, bands
-    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
-    ``rope_scaling_factor``, and the bands in between are interpolated linearly.
-    """
+    """Radians per position of each feature pair of a head, shape [head_dim // 2]. Llama 3.1 scaling
+    keeps the bands shorter than original_max_position_embeddings / high_freq_factor, divides those
+    longer than that / low_freq_factor by rope_scaling_factor, and interpolates linearly between."""
     head_dim = args.head_dim
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (args.rope_theta**exponents)
@@ -109,22 +80,17 @@ def rope_inv_freq(args: TransformerModelArgs, device: torch.device | None = None
 
 
 def precompute_rope_cache(args: TransformerModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """Float32 rotary table of shape [max_seq_len, head_dim]: cos angles, then sin angles.
-
-    Kept real-valued (not complex) so it can be moved, cast and sharded like any tensor.
-    """
+    """Float32 table [max_seq_len, head_dim] of cos then sin angles: real-valued so it moves,
+    casts and shards like any tensor."""
     positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, rope_inv_freq(args, device))
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate each interleaved (even, odd) feature pair of ``x`` by its position's angle.
-
-    ``x`` is [batch, seqlen, heads, head_dim]. The pairing matches Meta's checkpoints.
-    The rotation runs in float32 whatever the dtypes of ``x`` and the table (bf16 under
-    mixed precision) and the result is cast back to ``x.dtype``.
-    """
+    """Rotates each interleaved (even, odd) feature pair of ``x`` [batch, seqlen, heads, head_dim]
+    (Meta's pairing) by its position's angle, in float32 whatever the dtypes (bf16 under mixed
+    precision), cast back to ``x.dtype``."""
     seqlen = x.shape[1]
     cos, sin = rope_cache[:seqlen].float().chunk(2, dim=-1)
     if torch.compiler.is_compiling():
@@ -134,23 +100,16 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         a, b = pairs[..., 0], pairs[..., 1]
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
-    # One complex multiply: on a CPU 7x faster, forward and backward, than the same rotation spelt
-    # out in real multiplies and a stack (the table stays real so it moves and casts like any buffer).
+    # One complex multiply: on a CPU 7x faster, forward and backward, than real multiplies and a stack.
     rotation = torch.complex(cos, sin)[None, :, None, :]
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------
-
-
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
-    # How attention computes, where the device asks for it (see Transformer.configure_attention):
-    # the dtype when not its inputs', and the rows of queries per call of the kernel.
+    # Set where the device asks for them (see Transformer.configure_attention).
     attention_dtype: torch.dtype | None = None
     query_chunk: int | None = None
 
@@ -164,7 +123,6 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` [batch, seqlen, dim]; returns [batch, seqlen, dim]."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism only this rank's heads are present.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -193,10 +151,9 @@ class Attention(nn.Module):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None) -> torch.Tensor:
-    """Causal scaled dot-product attention over [batch, heads, seq, head_dim]. With ``query_chunk``
-    the queries attend in chunks of that many rows, each to the keys up to its own last row: the
-    same result, for kernels that compute the keys past a query's position and mask them rather
-    than skip them (``parallelisms.device.causal_query_chunk``)."""
+    """Causal SDPA over [batch, heads, seq, head_dim], the queries in chunks of ``query_chunk`` rows
+    each attending to the keys up to its last row: the same result, for kernels that mask the keys
+    past a query rather than skip them (``parallelisms.device.causal_query_chunk``)."""
     seqlen = q.shape[-2]
     if query_chunk is None or seqlen <= query_chunk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -211,8 +168,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_ch
 
 
 def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """SwiGLU hidden width: ``ffn_dim`` if set, else 2/3 of 4 * dim (same FLOPs as a 4x GELU MLP),
-    scaled, rounded up."""
+    """``ffn_dim``, else 2/3 of 4 * dim (the FLOPs of a 4x GELU MLP), scaled, rounded up."""
     if args.ffn_dim is not None:
         return args.ffn_dim
     hidden = int(2 * 4 * args.dim / 3)
@@ -232,7 +188,6 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to ``x`` [..., dim]."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -247,14 +202,12 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        """Transform hidden states ``x`` [batch, seqlen, dim]."""
         h = x + self.attention(self.attention_norm(x), rope_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 def check_args(args: TransformerModelArgs) -> None:
-    """ValueError unless the heads divide the width evenly into heads of even width, and the
-    feed-forward has a width."""
+    """ValueError unless the heads split the width into heads of even width and the FFN has a width."""
     n_kv_heads = args.n_kv_heads or args.n_heads
     if args.dim % args.n_heads or args.n_heads % n_kv_heads or args.head_dim % 2:
         raise ValueError(
@@ -268,13 +221,8 @@ def check_args(args: TransformerModelArgs) -> None:
 
 
 class Transformer(nn.Module):
-    """Llama 3 decoder: embeddings, ``n_layers`` blocks, final RMSNorm and output head (the
-    embedding table itself with ``tie_word_embeddings``).
-
-    ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` and entries of
-    ``layers`` deleted (pipeline stages); ``forward`` then passes its input straight
-    through the missing parts, so a later stage takes hidden states instead of tokens.
-    """
+    """Llama 3 decoder. A pipeline stage sets ``tok_embeddings``, ``norm`` or ``output`` to None and
+    deletes blocks; ``forward`` passes its input through the missing parts (hidden states in/out)."""
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
@@ -291,16 +239,12 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def configure_attention(self, dtype: torch.dtype | None, query_chunk: int | None) -> None:
-        """Computes attention in ``dtype`` whatever the dtype of its inputs (None: theirs), the
-        queries in chunks of ``query_chunk`` rows (None: all at once)."""
+        """Attention in ``dtype`` (None: its inputs'), queries in chunks of ``query_chunk`` rows."""
         for layer in self.layers.values():
             layer.attention.attention_dtype = dtype
             layer.attention.query_chunk = query_chunk
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Map token ids [batch, seqlen] (or hidden states [batch, seqlen, dim] on a
-        stage without embeddings) to logits [batch, seqlen, vocab] (or hidden states
-        on a stage without output head)."""
         seqlen = tokens.shape[1]
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
@@ -311,21 +255,9 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_weights(self, buffer_device: torch.device | None = None, seed: int = 0) -> None:
-        """(Re)initialise every parameter and the rotary table, in place.
-
-        - rotary table recomputed (after ``to_empty`` it holds garbage), on
-          ``buffer_device`` if given, else where it currently lives;
-        - RMSNorm weights: ones;
-        - wq/wk/wv/w1/w3: truncated normal, std 0.02, cut at 2 std;
-        - wo/w2: same with std ``0.02 / sqrt(2 * (layer_id + 1))`` (depth_init) or
-          ``0.02 / sqrt(2 * n_layers)``: they write into the residual stream, and shrinking
-          them with depth keeps its variance from growing with the number of layers;
-        - tok_embeddings: normal, std 1; output: truncated normal, std dim**-0.5, cut at 3 std
-          (a tied table is initialized as the output, whose scale the logits need).
-
-        Each parameter draws from its own generator seeded by ``seed`` and its name, so the
-        weights do not depend on the parallel layout, the pipeline split or the init order.
-        """
+        """(Re)initialises every parameter (see ``_init_fn``) and the rotary table (garbage after
+        ``to_empty``), in place. Each parameter draws from a generator seeded by ``seed`` and its
+        name, so the weights do not depend on the parallel layout, pipeline split or init order."""
         self.rope_cache = precompute_rope_cache(self.args, buffer_device or self.rope_cache.device)
         if self.args.tie_word_embeddings:
             # to_empty gives each module a tensor of its own. The registered parameters, not the
@@ -339,7 +271,9 @@ class Transformer(nn.Module):
 
 
 def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, torch.Generator], None]:
-    """The initialiser of the parameter called ``name`` (a full-model FQN)."""
+    """The initialiser of the parameter called ``name`` (a full-model FQN). wo/w2 write into the
+    residual stream: shrinking them with depth keeps its variance from growing with the layers. A
+    tied table is initialised as the output, whose scale the logits need."""
 
     def trunc_normal(std: float, cutoff_stds: float):
         return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -cutoff_stds * std, cutoff_stds * std, generator=g)
@@ -361,42 +295,27 @@ def _init_fn(name: str, args: TransformerModelArgs) -> Callable[[torch.Tensor, t
 def _init_param_(
     param: torch.Tensor, init: Callable[[torch.Tensor, torch.Generator], None], *, seed: int, name: str
 ) -> None:
-    """Fills ``param`` with ``init`` drawn from a generator keyed by (seed, name).
-
-    A sharded parameter (DTensor) is drawn whole on every rank, one parameter at a time, and
-    each rank keeps its own shard: the values equal those of an unsharded model. Values are drawn
-    in float32 whatever the parameter's dtype: a bfloat16 model starts from the float32 model's
-    weights, rounded.
-    """
+    """Fills ``param`` with ``init`` drawn in float32 from a generator keyed by (seed, name). A
+    DTensor is drawn whole on every rank, which keeps its shard: the values of an unsharded model."""
     local = param.to_local() if isinstance(param, DTensor) else param
     if is_fake(local):  # a dry run's tensors hold no values (and rejection sampling would need them)
         return
-    # Modulo 2**64, the generator's range; the same seeds as before for every seed that fitted.
+    # Modulo 2**64: the generator's range.
     generator = torch.Generator(device=local.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     if not isinstance(param, DTensor) and param.dtype == torch.float32:
         init(param, generator)
         return
     full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
     init(full, generator)
-    if not isinstance(param, DTensor):
-        param.copy_(full)
-        return
-    # Every rank holds the same full tensor, so no broadcast is needed: each slices its shard.
-    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    local.copy_(shard.to_local())
-
-
-# ---------------------------------------------------------------------------
-# Size and FLOPs
-# ---------------------------------------------------------------------------
+    if isinstance(param, DTensor):
+        # Every rank holds the same full tensor, so no broadcast is needed: each slices its shard.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(full)
 
 
 def num_params(model: nn.Module, exclude_embedding: bool) -> int:
-    """Number of (global, if sharded) parameters of ``model`` (a tied table counts once).
-
-    ``exclude_embedding`` drops the token embedding table, whose lookup costs no FLOPs (unless it
-    is tied: then it is also the output head's matmul).
-    """
+    """Global parameters of ``model``, a tied table once. ``exclude_embedding`` drops the embedding
+    table, whose lookup costs no FLOPs (unless tied: then it is also the output head's matmul)."""
     total = sum(p.numel() for p in model.parameters())
     embeddings = getattr(model, "tok_embeddings", None)
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
@@ -406,11 +325,7 @@ def num_params(model: nn.Module, exclude_embedding: bool) -> int:
 
 
 def flops_per_token(args: TransformerModelArgs, num_params_non_embedding: int, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token.
-
-    6 FLOPs per weight (2 forward, 4 backward) plus the attention score and value
-    matmuls, 12 * n_layers * n_heads * head_dim * seq_len, counted without the causal
-    half-saving as in the PaLM MFU convention.
-    """
+    """Training FLOPs per token: 6 per weight (2 forward, 4 backward) plus the attention matmuls,
+    without the causal half-saving (PaLM's MFU convention)."""
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6.0 * num_params_non_embedding + attention

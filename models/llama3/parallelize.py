@@ -43,9 +43,9 @@ logger = logging.getLogger(__name__)
 # order; the feed-forward's gather is prefetched while attention computes.
 BLOCK_BUCKETS = [["attention_norm", "attention"], ["ffn_norm", "feed_forward"]]
 
-# Whole-model compile: the modules of each block compiled once, as nested compile regions, for all
-# blocks. Two per block, so that backward can set up a re-gather between them (a region's compute
-# cannot be split); the norms and residual adds around them stay in the outer graph.
+# Whole-model compile: these modules of every block compile once, as nested compile regions of plain
+# modules (no tensor parallel DTensors, no checkpoint around them); two per block, so that backward
+# can re-gather between them (a region's compute cannot be split).
 REGIONS = ("attention", "feed_forward")
 
 TP_OPTIONS = {
@@ -61,18 +61,14 @@ COST_OPTIONS = {
 }
 """The parameters of the parallelisms that their error messages name, and the options setting them."""
 
-SAVED_PLANS = "bucket_plans"
-"""Folder in the dump folder where auto bucket plans are kept for restarts (see saved_or_new_plan)."""
+SAVED_PLANS = "bucket_plans"  # in the dump folder: auto bucket plans kept for restarts
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> BucketingPass | None:
-    """Applies the configured parallelisms to ``model`` (built on the meta device) in place, on
-    ``parallel_dims.mesh``. Returns SimpleFSDP's graph pass when it compiles the model (its
-    reports tell what each compiled graph holds), else None."""
+    """Applies the configured parallelisms to ``model`` (on the meta device) in place. Returns
+    SimpleFSDP's graph pass when it compiles the model (its reports describe the graphs), else None."""
     _check_tied(model.args, parallel_dims)
     _convert(model, parallel_dims, config)
-    # Whole-model compile runs each block's attention and feed-forward as nested compile regions,
-    # of plain modules (no tensor parallel DTensors, no checkpoint around them); see REGIONS.
     first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
     regions = (
         config.compile.compiles_model
@@ -209,7 +205,7 @@ def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: Jo
 
 def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> list[PlanUnit]:
     """The model's bucketing units in forward order, with gathered bytes and matmul FLOPs for
-    ``tokens`` tokens per microbatch (backward = 2 x forward)."""
+    ``tokens`` tokens per microbatch."""
     args = model.args
     units = []
     for name, module in [
@@ -230,8 +226,7 @@ def plan_units(model: nn.Module, *, tokens: int, param_dtype: torch.dtype) -> li
 
 
 def _forward_flops(name: str, numel: int, tokens: int, args: TransformerModelArgs) -> float:
-    """Matmul FLOPs of a unit's forward over ``tokens`` tokens: an embedding lookup and a norm do
-    none; blocks add attention scores and values."""
+    """Matmul FLOPs of a unit's forward over ``tokens`` tokens (blocks add attention's)."""
     forward = 0.0 if name in ("tok_embeddings", "norm") else 2.0 * numel * tokens
     if name.startswith("layers."):
         forward += 4.0 * tokens * args.max_seq_len * args.dim
@@ -239,10 +234,8 @@ def _forward_flops(name: str, numel: int, tokens: int, args: TransformerModelArg
 
 
 def block_rate(args: TransformerModelArgs, batch: int, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of one transformer block's forward and backward, measured on a fresh block in
-    ``dtype`` (attention as the model's blocks run it) at ``batch`` sequences of the model's
-    length: one block's weights, gradients and activations for a moment. A pipeline stage without
-    blocks times one too: its bucket plan weighs the others' compute against its gathers."""
+    """FLOP/s of a fresh block's forward and backward in ``dtype`` at ``batch`` sequences. A pipeline
+    stage without blocks times one too: its bucket plan weighs the others' compute against its gathers."""
     with torch.device("meta"):
         block = TransformerBlock(args)
     block = block.to_empty(device=device).to(dtype)
@@ -290,9 +283,8 @@ def _cost_models(
 def bucket_plan(
     model: nn.Module, parallel_dims: ParallelDims, config: JobConfig, saved_plans: str | None = None
 ) -> BucketPlan | None:
-    """SimpleFSDP's bucket plan for ``model``, or None when there is nothing to bucket (bucketing
-    none, or no data parallelism). Auto bucketing calibrates the links unless comm.alpha_us and
-    comm.bandwidth_gbps are set, and reuses the plan an earlier start saved in ``saved_plans``."""
+    """SimpleFSDP's bucket plan for ``model``, None when there is nothing to bucket. Auto bucketing
+    reuses the plan an earlier start saved in ``saved_plans``."""
     if config.compile.bucketing == "none" or not parallel_dims.dp_enabled:
         return None
     param_dtype = getattr(torch, config.training.mixed_precision_param)
@@ -336,8 +328,7 @@ def bucket_plan(
 
 
 def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    """Raises the one-line ConfigError that ``parallelize_llama`` or ``pipeline_llama`` would raise
-    for this layout; builds the model on the meta device only."""
+    """Raises the ConfigError ``parallelize_llama`` or ``pipeline_llama`` would raise, on the meta device."""
     with user_input("model"):
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
@@ -347,10 +338,8 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         with torch.device("meta"), user_input("float8.filter_fqns"):
             check_filter_fqns(Transformer(model_args), config.float8.filter_fqns)
     if parallel_dims.tp_enabled:
-        with torch.device("meta"):
-            model = Transformer(model_args)
-        with as_options(TP_OPTIONS):
-            validate_tp(model, parallel_dims.tp)
+        with torch.device("meta"), as_options(TP_OPTIONS):
+            validate_tp(Transformer(model_args), parallel_dims.tp)
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)
@@ -365,8 +354,7 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
             ac.selective_ac_option,
             model_args.n_layers,
         )
-    # Manual bucket specs against the model's modules (a pipeline stage, which holds some blocks
-    # only, checks its own when it is built).
+    # Manual bucket specs against the model's modules (a pipeline stage checks its own when built).
     c = config.compile
     simple_fsdp = config.parallelism.data_parallel_impl == "simple_fsdp" and parallel_dims.dp_enabled
     if (

@@ -41,9 +41,8 @@ PIPELINE_OPTIONS = {
 
 @contextlib.contextmanager
 def as_options(options: Mapping[str, str], option: str = "") -> Iterator[None]:
-    """Reports a ValueError of a parallelism, which names that parallelism's own parameters, as the
-    one-line ConfigError of ``user_input(option)``, each parameter (a key of ``options``, as a
-    whole word) replaced by the option the user typed."""
+    """Reports a parallelism's ValueError as the ConfigError of ``user_input(option)``, each of its
+    parameters (a key of ``options``) replaced by the option the user typed."""
     names = re.compile(r"\b(" + "|".join(map(re.escape, options)) + r")\b")
     with user_input(option):
         try:
@@ -107,10 +106,8 @@ def pipeline_llama(
     materialize: Callable[[nn.Module], nn.Module],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[Schedule, list[nn.Module], bool, bool]:
-    """Splits ``model`` (meta device) into this rank's stages, each passed through ``materialize``
-    (parallelize, allocate, initialize), and builds the schedule with ``loss_fn`` on the last stage.
-
-    Returns the schedule, the stages, and whether this rank holds the first and the last stage."""
+    """Splits ``model`` (meta device) into this rank's stages, each passed through ``materialize``,
+    and builds the schedule; returns it, the stages, and whether they hold the first and last stage."""
     layout = pipeline_layout(config, model.args.n_layers)
     logger.info("pipeline %s, %d microbatches per step:\n%s", layout.schedule, layout.n_microbatches, layout.describe())
     pp_rank = parallel_dims.pp_mesh.get_local_rank()

@@ -8,17 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama3 import (
-    Transformer,
-    TransformerModelArgs,
+from models.llama3 import Transformer, TransformerModelArgs, flops_per_token, llama3_flavors, num_params
+from models.llama3.model import (
+    Attention,
     apply_rotary_emb,
-    flops_per_token,
-    llama3_flavors,
-    num_params,
+    causal_attention,
+    ffn_hidden_dim,
     precompute_rope_cache,
     rope_inv_freq,
 )
-from models.llama3.model import Attention, causal_attention, ffn_hidden_dim
 
 
 def tiny_args(**overrides) -> TransformerModelArgs:
