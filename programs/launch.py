@@ -1,9 +1,6 @@
-"""run_train.sh's torchrun: ``python -m programs.launch [torchrun options] train.py [options]``.
-
-Around torchrun, one line and an exit code for each way a job ends: a rank's refusal (the line it
-wrote to ``TESSERA_ERROR_FILE``, made here; trainer/refusal.py), a signal (128 + its number),
-ranks that failed every attempt (torchrun's table, 1), a failed rendezvous (naming the setting, 2).
-"""
+"""run_train.sh's torchrun: ``python -m programs.launch [torchrun options] train.py [options]``, with
+one line and an exit code for each way a job ends: a rank's refusal (trainer/refusal.py), a signal
+(128 + its number), ranks that failed every attempt (torchrun's table, 1), a failed rendezvous (2)."""
 
 from __future__ import annotations
 

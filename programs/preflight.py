@@ -81,8 +81,7 @@ CPU_RANK_FLOOR_BYTES = 300 * 2**20  # Python, torch and gloo in a CPU rank (328 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
     """Refuses a job whose weights, gradients, Adam moments and one forward's logits alone exceed a
-    rank's memory: its ranks would run out, on a CPU be killed, and be restarted to be killed again.
-    The rest of the activations is not counted, so a job refused here cannot fit."""
+    rank's memory (its ranks would be killed, restarted, killed again); other activations not counted."""
     import torch
 
     from models.registry import get_model_spec
@@ -129,13 +128,8 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
 def _forwards(config: JobConfig, dims: ParallelDims) -> dict[str, int]:
     """The batches of one forward on a rank, named by their options: tokens of each."""
     t, v = config.training, config.validation
-    if dims.pp > 1:
-        option, sequences = (
-            "parallelism.pipeline_parallel_microbatch_size",
-            config.parallelism.pipeline_parallel_microbatch_size,
-        )
-    else:
-        option, sequences = "training.local_batch_size", t.local_batch_size
+    option = "parallelism.pipeline_parallel_microbatch_size" if dims.pp > 1 else "training.local_batch_size"
+    sequences = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     forwards = {f"{option} {sequences} x training.seq_len {t.seq_len}": sequences * t.seq_len}
     if v.enable:
         sequences, seq_len = v.local_batch_size or t.local_batch_size, v.seq_len or t.seq_len
@@ -199,8 +193,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
 
 
 def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -> str | None:
-    """The line for a DCP checkpoint.initial_load_path whose model differs from the job's, when
-    the run will load it (no checkpoint of its own to resume from, the model not excluded)."""
+    """The line for a DCP checkpoint.initial_load_path of another model than the job's, if loaded."""
     import torch
 
     from models.registry import get_model_spec
@@ -220,8 +213,7 @@ def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -
 
 
 def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
-    """A dataset config or split set for local files or python_docs: they are read whole; a text
-    field for plain text: it has no records."""
+    """Warns of dataset options a corpus read whole (local files, python_docs, plain text) ignores."""
     section_name = option.partition(".")[0]
     section = getattr(config, section_name)
     dataset = corpus_of(config, option).dataset
@@ -287,8 +279,7 @@ LAUNCH_OPTIONS = ("--world-size", "--nnodes", "--nproc-per-node")
 
 
 def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(the launch options given first, as ``--name value`` or ``--name=value``: their values; the
-    config options after them). A launch option without a value has the value ''."""
+    """(the values of the launch options given first, '' when missing; the config options after)."""
     launch: dict[str, str] = {}
     while argv and argv[0].partition("=")[0] in LAUNCH_OPTIONS:
         name, equals, value = argv[0].partition("=")
@@ -315,8 +306,7 @@ def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
 
 
 def main(argv: list[str]) -> int:
-    """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
-    and 1 or 0 for on accelerators or not: the launcher asks torch once."""
+    """Checks the config; with ``--nnodes`` prints the ranks per node and 1/0 for accelerators or not."""
     launch, argv = split_launch_options(argv)
     log_warnings_once()
     try:

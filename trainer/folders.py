@@ -149,9 +149,8 @@ def claimed_folders(config: JobConfig) -> list[tuple[str, str]]:
 
 
 def check_folders_at_start(config: JobConfig) -> None:
-    """``check_output_folders`` before the process group is up: on a first attempt in rank 0 unless
-    preflight has just done it (its launcher sets the error file); on a restart in every rank, so
-    that they refuse together, none left waiting for rank 0 to join."""
+    """``check_output_folders`` on a first attempt in rank 0 unless preflight did it (its launcher sets
+    the error file); on a restart in every rank, so that none waits for a refusing rank 0 to join."""
     from trainer.distributed import is_first_attempt
     from trainer.refusal import ERROR_FILE_ENV
 

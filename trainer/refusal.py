@@ -1,7 +1,6 @@
-"""A mistake no restart can mend, found inside the ranks: one line, exit code 2, no restart.
-
-Under programs/launch.py the rank writes "2 error: line" to ERROR_FILE_ENV's file and exits 0, which
-torchrun does not restart; the line also goes to torchrun's store for other nodes' ranks."""
+"""A mistake no restart can mend, found inside the ranks: one line, exit code 2. Under programs/launch.py
+the rank writes "2 error: line" to ERROR_FILE_ENV's file (and torchrun's store, for other nodes) and
+exits 0, which torchrun does not restart."""
 
 from __future__ import annotations
 

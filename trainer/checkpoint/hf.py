@@ -53,8 +53,7 @@ def _distributed() -> bool:
 
 
 def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of the parts' parameters, under clean names. Collective over each
-    DTensor's mesh: every rank of a pipeline stage calls it with its parts in the same order."""
+    """Unsharded CPU copies of the parts' parameters, under clean names (collective on each mesh)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         for name, tensor in part.state_dict().items():
@@ -65,8 +64,7 @@ def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Union of every rank's ``local`` on rank 0 (empty elsewhere); each key is sent once, by the
-    lowest rank holding it, so data-parallel replicas of a stage send nothing."""
+    """Union of every rank's ``local`` on rank 0, each key sent once (not by data-parallel replicas)."""
     if not _distributed():
         return local
     all_keys: list[list[str] | None] = [None] * dist.get_world_size()
@@ -222,8 +220,7 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     assets: ExportAssets | None = None,
 ) -> None:
-    """Writes the model as an HF ``LlamaForCausalLM`` folder (safetensors in ``dtype``, plus
-    ``assets``). Collective: rank 0 writes, every rank returns once it is complete or raises."""
+    """Writes the model as an HF folder in ``dtype``; collective: rank 0 writes, every rank raises its error."""
     local = _full_cpu_state_dict(model_parts)
     merged = _gather_to_rank0(local)
     del local
@@ -239,17 +236,15 @@ def export_hf(
             tensors = {k: hf[k].to(dtype).contiguous() for k in expected}
             _write_folder(folder, tensors, hf_config(model_args, dtype), max_shard_bytes, assets or ExportAssets())
         except Exception as exc:
-            if not _distributed():
-                raise
             failure = exc
     if _distributed():
         # Share rank 0's outcome so that no rank returns believing a failed export exists.
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(outcome, src=0)
-        if failure is not None:
-            raise failure
-        if outcome[0] is not None:
+        if failure is None and outcome[0] is not None:
             raise RuntimeError(f"HF export to {folder} failed on rank 0: {outcome[0]}")
+    if failure is not None:
+        raise failure
 
 
 class StoredWeight(NamedTuple):
@@ -288,8 +283,7 @@ def _weight_files(folder: str) -> dict[str, StoredWeight]:
 
 
 def _read_tensors(files: dict[str, StoredWeight], keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Reads ``keys`` from their files; ValueError for NaN or infinity, which training would meet
-    at the first step's loss in every attempt."""
+    """Reads ``keys`` from their files; ValueError for NaN or infinity (every attempt's first loss)."""
     by_file: dict[str, list[str]] = {}
     for key in keys:
         by_file.setdefault(files[key].path, []).append(key)

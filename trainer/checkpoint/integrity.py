@@ -1,10 +1,7 @@
 """What makes a checkpoint folder complete and intact: a save ends with rank 0 writing
 ``checkpoint_complete.json`` (every file's size and CRC-32), and only folders with it are loaded.
-
-Each rank computes its shards' CRCs while writing them, and they reach the coordinator with DCP's
-write results; on load every rank verifies a share of the files, balanced by size. CRC-32 is the
-standard library's fastest checksum (``bench/checksum.py``): it guards against corruption, not tampering.
-"""
+On load every rank verifies a share of the files. CRC-32 is the standard library's fastest
+checksum (``bench/checksum.py``): it guards against corruption, not tampering."""
 
 from __future__ import annotations
 
@@ -102,8 +99,7 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummedWriter(FileSystemWriter):
-    """DCP's FileSystemWriter computing each file's CRC-32 as it writes it; after the save, the
-    coordinator's ``checksums`` holds every rank's."""
+    """DCP's writer computing each file's CRC-32 while writing; the coordinator's ``checksums`` has all."""
 
     def __init__(self, path: str | os.PathLike, file_system: FileSystem | None = None, **kwargs: Any):
         super().__init__(path, **kwargs)
@@ -178,8 +174,7 @@ def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
 
 
 def verify_files(path: str, require_marker: bool = True, rank: int = 0, world_size: int = 1) -> None:
-    """Checks ``rank``'s share of the files against the marker (size, CRC-32 where listed); raises
-    CheckpointError naming the first bad file."""
+    """Checks ``rank``'s share of the files against the marker; CheckpointError names a bad one."""
     marker = read_marker(path, require_marker)
     expected_crcs = marker.get("crc32", {})
     for name in _share(marker["files"], rank, world_size):

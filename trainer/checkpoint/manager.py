@@ -76,9 +76,8 @@ class _Save:
 
 
 class CheckpointManager:
-    """Saves (synchronously or in the background) and restores a run's state. Only rank 0 touches
-    folders as a whole; at most one save is in flight, which the next save, a load or ``close`` waits
-    for. A failed save raises CheckpointError naming its folder, which has no marker, so never loads."""
+    """Saves (also in the background) and restores a run's state; at most one save is in flight. A
+    failed save raises CheckpointError naming its folder, which has no marker, so never loads."""
 
     def __init__(
         self,
@@ -214,8 +213,7 @@ class CheckpointManager:
             logger.info("checkpoint deleted (keep_latest_k=%d): %s", keep, path)
 
     def load_at_start(self) -> str | None:
-        """Restores the newest complete checkpoint, or else ``checkpoint.initial_load_path``; returns
-        the folder whose whole state it loaded, if any."""
+        """Restores the newest checkpoint, else initial_load_path; returns the folder of a whole state."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
             if self.config.initial_load_path and is_first_attempt():  # a restart's own resume goes without saying
@@ -318,8 +316,7 @@ class CheckpointManager:
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
     def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:
-        """Every rank verifies its share of the files and raises the lowest rank's error; returns the
-        parts the checkpoint holds."""
+        """Every rank verifies its share and raises the lowest rank's error; returns the parts held."""
         error, parts, saved = None, set(), {}
         try:
             integrity.verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
@@ -339,8 +336,7 @@ class CheckpointManager:
         return set(parts)
 
     def _check_same_model(self, path: str, saved: dict[str, tuple[int, ...]], option: str) -> None:
-        """A ConfigError on every rank for a checkpoint of another model than all ranks' parts
-        together: loading it would fail, or fill part of the model."""
+        """A ConfigError on every rank for a checkpoint of another model than the ranks' parts together."""
         wanted = {f"model.{key}": tuple(value.shape) for key, value in self.states["model"].state_dict().items()}
         index = {key: i for i, key in enumerate(saved)}  # the same order on every rank: rank 0's
         loaded = sum(1 << index[key] for key in wanted if key in index)
