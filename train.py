@@ -81,9 +81,8 @@ def _is_collective_failure(error: BaseException) -> bool:
 
 
 def exit_without_teardown(code: int) -> None:
-    """Ends the process without Python finalization or C++ destructors: tearing down gloo's
-    connections at exit sometimes aborts a finished rank (std::terminate), a failed job to torchrun.
-    For the end of a run (train.py's, tests/ and bench/ workers'), once every rank passed its last barrier."""
+    """Ends the process without finalization, once every rank passed its last barrier: tearing down
+    gloo's connections at exit sometimes aborts a finished rank, a failed job to torchrun."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,15 +1,6 @@
-"""run_train.sh's torchrun: ``python -m programs.launch [torchrun options] train.py [options]``.
-
-What it adds to torchrun, around its public entry point:
-- A rank that meets a mistake no restart can mend writes "CODE line" to the file named by
-  ``TESSERA_ERROR_FILE`` (made here) and exits 0, so that torchrun does not start the group again
-  (trainer/refusal.py); the line is printed last and the code returned.
-- Stopped by a signal (Ctrl-C, a scheduler's SIGTERM; run_train.sh execs this process): one line
-  and the shell's exit code for the signal (130 for SIGINT).
-- Ranks that failed on every attempt: torchrun's table of failures, exit 1, without a traceback.
-- A rendezvous that fails (no store at the endpoint, nodes missing at the deadline): one line
-  naming the setting, exit 2, without the agent's C++ stacks and its traceback.
-"""
+"""run_train.sh's torchrun: ``python -m programs.launch [torchrun options] train.py [options]``, with
+one line and an exit code for each way a job ends: a rank's refusal (trainer/refusal.py), a signal
+(128 + its number), ranks that failed every attempt (torchrun's table, 1), a failed rendezvous (2)."""
 
 from __future__ import annotations
 
@@ -25,12 +16,10 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    # Ctrl-C while torch is imported (a second or so), before torchrun takes the signal: one line,
-    # not a KeyboardInterrupt traceback. Hence the imports below this.
+    # Ctrl-C while torch is imported, before torchrun takes the signal: one line, not a traceback.
     signal.signal(signal.SIGINT, _stopped_while_starting)
-    # The agent's store client logs each retry of an unanswered rendezvous, and its end, with a C++
-    # stack; the failure reaches Python, one line below. Read once, when torch loads: the ranks
-    # keep the user's level.
+    # The agent's store client logs each retry of an unanswered rendezvous with a C++ stack. Read
+    # once, when torch loads: the ranks keep the user's level.
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         import torch  # noqa: F401

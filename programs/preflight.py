@@ -1,8 +1,5 @@
-"""Checks a job's config for a given world size in one process, before torchrun starts them all.
-
-``python -m programs.preflight --world-size N [config options]``: exits 2 with one line on stderr
-when the config is wrong (``main`` also serves run_train.sh, which lets it count the ranks).
-"""
+"""``python -m programs.preflight --world-size N [config options]``: checks a job's config in one
+process before torchrun starts the ranks; exits 2 with one line on stderr when it is wrong."""
 
 from __future__ import annotations
 
@@ -28,16 +25,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_WORLD_SIZE = 2**31 - 1
-"""Ranks a torch process group holds: it counts them in a C++ int."""
+MAX_WORLD_SIZE = 2**31 - 1  # a torch process group counts its ranks in a C++ int
 
 
 def check(
     config: JobConfig, world_size: int, ranks_per_node: int | None = None, typed: frozenset[str] = frozenset()
 ) -> None:
-    """Raises a one-line ConfigError for the first class of mistake found; with
-    ``ranks_per_node`` (a launch, not a dry run) also when the model's state cannot fit a rank.
-    Warns of the options in ``typed`` (the command line's) that the degrees leave without effect."""
+    """Raises a one-line ConfigError for the first mistake found; with ``ranks_per_node`` (a launch,
+    not a dry run) also when the model cannot fit a rank. Warns of ``typed`` options without effect."""
     import torch
 
     from models.registry import get_model_spec
@@ -81,18 +76,12 @@ def check(
                 lock_folder(lock, option, folder).close()
 
 
-CPU_RANK_FLOOR_BYTES = 300 * 2**20
-"""Memory a CPU rank's process takes before any model: Python, torch and gloo (328 MiB measured
-on this project's machine with torch 2.13)."""
+CPU_RANK_FLOOR_BYTES = 300 * 2**20  # Python, torch and gloo in a CPU rank (328 MiB measured with torch 2.13)
 
 
 def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims, ranks_per_node: int) -> None:
-    """Refuses a job whose weights, gradients and Adam moments (16 bytes a parameter in float32, 8 in
-    bfloat16, over the degrees that shard them; a seed checkpoint's weights, a quarter of that) and
-    the logits of one microbatch (2 bytes a token and vocabulary entry; validation's too) alone
-    exceed what a rank has, or whose CPU ranks are more processes than the host's memory holds:
-    started, its ranks would run out of memory, on a CPU be killed, and be restarted to be killed
-    again. The rest of the activations is not counted, so a job refused here cannot fit."""
+    """Refuses a job whose weights, gradients, Adam moments and one forward's logits alone exceed a
+    rank's memory (its ranks would be killed, restarted, killed again); other activations not counted."""
     import torch
 
     from models.registry import get_model_spec
@@ -139,13 +128,8 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
 def _forwards(config: JobConfig, dims: ParallelDims) -> dict[str, int]:
     """The batches of one forward on a rank, named by their options: tokens of each."""
     t, v = config.training, config.validation
-    if dims.pp > 1:
-        option, sequences = (
-            "parallelism.pipeline_parallel_microbatch_size",
-            config.parallelism.pipeline_parallel_microbatch_size,
-        )
-    else:
-        option, sequences = "training.local_batch_size", t.local_batch_size
+    option = "parallelism.pipeline_parallel_microbatch_size" if dims.pp > 1 else "training.local_batch_size"
+    sequences = config.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else t.local_batch_size
     forwards = {f"{option} {sequences} x training.seq_len {t.seq_len}": sequences * t.seq_len}
     if v.enable:
         sequences, seq_len = v.local_batch_size or t.local_batch_size, v.seq_len or t.seq_len
@@ -154,11 +138,8 @@ def _forwards(config: JobConfig, dims: ParallelDims) -> dict[str, int]:
 
 
 def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelArgs:
-    """Reads the start of every corpus, the tokenizer and the Hugging Face folder the run will
-    use; one line names every one that is missing or broken, and every way the folder differs
-    from the model. Returns the model args the run will build (the tokenizer's vocabulary; for a
-    dry run, ``simulated``, the flavor's unless model.tokenizer_path is given, as the dry run
-    sizes it)."""
+    """Reads the start of every corpus, the tokenizer and the HF folder the run will use; one line
+    names every one that is broken. Returns the model args the run (or a dry run, ``simulated``) builds."""
     from models.sizes import is_hf_folder, job_model_args
     from trainer.checkpoint.hf import check_hf_folder
     from trainer.checkpoint.rules import initial_load_problem
@@ -212,8 +193,7 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
 
 
 def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -> str | None:
-    """The line for a DCP checkpoint.initial_load_path whose model differs from the job's, when
-    the run will load it (no checkpoint of its own to resume from, the model not excluded)."""
+    """The line for a DCP checkpoint.initial_load_path of another model than the job's, if loaded."""
     import torch
 
     from models.registry import get_model_spec
@@ -233,8 +213,7 @@ def _initial_checkpoint_problem(config: JobConfig, args: TransformerModelArgs) -
 
 
 def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
-    """A dataset config or split set for local files or python_docs: they are read whole; a text
-    field for plain text: it has no records."""
+    """Warns of dataset options a corpus read whole (local files, python_docs, plain text) ignores."""
     section_name = option.partition(".")[0]
     section = getattr(config, section_name)
     dataset = corpus_of(section).dataset
@@ -249,10 +228,8 @@ def _warn_hub_options_unused(config: JobConfig, option: str) -> None:
 
 
 def _warn_of_the_validation_corpus(config: JobConfig) -> None:
-    """Validation on training's own corpus: the windows it scores are ones training reads (with
-    the seed plus one, in the order of training's second epoch), so its loss is no held-out loss.
-    Validation left on the default corpus while training reads another: its loss would be of the
-    Python documentation. Nothing in the run's output says either."""
+    """Validation on training's own corpus, or left on the default one while training reads another:
+    its loss is no held-out loss, and nothing in the run's output says so."""
     if not config.validation.enable:
         return
     training, validation = corpus_of(config.training), corpus_of(config.validation)
@@ -284,8 +261,7 @@ USAGE = "usage: python -m programs.preflight (--world-size N | --nnodes N --npro
 
 
 def log_warnings_once() -> None:
-    """Warnings on stderr as 'warning: ...', each once: the checks build the model's sizes more
-    than once, and a warning about them would repeat."""
+    """Warnings on stderr as 'warning: ...', each once (the checks size the model more than once)."""
     shown: set[str] = set()
 
     def first_time(record: logging.LogRecord) -> bool:
@@ -303,8 +279,7 @@ LAUNCH_OPTIONS = ("--world-size", "--nnodes", "--nproc-per-node")
 
 
 def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(the launch options given first, as ``--name value`` or ``--name=value``: their values; the
-    config options after them). A launch option without a value has the value ''."""
+    """(the values of the launch options given first, '' when missing; the config options after)."""
     launch: dict[str, str] = {}
     while argv and argv[0].partition("=")[0] in LAUNCH_OPTIONS:
         name, equals, value = argv[0].partition("=")
@@ -316,9 +291,8 @@ def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
-    """(world size, ranks per node, accelerators here) of the launch options: ``--world-size``, or
-    ``--nnodes`` x ``--nproc-per-node`` (``auto``: one per accelerator, else 2 CPU processes);
-    None when they give no world, or give it twice."""
+    """(world size, ranks per node, accelerators here) of ``--world-size`` or ``--nnodes`` x
+    ``--nproc-per-node`` (``auto``: one per accelerator, else 2); None unless given once."""
     from parallelisms.device import accelerator_count
 
     accelerators = accelerator_count()
@@ -332,8 +306,7 @@ def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
 
 
 def main(argv: list[str]) -> int:
-    """Checks the config for the world size. With ``--nnodes``, prints the ranks per node to start
-    and 1 or 0 for on accelerators or not: the launcher asks torch once."""
+    """Checks the config; with ``--nnodes`` prints the ranks per node and 1/0 for accelerators or not."""
     launch, argv = split_launch_options(argv)
     log_warnings_once()
     try:

@@ -39,9 +39,8 @@ def init_distributed(comm: Comm, dump_folder: str) -> torch.device:
 
 
 def _record_collectives(comm: Comm, dump_folder: str) -> None:
-    """Turns torch's flight recorder on for the groups to come: each rank keeps its last
-    comm.trace_buf_size collectives, which NCCL's watchdog writes to the traces folder itself when
-    one times out (other backends: ``dump_collective_trace``)."""
+    """Turns torch's flight recorder on: each rank keeps its last comm.trace_buf_size collectives,
+    which NCCL's watchdog writes out when one times out (other backends: ``dump_collective_trace``)."""
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(comm.trace_buf_size)
     if comm.trace_buf_size > 0:
         folder = os.path.join(dump_folder, comm.save_traces_folder)
@@ -51,10 +50,8 @@ def _record_collectives(comm: Comm, dump_folder: str) -> None:
 
 
 def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
-    """Writes this rank's flight recorder (its last collectives, the failed one among them) to the
-    traces folder, over an earlier failure's (NCCL's watchdog may have written the same record).
-    Returns what the error line says of it: the folder and this rank's last collective; None when
-    recording is off or the folder cannot be written."""
+    """Writes this rank's flight recorder to the traces folder; returns what the error line says of
+    it (the folder and this rank's last collective), or None when it is not written."""
     if comm.trace_buf_size <= 0 or not dist.is_initialized():
         return None
     folder = os.path.join(dump_folder, comm.save_traces_folder)
@@ -74,11 +71,10 @@ def dump_collective_trace(comm: Comm, dump_folder: str) -> str | None:
 
 
 LAUNCH_ID_ENV = "TESSERA_LAUNCH_ID"
-"""One id for a torchrun launch and all its restarts (every node's), which a checkpoint's marker
-records to say which launch saved it; unset without torchrun."""
 
 
 def launch_id() -> str:
+    """One id for a torchrun launch and all its restarts, which checkpoint markers record."""
     return os.environ.get(LAUNCH_ID_ENV, "")
 
 
@@ -107,9 +103,7 @@ def torchrun_store(timeout: datetime.timedelta) -> dist.TCPStore:
 
 
 def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
-    """Switches every group of this process to the steady-state timeout: the default one, the
-    mesh's and any other (the checkpoint manager's, whose saves would otherwise wait for a hung
-    rank as long as torch's default of 30 minutes)."""
+    """Switches every group of this process, the checkpoint manager's too, to the training timeout."""
     timeout = datetime.timedelta(seconds=seconds)
     groups = {dist.group.WORLD, *dist.distributed_c10d._world.pg_map}
     if mesh is not None:
@@ -119,8 +113,7 @@ def set_collective_timeout(seconds: int, mesh: DeviceMesh | None) -> None:
 
 
 def parallel_dims_from_config(parallelism: Parallelism, world_size: int) -> ParallelDims:
-    """The degrees ``parallelism`` asks for on ``world_size`` ranks; a one-line ConfigError when
-    they do not multiply to it."""
+    """The degrees ``parallelism`` asks for; a one-line ConfigError when they do not make ``world_size``."""
     with user_input():
         return ParallelDims(
             dp_replicate=parallelism.data_parallel_replicate_degree,

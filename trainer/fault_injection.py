@@ -1,13 +1,6 @@
-"""Failure injection for tests of restarts: ``debug.fail_at_step`` with ``debug.failure``.
-
-It acts once, at that step, on the first attempt only (before any torchrun restart), on the last
-rank: ``kill`` (SIGKILL), ``hang`` (sleep forever), ``kill_during_save`` (die once its shard of
-that step's checkpoint is on disk), ``hang_during_save`` (sleep forever once its shard is on disk,
-before the save's last collective), ``disk_full_during_save`` (the disk fills up after the first
-64 KiB of its shard: the write raises OSError ENOSPC, leaving a partial file), ``nan`` (non-finite
-gradients, which every rank then sees in the global norm, so that they skip or roll back together)
-or ``oom`` (out of memory on that rank alone, as a pipeline's last stage with the logits can be).
-"""
+"""Failure injection for tests of restarts: ``debug.fail_at_step`` with ``debug.failure``, once, on
+the first attempt's last rank. A save failure strikes once the rank's shard is (partly) on disk; a
+NaN gradient reaches every rank through the global norm, so that they skip or roll back together."""
 
 from __future__ import annotations
 
@@ -54,8 +47,7 @@ class _FailingWriter(ChecksummedWriter):
 
 
 class _FullDiskStream:
-    """A file on a disk with ``room[0]`` bytes left: the write that does not fit writes what fits
-    and raises OSError ENOSPC, as a full disk does."""
+    """A file on a disk with ``room[0]`` bytes left: a write that does not fit writes what fits, then raises ENOSPC."""
 
     def __init__(self, raw: IO[bytes], path: str, room: list[int]):
         self.raw = raw
@@ -123,8 +115,7 @@ class FailureInjector:
             params[0].grad.fill_(math.nan)
 
     def storage_writer(self, step: int, path: str) -> FileSystemWriter:
-        """The checkpoint writer for step ``step``: one that dies, hangs or finds the disk full
-        mid-save when asked to."""
+        """The checkpoint writer for ``step``: one that dies, hangs or fills the disk when asked to."""
         failure = self.debug.failure
         armed = step == self.debug.fail_at_step and self.on_this_rank and is_first_attempt()
         if failure not in SAVE_FAILURES or not armed:

@@ -19,9 +19,8 @@ from config.job_config import METRICS_FILE, RESOLVED_CONFIG_FILE, VALIDATION_FIL
 
 
 def check_output_folders(config: JobConfig) -> None:
-    """Raises a one-line ConfigError naming the option when a folder the run will write to cannot
-    be made or written. Found by the run itself, a checkpoint folder fails at the first save (after
-    the steps before it, and again on every restart), a trace folder crashes the profiler."""
+    """A one-line ConfigError naming the option of a folder the run cannot make or write: found by
+    the run, it would fail late (a checkpoint folder at the first save, on every restart)."""
     dump = config.job.dump_folder
     folders = [("job.dump_folder", dump), ("job.cache_dir", config.job.cache_dir)]
     ckpt = config.checkpoint
@@ -47,10 +46,8 @@ def check_output_folders(config: JobConfig) -> None:
 
 
 def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> None:
-    """A one-line ConfigError when a file the run writes in the dump folder is an input or a file
-    no run wrote, or two of them are one file: the resolved config would replace the config file
-    it was read from or a file of the user's, and job.save_config_file would replace the resolved
-    config, put JSON into the metrics, or land outside the dump folder."""
+    """A one-line ConfigError when a file the run writes in the dump folder would replace an input,
+    a file no run wrote, or another of the run's files, or would land outside the dump folder."""
     dump = config.job.dump_folder
     resolved = os.path.realpath(os.path.join(dump, RESOLVED_CONFIG_FILE))
     if os.path.isfile(resolved) and not written_by_a_run(resolved):
@@ -69,9 +66,7 @@ def _check_written_files(config: JobConfig, folders: list[tuple[str, str]]) -> N
 
 
 def _check_no_folder_is_a_run_file(config: JobConfig, folders: list[tuple[str, str]]) -> None:
-    """A one-line ConfigError when a folder option names a file the run writes in the dump folder,
-    or a folder inside one: one of the two writes would fail in the ranks (a checkpoint folder at
-    the first save, after the steps before it), and the restart would fail again."""
+    """A one-line ConfigError when a folder option names a file the run writes, or a folder in one."""
     dump, job = config.job.dump_folder, config.job
     files = [RESOLVED_CONFIG_FILE, METRICS_FILE] + [VALIDATION_FILE] * config.validation.enable
     files += [job.save_config_file] if job.save_config_file else []
@@ -103,10 +98,8 @@ def _check_save_config_file(name: str, dump: str, folders: list[tuple[str, str]]
 
 
 def write_whole(path: str, write: Callable[[str], None], sync: bool = False) -> None:
-    """Makes the file ``path`` whole or not at all: ``write(partial)`` writes it under a name beside
-    it, which then replaces ``path``, so a reader sees the earlier file or this one, never a part.
-    ``sync``: on disk before it is renamed, for a file that vouches for others (a checkpoint's
-    marker), which a crash must not leave empty."""
+    """Makes ``path`` whole or not at all: ``write(partial)`` writes a file beside it that replaces it.
+    ``sync``: on disk first, for a file that vouches for others (a checkpoint's marker)."""
     partial = f"{path}.{os.getpid()}.tmp"
     try:
         write(partial)
@@ -120,13 +113,11 @@ def write_whole(path: str, write: Callable[[str], None], sync: bool = False) -> 
 
 
 def write_run_file(path: str, text: str, sync: bool = False) -> None:
-    """Writes ``text`` to ``path`` whole or not at all (``write_whole``)."""
     write_whole(path, lambda partial: Path(partial).write_text(text), sync)
 
 
 def free_path(stem: str, extension: str = "") -> str:
-    """``stem + extension``, or the first of ``stem-1 + extension``, ``stem-2 + extension``, ... that
-    does not exist: a name to move something aside to without replacing what was moved before."""
+    """The first of ``stem + extension``, ``stem-1 + extension``, ... that does not exist."""
     free, n = stem + extension, 1
     while os.path.lexists(free):
         free, n = f"{stem}-{n}{extension}", n + 1
@@ -134,8 +125,7 @@ def free_path(stem: str, extension: str = "") -> str:
 
 
 def _config_json(path: str) -> bool:
-    """Whether the file at ``path`` is a job.save_config_file a run wrote: a JSON object of the
-    config's sections."""
+    """Whether ``path`` is a job.save_config_file a run wrote: a JSON object of the config's sections."""
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
@@ -148,8 +138,7 @@ FOLDER_LOCK = ".tessera.lock"
 
 
 def claimed_folders(config: JobConfig) -> list[tuple[str, str]]:
-    """(option, folder) of the folders a run holds: the dump folder, and a checkpoint folder
-    outside it."""
+    """(option, folder) of the dump folder, and of a checkpoint folder outside it."""
     dump = config.job.dump_folder
     folders = [("job.dump_folder", dump)]
     if config.checkpoint.enable:
@@ -160,10 +149,8 @@ def claimed_folders(config: JobConfig) -> list[tuple[str, str]]:
 
 
 def check_folders_at_start(config: JobConfig) -> None:
-    """``check_output_folders`` once per start of the job, before the process group is up: on a
-    first attempt in rank 0 unless run_train.sh's pre-launch check has just done it (its launcher
-    sets the error file); on a restart in every rank, so that they refuse together (a disk that
-    filled up would fail the first save again), none left waiting for rank 0 to join."""
+    """``check_output_folders`` on a first attempt in rank 0 unless preflight did it (its launcher sets
+    the error file); on a restart in every rank, so that none waits for a refusing rank 0 to join."""
     from trainer.distributed import is_first_attempt
     from trainer.refusal import ERROR_FILE_ENV
 
@@ -172,11 +159,8 @@ def check_folders_at_start(config: JobConfig) -> None:
 
 
 def claim_folders(config: JobConfig) -> list[IO[str]]:
-    """Marks the run's folders (``claimed_folders``) as this process's for as long as the returned
-    files stay open or the process lives; a one-line ConfigError when another process holds one.
-    Two runs in one folder would interleave their metrics, and each resume from and delete the
-    other's checkpoints. The kernel drops a dead process's lock, so a crashed or killed run leaves
-    no stale claim."""
+    """Locks the run's folders while the returned files stay open: two runs in one folder would mix
+    their metrics and delete each other's checkpoints. The kernel drops a dead process's lock."""
     claims = []
     for option, folder in claimed_folders(config):
         os.makedirs(folder, exist_ok=True)
@@ -190,8 +174,7 @@ def claim_folders(config: JobConfig) -> list[IO[str]]:
 
 
 def lock_folder(path: str, option: str, folder: str) -> IO[str]:
-    """The lock file at ``path``, locked; a one-line ConfigError naming ``option`` and the lock's
-    holder when another process holds it."""
+    """The lock file at ``path``, locked; a one-line ConfigError naming its holder if another has it."""
     f = open(path, "a+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -219,13 +202,10 @@ def _unwritable(folder: str) -> str | None:
     try:
         # A few bytes written, not only a name made: a full disk still takes new names.
         with tempfile.TemporaryFile(prefix=".tessera-write-check-", dir=existing) as probe:
-            probe.write(bytes(_PROBE_BYTES))
+            probe.write(bytes(64 * 1024))
             probe.flush()
             os.fsync(probe.fileno())
     except OSError as e:
         where = "" if existing == os.path.abspath(folder) else f"cannot create {folder}: "
         return f"{where}nothing can be written in {existing} ({e.strerror})"
     return None
-
-
-_PROBE_BYTES = 64 * 1024

@@ -7,8 +7,7 @@ from config.errors import ConfigError
 
 
 def out_of_memory_error(what: str, batch: str = "training.local_batch_size") -> ConfigError:
-    """The line for a run that ran out of memory (``what`` says how) on the batches of option
-    ``batch``, with what would fit."""
+    """The line for a run out of memory (``what`` says how) on the batches of ``batch``."""
     section = batch.split(".")[0]
     return ConfigError(
         f"{batch}: {what}; a smaller local_batch_size or seq_len in [{section}], activation_checkpoint.mode "

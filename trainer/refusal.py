@@ -1,9 +1,6 @@
-"""A mistake no restart can mend, found inside the ranks: one line, exit code 2, no restart.
-
-Under run_train.sh's launcher (programs/launch.py) the rank writes "2 error: line" to the file named
-by ERROR_FILE_ENV and exits 0, as torchrun neither restarts nor fails a group whose ranks all end 0;
-the line also goes to torchrun's store, where other nodes' ranks find it when their collectives
-break. torch is imported only then: a config error stays quick."""
+"""A mistake no restart can mend, found inside the ranks: one line, exit code 2. Under programs/launch.py
+the rank writes "2 error: line" to ERROR_FILE_ENV's file (and torchrun's store, for other nodes) and
+exits 0, which torchrun does not restart."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ def refuse(error: ConfigError) -> int:
 
 
 def job_refused() -> bool:
-    """Whether a rank of this job, on this node or another, met such a mistake (its line is then in
-    this node's error file, for the launcher to print)."""
+    """Whether a rank of this job on any node met such a mistake (its line is then in the error file)."""
     error_file = os.environ.get(ERROR_FILE_ENV)
     if not error_file:
         return False

@@ -30,11 +30,18 @@ from trainer.checkpoint.integrity import (
     ChecksummedWriter,
     checkpoint_folders,
     file_crc32,
-    verify_checkpoint,
+    parts_of,
+    read_metadata,
+    verify_files,
 )
 from trainer.checkpoint.manager import CheckpointManager, TrainState, whole_model
 from trainer.checkpoint.rules import check_resume
 from trainer.fault_injection import FailureInjector
+
+
+def verify_checkpoint(path: str) -> set[str]:
+    verify_files(path)
+    return parts_of(read_metadata(path))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,9 +1,6 @@
-"""Export to and import from Hugging Face ``LlamaForCausalLM`` safetensors folders.
-
-Works on the trainer's model parts as they are: plain tensors in one process, or DTensors
-(FSDP2, SimpleFSDP, TP) under ``torch.distributed``, with pipeline stages spread over ranks.
-The names and layout conversion lives in ``models.llama3.hf_adapter``.
-"""
+"""Export to and import from Hugging Face ``LlamaForCausalLM`` safetensors folders, of the model
+parts as they are (plain tensors or DTensors, pipeline stages spread over ranks); the conversion
+of names and layouts is ``models.llama3.hf_adapter``'s."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -55,13 +52,8 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of the parts' parameters, under clean names. Collective over each
-    DTensor's mesh: every rank of a pipeline stage calls it with its parts in the same order."""
+    """Unsharded CPU copies of the parts' parameters, under clean names (collective on each mesh)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         for name, tensor in part.state_dict().items():
@@ -72,8 +64,7 @@ def _full_cpu_state_dict(parts: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Union of every rank's ``local`` on rank 0 (empty elsewhere); each key is sent once, by the
-    lowest rank holding it, so data-parallel replicas of a stage send nothing."""
+    """Union of every rank's ``local`` on rank 0, each key sent once (not by data-parallel replicas)."""
     if not _distributed():
         return local
     all_keys: list[list[str] | None] = [None] * dist.get_world_size()
@@ -118,10 +109,17 @@ TOKENIZER_FILES = (HF_TOKENIZER_FILE, HF_CONFIG_FILE, "special_tokens_map.json",
 GENERATION_CONFIG = "generation_config.json"
 
 
-def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) -> ExportAssets:
-    """The assets of an export of a model fine-tuned from the HF folder ``source`` (empty: none)
-    with the tokenizer at ``tokenizer_path`` (a folder or one file). The source's bos/eos ids and
-    generation config are kept (official folders list several eos ids); else the tokenizer's."""
+def job_export_assets(config: JobConfig, bos_id: int, eos_id: int) -> ExportAssets:
+    """The export's assets: the bos/eos ids and generation config of the HF folder the job started
+    from (its weights, else its architecture; official folders list several eos ids), else the
+    tokenizer's, and the tokenizer's files (the default one's when model.tokenizer_path is empty)."""
+    source = config.checkpoint.initial_load_path
+    if not (source and is_hf_folder(source)):
+        source = found[1] if (found := architecture_folder(config)) else ""
+    model = config.model
+    tokenizer_path = model.tokenizer_path or default_tokenizer_path(
+        config.job.cache_dir, model.default_tokenizer_vocab_size
+    )
     source_config = read_hf_config(source) if source else {}
     ids = {
         "bos_token_id": source_config.get("bos_token_id", bos_id),
@@ -139,29 +137,15 @@ def export_assets(source: str, tokenizer_path: str, bos_id: int, eos_id: int) ->
             files[HF_CONFIG_FILE] = config_path
     else:  # a sentencepiece / tiktoken file: HF names it tokenizer.model
         files = {MODEL_FILE: tokenizer_path}
-    return ExportAssets(config=ids, generation_config=generation, files=files)
-
-
-def job_export_assets(config: JobConfig, bos_id: int, eos_id: int) -> ExportAssets:
-    """The export assets of the job: from the HF folder it started from (its weights, else its
-    architecture) and its tokenizer (the default one's file when model.tokenizer_path is empty)."""
-    model = config.model
-    source = config.checkpoint.initial_load_path
-    if not (source and is_hf_folder(source)):
-        source = found[1] if (found := architecture_folder(config)) else ""
-    if model.tokenizer_path:
-        return export_assets(source, model.tokenizer_path, bos_id, eos_id)
-    default = default_tokenizer_path(config.job.cache_dir, model.default_tokenizer_vocab_size)
-    assets = export_assets(source, default, bos_id, eos_id)
-    return replace(assets, tokenizer_config=DEFAULT_TOKENIZER_HF_CONFIG)
+    tokenizer_config = None if model.tokenizer_path else DEFAULT_TOKENIZER_HF_CONFIG
+    return ExportAssets(config=ids, generation_config=generation, files=files, tokenizer_config=tokenizer_config)
 
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def files_no_export_wrote(folder: str) -> list[str]:
-    """The entries of an existing export ``folder`` that no export writes (a user's model card, say):
-    the next export replaces the folder whole, and they would go with it."""
+    """The entries of an export ``folder`` that no export writes (a user's model card, say)."""
     if not os.path.isdir(folder):
         return []
     ours = {CONFIG_NAME, SINGLE_FILE, INDEX_NAME, GENERATION_CONFIG, *TOKENIZER_FILES}
@@ -187,8 +171,7 @@ def _write_json(path: str, data: dict) -> None:
 def _write_folder(
     folder: str, tensors: dict[str, torch.Tensor], config: dict, max_shard_bytes: int, assets: ExportAssets
 ) -> None:
-    """Writes the export into a temporary sibling folder and renames it to ``folder``, so a crash
-    never leaves a half-written export under the final name."""
+    """Writes the export beside ``folder`` and renames it: a crash leaves no half-written export."""
     folder = os.path.abspath(folder)
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     tmp = _make_folder_beside(folder, "tmp")
@@ -237,13 +220,12 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     assets: ExportAssets | None = None,
 ) -> None:
-    """Writes the model as an HF ``LlamaForCausalLM`` folder (safetensors in ``dtype``, plus
-    ``assets``). Collective: rank 0 writes, every rank returns once it is complete or raises."""
+    """Writes the model as an HF folder in ``dtype``; collective: rank 0 writes, every rank raises its error."""
     local = _full_cpu_state_dict(model_parts)
     merged = _gather_to_rank0(local)
     del local
     failure: Exception | None = None
-    if _rank() == 0:
+    if not _distributed() or dist.get_rank() == 0:
         try:
             expected = hf_param_shapes(model_args, tied=model_args.tie_word_embeddings)
             hf = to_hf_state_dict(merged, model_args)
@@ -254,17 +236,15 @@ def export_hf(
             tensors = {k: hf[k].to(dtype).contiguous() for k in expected}
             _write_folder(folder, tensors, hf_config(model_args, dtype), max_shard_bytes, assets or ExportAssets())
         except Exception as exc:
-            if not _distributed():
-                raise
             failure = exc
     if _distributed():
         # Share rank 0's outcome so that no rank returns believing a failed export exists.
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(outcome, src=0)
-        if failure is not None:
-            raise failure
-        if outcome[0] is not None:
+        if failure is None and outcome[0] is not None:
             raise RuntimeError(f"HF export to {folder} failed on rank 0: {outcome[0]}")
+    if failure is not None:
+        raise failure
 
 
 class StoredWeight(NamedTuple):
@@ -303,9 +283,7 @@ def _weight_files(folder: str) -> dict[str, StoredWeight]:
 
 
 def _read_tensors(files: dict[str, StoredWeight], keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Reads ``keys`` (HF names) from their files, opening each file once. ValueError naming the
-    file and the tensor when one holds NaN or infinity: training from it would stop at the first
-    step's loss, in every attempt."""
+    """Reads ``keys`` from their files; ValueError for NaN or infinity (every attempt's first loss)."""
     by_file: dict[str, list[str]] = {}
     for key in keys:
         by_file.setdefault(files[key].path, []).append(key)
@@ -330,38 +308,13 @@ def _check_finite(tensor: torch.Tensor, path: str, key: str) -> None:
         raise ValueError(f"HF checkpoint: {path}: {bad} of the {tensor.numel()} values of '{key}' are NaN or infinite")
 
 
-def _model_args(model_parts: list[nn.Module]) -> TransformerModelArgs:
-    args = getattr(model_parts[0], "args", None) if model_parts else None
-    if not isinstance(args, TransformerModelArgs):
-        raise ValueError("HF import: the model parts must be Llama 3 Transformers (with .args)")
-    return args
-
-
-def _listed(keys: list[str], limit: int = 4) -> str:
-    return first_few([f"'{key}'" for key in keys], limit)
-
-
 # The dtypes of the weights a folder may hold: the floating-point ones torch computes in.
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _dtype_problems(files: dict[str, StoredWeight]) -> list[str]:
-    """Weights stored in another dtype: loading would cast them to the model's dtype without a word
-    (integers make a model of zeros and small whole numbers)."""
-    wrong = [
-        f"'{key}' in {os.path.basename(w.path)} is {w.dtype}"
-        for key, w in files.items()
-        if w.dtype not in WEIGHT_DTYPES
-    ]
-    if not wrong:
-        return []
-    return [f"{first_few(wrong)}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}"]
-
-
 def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, StoredWeight], bool]:
     """(HF key -> how every weight is stored, whether the table is tied) of the folder the model of
-    ``args`` will load. ValueError naming every way its config.json differs from ``args`` (else
-    every missing, unexpected, misshapen or non-floating-point tensor)."""
+    ``args`` will load; ValueError naming every way it differs."""
     config_path = os.path.join(folder, CONFIG_NAME)
     config = read_hf_config(folder)
     mismatches = config_mismatches(args_from_hf_config(config, base=args, source=config_path), args)
@@ -373,34 +326,36 @@ def check_hf_folder(folder: str, args: TransformerModelArgs) -> tuple[dict[str, 
     tied = bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
     expected = hf_param_shapes(args, tied=tied or args.tie_word_embeddings)
     problems = []
-    if missing := [k for k in expected if k not in files]:
-        problems.append(f"is missing {_listed(missing)}")
-    if unexpected := [k for k in files if k not in expected]:
-        problems.append(f"has unexpected {_listed(unexpected)}")
+    if missing := [f"'{k}'" for k in expected if k not in files]:
+        problems.append(f"is missing {first_few(missing)}")
+    if unexpected := [f"'{k}'" for k in files if k not in expected]:
+        problems.append(f"has unexpected {first_few(unexpected)}")
     for key, weight in files.items():
         if key in expected and weight.shape != expected[key]:
             problems.append(f"'{key}' has shape {list(weight.shape)}, expected {list(expected[key])}")
-    problems += _dtype_problems(files)
+    # Loading would cast other dtypes without a word (integers make a model of small whole numbers).
+    if wrong := [
+        f"'{k}' in {os.path.basename(w.path)} is {w.dtype}" for k, w in files.items() if w.dtype not in WEIGHT_DTYPES
+    ]:
+        problems.append(f"{first_few(wrong)}; weights must be {', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}")
     if problems:
         raise ValueError(f"HF checkpoint: {folder} {'; '.join(problems)}")
     return files, tied
 
 
 def load_hf_weights(model_parts: list[nn.Module], folder: str) -> None:
-    """Loads an HF ``LlamaForCausalLM`` folder into the model parts, in place: every rank reads only
-    the tensors its parts hold and keeps its shard of each, without communication. ValueError
-    naming the folder and what differs when it does not hold the parts' model."""
-    args = _model_args(model_parts)
+    """Loads an HF folder into the model parts, in place: every rank reads only the tensors its parts
+    hold and keeps its shard of each, without communication."""
+    args: TransformerModelArgs = model_parts[0].args
     files, tied = check_hf_folder(folder, args)
     expected = hf_param_shapes(args, tied=tied or args.tie_word_embeddings)
     for part in model_parts:
         targets = part.state_dict()
         wanted = {clean_name(name) for name in targets}
-        hf_keys = [k for k in expected if from_hf_key(k) in wanted]
-        if "lm_head.weight" not in expected and "output.weight" in wanted:
-            hf_keys.append("model.embed_tokens.weight")
+        from_embedding = "lm_head.weight" not in expected and "output.weight" in wanted
+        hf_keys = [k for k in expected if from_hf_key(k) in wanted] + ["model.embed_tokens.weight"] * from_embedding
         hf_tensors = _read_tensors(files, set(hf_keys))
-        if "lm_head.weight" not in expected and "output.weight" in wanted:
+        if from_embedding:
             hf_tensors["lm_head.weight"] = hf_tensors["model.embed_tokens.weight"]
         ours = from_hf_state_dict(hf_tensors, args)
         new_state = {name: _like(ours[clean_name(name)], target) for name, target in targets.items()}

@@ -1,17 +1,7 @@
-"""What makes a checkpoint folder complete and intact.
-
-A save ends with rank 0 writing ``checkpoint_complete.json``: every file with its size and CRC-32.
-Only folders with that marker are loaded, so a save cut short by a crash is never resumed from, and
-a file changed later (truncated, or a byte changed in place) is found by content and named.
-
-Each rank computes the CRC-32 of its shards while writing them (in the thread that writes them: an
-async save's background thread) and the CRCs reach the coordinator with DCP's write results; rank 0
-reads back only the small files it writes itself. On load every rank verifies a share of the files
-(balanced by size), so verifying takes the time of reading 1/world_size of the checkpoint. CRC-32
-(zlib) is the fastest checksum in the standard library (1-4 GB/s on one core, 1.3-2.3x sha1 and
-sha256), releases the GIL on large buffers, and catches every error burst up to 32 bits: it guards
-against storage corruption, not tampering. ``python bench/checksum.py`` measures it.
-"""
+"""What makes a checkpoint folder complete and intact: a save ends with rank 0 writing
+``checkpoint_complete.json`` (every file's size and CRC-32), and only folders with it are loaded.
+On load every rank verifies a share of the files. CRC-32 is the standard library's fastest
+checksum (``bench/checksum.py``): it guards against corruption, not tampering."""
 
 from __future__ import annotations
 
@@ -44,7 +34,7 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_folders(folder: str) -> list[tuple[int, str]]:
-    """(step, path) of every step-N folder, newest first, complete or not."""
+    """(step, path) of every step-N folder, newest first."""
     if not os.path.isdir(folder):
         return []
     found = []
@@ -64,7 +54,7 @@ def complete_checkpoints(folder: str) -> list[tuple[int, str]]:
 
 
 def file_crc32(path: str) -> str:
-    """The CRC-32 of a file as 8 hex digits, read in 8 MiB chunks into one reused buffer."""
+    """The CRC-32 of a file as 8 hex digits."""
     crc = 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
@@ -75,8 +65,7 @@ def file_crc32(path: str) -> str:
 
 
 class _Crc32Stream:
-    """A file being written that keeps the CRC-32 of the bytes written to it. DCP uses write, tell,
-    flush, fileno (for fsync) and close; anything else goes to the file."""
+    """A file being written that keeps the CRC-32 of the bytes written to it."""
 
     def __init__(self, raw: IO[bytes]):
         self.raw = raw
@@ -92,8 +81,7 @@ class _Crc32Stream:
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, each file written passing through a CRC-32 that goes to
-    ``record(file name, crc)`` once the file is closed. ``inner`` opens the files."""
+    """DCP's file system (``inner``), calling ``record(file name, crc)`` as each written file closes."""
 
     def __init__(self, record: Callable[[str, str], None], inner: FileSystem | None = None):
         self.record = record
@@ -111,9 +99,7 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummedWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that computes each file's CRC-32 as it writes it. After the save, the
-    coordinator's ``checksums`` holds every rank's (file name -> 8 hex digits). ``file_system`` opens
-    the files (debug.failure's full disk)."""
+    """DCP's writer computing each file's CRC-32 while writing; the coordinator's ``checksums`` has all."""
 
     def __init__(self, path: str | os.PathLike, file_system: FileSystem | None = None, **kwargs: Any):
         super().__init__(path, **kwargs)
@@ -147,8 +133,7 @@ class ChecksummedWriter(FileSystemWriter):
 
 
 def write_marker(path: str, step: int, checksums: dict[str, str], launch: str = "") -> None:
-    """Lists every file with its size and CRC-32: the writers' CRCs where they reported one, else
-    (``.metadata``, ``config.toml``) read back here; and the launch that saved it."""
+    """Lists every file's size and CRC-32 (read back here where no writer gave one) and the launch."""
     files, crcs = {}, {}
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
@@ -177,8 +162,7 @@ def read_marker(path: str, require_marker: bool) -> dict[str, Any]:
 
 
 def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` verifies: the largest first, each to the rank with the fewest bytes so
-    far (the same split on every rank)."""
+    """The files ``rank`` verifies: the largest first, each to the rank with the fewest bytes so far."""
     load = [0] * world_size
     mine = []
     for name in sorted(sizes, key=lambda n: (-int(sizes[n]), n)):
@@ -190,9 +174,7 @@ def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
 
 
 def verify_files(path: str, require_marker: bool = True, rank: int = 0, world_size: int = 1) -> None:
-    """Checks ``rank``'s share of a checkpoint's files against its marker: present, of the listed
-    size and, when the marker has one (markers before CRCs have none), of the listed CRC-32.
-    Raises CheckpointError naming the first bad file."""
+    """Checks ``rank``'s share of the files against the marker; CheckpointError names a bad one."""
     marker = read_marker(path, require_marker)
     expected_crcs = marker.get("crc32", {})
     for name in _share(marker["files"], rank, world_size):
@@ -216,22 +198,14 @@ def read_metadata(path: str) -> Metadata:
 
 
 def parts_of(metadata: Metadata) -> set[str]:
-    """The top-level parts (model, optimizer, ...) a checkpoint's metadata lists."""
+    """The top-level parts (model, optimizer, ...) of a checkpoint."""
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
 def model_shapes_of(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    """The shape of every model tensor a checkpoint's metadata lists, by name (``model.<fqn>``)."""
+    """The shape of every model tensor of a checkpoint, by name (``model.<fqn>``)."""
     return {
         key: tuple(entry.size)
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(entry, "size")
     }
-
-
-def verify_checkpoint(path: str, require_marker: bool = True) -> set[str]:
-    """Checks every file of a checkpoint against its marker and reads its metadata; returns the
-    parts it holds. Without ``require_marker``, a DCP folder written elsewhere (no marker) is
-    checked by its metadata alone."""
-    verify_files(path, require_marker)
-    return parts_of(read_metadata(path))

@@ -1,6 +1,5 @@
-"""Distributed checkpoints with torch.distributed.checkpoint (DCP) in
-``<dump_folder>/<checkpoint.folder>/step-N/``: every rank writes its shards, the coordinator DCP's
-``.metadata``, rank 0 the marker (``integrity``) last. The dataloader state is one global stream
+"""Distributed checkpoints (torch DCP) in ``<dump_folder>/<checkpoint.folder>/step-N/``: every rank
+writes its shards, rank 0 the marker (``integrity``) last. The dataloader state is one global stream
 position, valid for any number of data-parallel ranks."""
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 def _save_failed(path: str, error: BaseException) -> CheckpointError:
-    """One line for a failed save, naming its disk when that is full (torch's writer reports a full
-    disk as a position it did not reach)."""
+    """One line for a failed save; names a full disk, which torch reports as a position not reached."""
     try:
         free = shutil.disk_usage(path).free
     except OSError:
@@ -60,8 +58,7 @@ _FULL_DISK_BYTES = 2**20
 
 
 def _describe(error: BaseException) -> str:
-    """': Type: first line' of an error; for DCP's CheckpointException, of the lowest failing
-    rank's error (' on rank R: ...')."""
+    """': Type: first line' of an error; of DCP's lowest failing rank's (' on rank R: ...')."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
         return f" on rank {rank}: {typed_first_line(cause)}"
@@ -70,7 +67,7 @@ def _describe(error: BaseException) -> str:
 
 @dataclass
 class _Save:
-    """A save in flight: its step, folder, completion and writer (which holds the CRCs)."""
+    """A save in flight; its writer holds the CRCs."""
 
     step: int
     path: str
@@ -79,12 +76,8 @@ class _Save:
 
 
 class CheckpointManager:
-    """Saves (synchronously or in the background) and restores a run's state: the model parts,
-    the optimizer, the LR scheduler, the dataloader and ``train_state`` (step and RNG). Only rank 0
-    touches folders as a whole (markers, deletion); at most one save is in flight, and the next
-    save, a load or ``close`` waits for it. ``storage_writer(step, path)`` makes each save's writer.
-    A save that fails (a full disk, a rank that died or hung past the collective timeout) raises
-    CheckpointError naming its folder, which then has no marker and is never loaded."""
+    """Saves (also in the background) and restores a run's state; at most one save is in flight. A
+    failed save raises CheckpointError naming its folder, which has no marker, so never loads."""
 
     def __init__(
         self,
@@ -117,8 +110,7 @@ class CheckpointManager:
         self.storage_writer = storage_writer
         self.rank = dist.get_rank()
         # Background saves run collectives from another thread: a group of their own keeps them
-        # from interleaving with training's collectives. Its timeout is the start-up one until
-        # trainer.distributed.set_collective_timeout switches every group to the training one.
+        # from interleaving with training's (set_collective_timeout later sets its timeout).
         timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: _Save | None = None
@@ -140,9 +132,7 @@ class CheckpointManager:
         )
 
     def save(self, step: int, last_step: int) -> None:
-        """After training step ``step``: saves every ``checkpoint.interval`` steps, at
-        ``last_step`` and, with ``enable_first_step_checkpoint``, at step 1 (never with
-        ``load_only``); otherwise completes a background save that has finished."""
+        """Saves when ``step`` is due (interval, last step, first step if asked), else polls."""
         first = step == 1 and self.config.enable_first_step_checkpoint
         due = step % self.config.interval == 0 or step == last_step or first
         if self.config.enable and not self.config.load_only and due:
@@ -151,8 +141,7 @@ class CheckpointManager:
             self.poll()
 
     def write(self, step: int, parts: Iterable[str] = CHECKPOINT_PARTS) -> None:
-        """Saves ``parts`` as step-``step``: written when it returns (sync), or copied and written
-        in the background (async; call ``wait_for_staging`` before changing the saved tensors)."""
+        """Saves ``parts`` as step-``step``; async: call ``wait_for_staging`` before changing them."""
         self.wait()
         path = os.path.join(self.folder, f"step-{step}")
         state = {part: self.states[part] for part in parts}
@@ -224,9 +213,7 @@ class CheckpointManager:
             logger.info("checkpoint deleted (keep_latest_k=%d): %s", keep, path)
 
     def load_at_start(self) -> str | None:
-        """Restores the newest complete checkpoint, or else ``checkpoint.initial_load_path``'s model
-        weights (DCP or Hugging Face) or, without ``initial_load_model_only``, every wanted part of
-        a DCP checkpoint; returns the folder whose whole state it loaded, if any."""
+        """Restores the newest checkpoint, else initial_load_path; returns the folder of a whole state."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
             if self.config.initial_load_path and is_first_attempt():  # a restart's own resume goes without saying
@@ -274,12 +261,10 @@ class CheckpointManager:
         return folder
 
     def resume(self) -> int | None:
-        """Loads ``load_step`` (on the launch's first attempt), else the newest complete checkpoint
-        that verifies and loads; returns its step, or None when there is none."""
-        # Only the launch's first attempt goes back to load_step: it moves the newer checkpoints aside
-        # before loading, so those that torchrun's restarts find newer are this launch's own saves.
+        """Loads ``load_step``, else the newest complete checkpoint that loads; returns its step."""
+        # Only the first attempt goes back to load_step: it moves newer checkpoints aside, so those a
+        # restart finds newer are this launch's own saves (its first attempt refused any others).
         first = is_first_attempt()
-        # A restart's checkpoints were saved by this launch, or refused by its first attempt.
         restart = replace(self.config, load_step=-1, exclude_from_loading=[])
         rules.check_resume(self.config if first else restart, self.folder)
         if first and self.config.load_step >= 0:
@@ -313,8 +298,7 @@ class CheckpointManager:
         return None
 
     def rollback(self) -> int:
-        """Reloads the newest complete checkpoint except its dataloader state, so that training goes
-        on past the batches read since; returns its step."""
+        """Reloads the newest checkpoint but its data position (training goes on past those batches)."""
         self.wait()
         for step, path in complete_checkpoints(self.folder):
             try:
@@ -326,15 +310,13 @@ class CheckpointManager:
         raise CheckpointError(f"no complete checkpoint to roll back to in {self.folder}")
 
     def _wanted_parts(self, path: str) -> list[str]:
-        """The parts to load from ``path``: all of a checkpoint this launch saved (torchrun's restart
-        goes on from it), else all but those exclude_from_loading names."""
+        """All parts of a checkpoint this launch saved (a restart), else all but exclude_from_loading's."""
         if launch_id() and integrity.read_marker(path, require_marker=False).get("launch") == launch_id():
             return list(CHECKPOINT_PARTS)
         return [part for part in CHECKPOINT_PARTS if part not in self.config.exclude_from_loading]
 
     def _verify(self, path: str, require_marker: bool, parts_to_load: list[str], option: str) -> set[str]:
-        """Every rank verifies its share of the files, rank 0 reads the metadata; the lowest rank's
-        error, if any, is raised on every rank. Returns the parts the checkpoint holds."""
+        """Every rank verifies its share and raises the lowest rank's error; returns the parts held."""
         error, parts, saved = None, set(), {}
         try:
             integrity.verify_files(path, require_marker, self.rank, dist.get_world_size(self.group))
@@ -354,10 +336,7 @@ class CheckpointManager:
         return set(parts)
 
     def _check_same_model(self, path: str, saved: dict[str, tuple[int, ...]], option: str) -> None:
-        """A checkpoint of another model (other blocks, widths or vocabulary than all ranks' parts
-        together) is a ConfigError naming ``option`` on every rank: loading it would fail, or
-        fill only part of the model. Each rank sends which saved tensors it loads as bits, and
-        its own differences, which are empty when the models match."""
+        """A ConfigError on every rank for a checkpoint of another model than the ranks' parts together."""
         wanted = {f"model.{key}": tuple(value.shape) for key, value in self.states["model"].state_dict().items()}
         index = {key: i for i, key in enumerate(saved)}  # the same order on every rank: rank 0's
         loaded = sum(1 << index[key] for key in wanted if key in index)
@@ -378,12 +357,11 @@ class CheckpointManager:
     def _load_checked(
         self, path: str, parts: list[str], require_marker: bool = True, option: str = "checkpoint.folder"
     ) -> None:
-        """Verifies, then loads the parts of ``parts`` the checkpoint holds (a seed: only the model)."""
+        """Verifies, then loads those of ``parts`` the checkpoint holds (a seed: only the model)."""
         present = self._verify(path, require_marker, parts, option)
         if "model" not in present:
             raise CheckpointError(f"{path} holds no model state")
         state = {part: self.states[part] for part in parts if part in present}
-        # The options of the run that saved it, beside this run's.
         saved, own = rules.saved_config(path), tomllib.loads(self.resolved_config)
         if "dataloader" in state:
             rules.check_same_loader_workers(path, saved, own)
@@ -401,10 +379,8 @@ class CheckpointManager:
             )
 
     def _tidy_after_resume(self, loaded_step: int | None, chosen: bool = False) -> None:
-        """Deletes folders of saves that never completed and moves aside complete ones newer than
-        the step resumed from (they failed to load, or checkpoint.load_step chose an older one:
-        ``chosen``), so that later saves start from empty folders (``rules.check_resume`` has refused
-        any other step-N entry). A ``load_only`` run, which saves nothing, changes nothing."""
+        """Deletes incomplete saves and moves aside complete ones newer than ``loaded_step``
+        (unloadable, or older by load_step's choice), so that later saves start from empty folders."""
         if self.config.load_only:
             return
         if self.rank == 0:
@@ -420,7 +396,6 @@ class CheckpointManager:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
-        """Waits for the save in flight and for deletions."""
         try:
             self.wait()
         finally:

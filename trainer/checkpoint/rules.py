@@ -1,5 +1,4 @@
-"""The rules a job's checkpoint options must keep, checked once by the pre-launch check
-(programs/preflight.py) and again by the ranks: the same functions, so the same lines."""
+"""The rules a job's checkpoint options must keep, checked by preflight and again by the ranks."""
 
 from __future__ import annotations
 
@@ -37,10 +36,8 @@ _RESTORED_OPTIONS = {
 
 
 def check_resume(config: Checkpoint, folder: str) -> None:
-    """ConfigError for a resume the options contradict: ``load_step`` with no such checkpoint;
-    ``train_state`` excluded while ``folder`` holds checkpoints to resume from (the step count
-    would start again and the saves replace them); unless ``load_only``, a step-N entry no save
-    here left, which a save of that step would write into and keep_latest_k then delete."""
+    """ConfigError for a resume the options contradict: a missing ``load_step``, ``train_state``
+    excluded from a resume, or (unless ``load_only``) a step-N entry a save would write into."""
     if not config.load_only and (foreign := foreign_step_entry(folder)):
         raise ConfigError(
             f"checkpoint.folder: {foreign}; a save of that step would write into it: move it away, or give "
@@ -57,9 +54,8 @@ def check_resume(config: Checkpoint, folder: str) -> None:
 
 
 def foreign_step_entry(folder: str) -> str | None:
-    """What is wrong with the first step-N entry of ``folder`` that no save here left, if any: a
-    file, or a folder holding other files than a save writes, or another tool's complete DCP
-    checkpoint (``.metadata`` without a marker or config.toml; torchtitan's has neither)."""
+    """What is wrong with the first step-N entry of ``folder`` that no save here left, if any (a
+    file, other files than a save writes, or another tool's DCP checkpoint such as torchtitan's)."""
     if not os.path.isdir(folder):
         return None
     for name in sorted(os.listdir(folder)):
@@ -77,8 +73,7 @@ def foreign_step_entry(folder: str) -> str | None:
 
 
 def check_seed_checkpoint(folder: str, world_size: int) -> None:
-    """``checkpoint.create_seed_checkpoint`` runs in one process, and would write over a step-0
-    checkpoint (an earlier seed, of this model or another) in ``folder``."""
+    """A seed checkpoint is written by one process, and not over a step-0 checkpoint."""
     if world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 rank (NGPU=1), not {world_size}")
     path = os.path.join(folder, "step-0")
@@ -90,8 +85,7 @@ def check_seed_checkpoint(folder: str, world_size: int) -> None:
 
 
 def check_export_folder(folder: str) -> None:
-    """The folder checkpoint.export_hf replaces must hold no files but an export's: they would be
-    deleted with the earlier export at the end of the run."""
+    """The folder export_hf replaces holds no files but an export's, which would go with it."""
     if foreign := files_no_export_wrote(folder):
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise ConfigError(
@@ -109,9 +103,7 @@ def complete_checkpoint_at(folder: str, step: int) -> str:
 
 
 def initial_load_problem(checkpoint: Checkpoint) -> str | None:
-    """What is wrong with ``checkpoint.initial_load_path`` before reading it: not a folder, neither a
-    DCP checkpoint nor a Hugging Face folder, or a Hugging Face folder (weights only) where the job
-    asks for a training checkpoint's whole state."""
+    """What is wrong with ``checkpoint.initial_load_path`` before reading it, if anything."""
     path = checkpoint.initial_load_path
     if not path:
         return None
@@ -130,8 +122,7 @@ def initial_load_problem(checkpoint: Checkpoint) -> str | None:
 
 
 def saved_config(path: str) -> dict[str, Any]:
-    """The options of the run that saved the checkpoint ``path`` (its config.toml); empty when it
-    has none or it does not read (another tool's checkpoint, or damaged)."""
+    """The options of the run that saved ``path``; empty for another tool's checkpoint or a damaged one."""
     try:
         with open(os.path.join(path, RESOLVED_CONFIG_FILE), "rb") as f:
             return tomllib.load(f)
@@ -140,8 +131,7 @@ def saved_config(path: str) -> dict[str, Any]:
 
 
 def check_same_loader_workers(path: str, saved: dict[str, Any], own: dict[str, Any]) -> None:
-    """The data position is each loader worker's: under another number of workers its state
-    does not load (DCP names a missing key), which is the job's option, not a bad checkpoint."""
+    """The data position is each loader worker's: it loads only under as many workers."""
     before = saved.get("training", {}).get("dataloader_num_workers")
     now = own.get("training", {}).get("dataloader_num_workers")
     if before is not None and now is not None and before != now:
@@ -152,8 +142,7 @@ def check_same_loader_workers(path: str, saved: dict[str, Any], own: dict[str, A
 
 
 def restored_option_changes(saved: dict[str, Any], own: dict[str, Any], parts: list[str]) -> list[str]:
-    """The options that the loaded ``parts`` bring back which this run (``own``) sets otherwise than
-    the run that saved them (``saved``), each with the saved value."""
+    """The options the loaded ``parts`` bring back that ``own`` sets otherwise than ``saved``."""
     if not saved:
         return []  # saved by another tool, or damaged: nothing to compare with
     changes = []
@@ -174,13 +163,12 @@ def restored_option_changes(saved: dict[str, Any], own: dict[str, Any], parts: l
 
 
 def another_model(option: str, path: str, difference: str) -> str:
-    """The line for a checkpoint at ``path`` (given by ``option``) whose model is not the job's."""
+    """The line for a checkpoint whose model is not the job's."""
     return f"{option}: {path} holds another model than this job's: {difference}"
 
 
 def saved_model_difference(path: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """How the DCP checkpoint at ``path`` differs from a whole model of ``shapes`` (its state dict's
-    names and shapes), read from the metadata alone, in one process."""
+    """How the checkpoint at ``path`` differs from a whole model's ``shapes``, from its metadata alone."""
     try:
         saved = model_shapes_of(read_metadata(path))
     except CheckpointError as e:
@@ -197,9 +185,7 @@ def saved_model_difference(path: str, shapes: dict[str, tuple[int, ...]]) -> str
 def model_difference(
     saved: dict[str, tuple[int, ...]], missing: list[str], extra: list[str], reshaped: dict[str, tuple[int, ...]]
 ) -> str | None:
-    """How the model tensors a checkpoint holds (``saved``, names to shapes) differ from those a
-    model loads: the names it lacks, the names the model has no place for, and the model's shape
-    of those saved with another, in a few words each; None when they match."""
+    """How a checkpoint's model tensors (``saved``) differ from a model's, in a few words; None if not."""
     differences = []
     if missing:
         differences.append(f"{len(missing)} tensors it lacks ({_first(missing)})")

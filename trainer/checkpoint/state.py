@@ -1,6 +1,5 @@
-"""What a checkpoint holds besides the LR scheduler and the dataloader, as DCP's Stateful objects:
-the model and optimizer state under the full model's parameter names (as DTensors, so DCP reshards
-them at another layout), and the step counter with the random-number generators' state."""
+"""The model, optimizer and train state as DCP's Stateful objects, under the full model's names (as
+DTensors, so that DCP reshards them at another layout)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ from trainer.optim import optimizers_holding_state
 
 
 def whole_model(model_parts: list[nn.Module]) -> nn.Module:
-    """One module over this rank's model parts, the parameters under their full model's names (the
-    union of the stages' children, block dictionaries merged), so that a checkpoint written at one
-    pipeline layout loads at another."""
+    """One module over this rank's pipeline stages, under the full model's names, so that a
+    checkpoint written at one pipeline layout loads at another."""
     if len(model_parts) == 1:
         return model_parts[0]
     root = nn.Module()
@@ -76,7 +74,7 @@ class OptimizerState(Stateful):
 
 
 class TrainState(Stateful):
-    """The step counter and random-number generators' state (the same on every rank)."""
+    """The step counter and the random-number generators' state."""
 
     def __init__(self, get_step: Callable[[], int], set_step: Callable[[int], None], device: torch.device):
         self.get_step = get_step
