@@ -402,7 +402,7 @@ def _toml_value(value: typing.Any) -> str:
 def to_toml(config: JobConfig) -> str:
     """The resolved config as TOML (unset optional values are left out)."""
     lines = []
-    for section_name, values in config.to_dict().items():
+    for section_name, values in dataclasses.asdict(config).items():
         lines.append(f"[{section_name}]")
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None)
         lines.append("")
