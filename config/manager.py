@@ -1,5 +1,4 @@
-"""Loading the job config: defaults < TOML file < command line, then validation, ``--help`` and
-the resolved config as TOML."""
+"""Loading the job config (defaults < TOML file < command line) and validating it; ``--help``; the TOML dump."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ _FALSE = {"false", "0", "no", "off"}
 
 
 def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typing.Any:
-    """Converts a CLI string (or a TOML value, which must already have the right type) to the
-    field's type, or raises ConfigError."""
+    """A CLI string (or a TOML value, already of the right type) as the field's type, or ConfigError."""
     inner, optional = _unwrap_optional(tp)
     choices = _choices(inner)
     item_type = _list_item(inner)
@@ -140,19 +138,8 @@ def _field_type(key: str) -> typing.Any:
     return typing.get_type_hints(cls).get(field_name) if cls else None
 
 
-def _set(config: JobConfig, key: str, raw: typing.Any, origin: str) -> None:
-    """Sets the Tessera option ``key``; ``origin`` names the TOML file it came from (empty: CLI)."""
-    try:
-        value = _convert(key, raw, _field_type(key), from_cli=not origin)
-    except ConfigError as e:
-        raise ConfigError(f"{e}{origin}") from None
-    section_name, _, field_name = key.partition(".")
-    setattr(getattr(config, section_name), field_name, value)
-
-
 def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
-    """Splits ``--a.b v``, ``--a.b=v`` and bare ``--flag`` into (key, value-or-None) pairs; dashes
-    in names read as underscores (``--training.local-batch-size``)."""
+    """``--a.b v``, ``--a.b=v`` and bare ``--flag`` as (key, value or None) pairs; dashes read as underscores."""
     pairs: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
@@ -206,9 +193,8 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Builds the job config from defaults, the TOML file named by --job.config_file (the last
-    one given), then the other command-line options, torchtitan's names included. Raises
-    ConfigError for any bad input; every unknown option is named in the same message."""
+    """The job config from defaults, the TOML file of the last --job.config_file, then the command line, torchtitan's
+    names included. A ConfigError for any bad input names every unknown option."""
     pairs = [_negated_flag(key, value) for key, value in _parse_cli(argv)]
     given = collections.Counter(key for key, _ in pairs)
     if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1]:
@@ -246,8 +232,7 @@ def load_config(argv: list[str]) -> JobConfig:
 
 
 def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
-    """``error`` with each option the user set by one of torchtitan's names (on the command line
-    ``argv`` or in the config file it names) called by that name, the one the user knows."""
+    """``error`` with each option the user set by a torchtitan name (in ``argv`` or its config file) called by it."""
     try:
         pairs = _parse_cli(argv)
         config_file = _config_file(pairs)
@@ -288,16 +273,14 @@ def _negated_flag(key: str, value: str | None) -> tuple[str, str | None]:
 
 
 def _apply_source(config: JobConfig, settings: list, origin: str, unknown: list, foreign: dict) -> None:
-    """Applies one file's or the command line's settings. An option given under Tessera's name and
-    torchtitan's with values that disagree is a ConfigError: neither can be taken for the intent."""
+    """Applies one file's or the command line's settings; one option given twice with two values is refused."""
     seen: dict[str, tuple[str, typing.Any]] = {}  # Tessera option: (name given, value it set)
     # torchtitan's renamed options after the direct ones: dataset_path wins over dataset.
     for key, value in sorted(settings, key=lambda kv: kv[0] in torchtitan.ALIASES):
-        target = _apply(config, key, value, origin, unknown, foreign)
-        if target is None or key in torchtitan.OVERRIDING:
+        applied = _apply(config, key, value, origin, unknown, foreign)
+        if applied is None or key in torchtitan.OVERRIDING:
             continue
-        section_name, _, field_name = target.partition(".")
-        now = getattr(getattr(config, section_name), field_name)
+        target, now = applied
         if target in seen and seen[target][1] != now:
             raise ConfigError(_disagreement(*seen[target], key, now, origin))
         seen[target] = (key, now)
@@ -315,15 +298,20 @@ def _disagreement(first: str, first_value: typing.Any, second: str, second_value
     return f"{shown[0]} and {shown[1]}{origin} contradict each other: {why}"
 
 
-def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> str | None:
-    """Sets one setting, by its Tessera or torchtitan name, and returns the Tessera option it set;
-    records what is unknown or foreign."""
+def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> tuple | None:
+    """Sets one setting by either name and returns (the Tessera option, its value); records what is unknown or foreign.
+    ``origin`` names the TOML file the setting came from (empty: the command line)."""
     if key in torchtitan.NEGATED:
         key, value = torchtitan.NEGATED[key], _convert(key, value, bool, not origin) is False
     key = torchtitan.ALIASES.get(key, key)
-    if _field_type(key) is not None:
-        _set(config, key, value, origin)
-        return key
+    if (field_type := _field_type(key)) is not None:
+        try:
+            value = _convert(key, value, field_type, from_cli=not origin)
+        except ConfigError as e:
+            raise ConfigError(f"{e}{origin}") from None
+        section_name, _, field_name = key.partition(".")
+        setattr(getattr(config, section_name), field_name, value)
+        return key, value
     if key in torchtitan.FOREIGN:
         foreign[key] = value
     else:
@@ -344,24 +332,22 @@ def _unknown(key: str, origin: str) -> str:
 
 
 def _check_foreign(foreign: dict[str, typing.Any]) -> None:
-    """One line for torchtitan options of features Tessera lacks: an error when the run cannot go
-    without the feature, else a warning; one warning line for the others (left at no effect)."""
+    """torchtitan options of features Tessera lacks: an error when the run cannot go without the feature, else one
+    warning line; one more for those left at no effect."""
     foreign = {key: _as_neutral_type(key, value) for key, value in foreign.items()}
     wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
+    missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
     if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
-        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
         instead = "".join(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking))
         raise ConfigError(f"not available in Tessera: {missing}{instead}")
     if wanted:
-        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
         logger.warning("not available in Tessera, training without them: %s", missing)
     if ignored := sorted(foreign.keys() - wanted.keys()):
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
 
 
 def _as_neutral_type(key: str, value: typing.Any) -> typing.Any:
-    """A command line's string for a foreign option, read as its neutral value's type ('1' as 1,
-    'false' as False), so that the value leaving the feature off is known as such."""
+    """A command line's string for a foreign option as its neutral value's type, so that 'false' leaves it off too."""
     neutral = torchtitan.FOREIGN[key]
     if not isinstance(value, str) or neutral is torchtitan.ANY or isinstance(neutral, str):
         return value
