@@ -6,7 +6,6 @@ import ast
 import collections
 import dataclasses
 import difflib
-import functools
 import inspect
 import json
 import logging
@@ -34,19 +33,12 @@ def _sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
-@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """The string literal written under each field of a dataclass."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """The string literal written under each field of a dataclass (its only expression statements)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
@@ -115,12 +107,10 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
             raise ConfigError(expected) from None
     if choices and value not in choices:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}{_suggest(str(value), choices)}")
-    if inner is str or choices:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
-        return os.path.expanduser(value) if value.startswith("~") else value
-    raise TypeError(f"unsupported config field type {tp} for {key}")
+    if not isinstance(value, str):  # the schema's other fields are strings
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
+    return os.path.expanduser(value) if value.startswith("~") else value
 
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
@@ -207,7 +197,6 @@ def load_config(argv: list[str]) -> JobConfig:
     if config_file is not None and not config_file.strip():
         raise ConfigError("job.config_file: no file given (leave the option out for the defaults alone)")
     file_settings = _read_toml(config_file) if config_file else []
-    sources = [(file_settings, f" in {config_file}")] if config_file else []
     # A run's resolved config names the file it was made from; any other file thinks it reads one.
     if (nested := dict(file_settings).get("job.config_file")) and not written_by_a_run(config_file):
         logger.warning(
@@ -216,15 +205,14 @@ def load_config(argv: list[str]) -> JobConfig:
             nested,
             config_file,
         )
-    last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
-    sources.append((list(last.items()), ""))
     config, unknown, foreign = JobConfig(), [], {}
-    for settings, origin in sources:
-        _apply_source(config, settings, origin, unknown, foreign)
+    if config_file:
+        _apply_source(config, file_settings, f" in {config_file}", unknown, foreign)
+        config.job.config_file = config_file
+    last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
+    _apply_source(config, list(last.items()), "", unknown, foreign)
     if unknown:
         raise ConfigError("; ".join(dict.fromkeys(unknown)))
-    if config_file:
-        config.job.config_file = config_file
     _check_foreign(foreign)
     rules.validate(config)
     rules.warn_no_effect(config, typed_options(argv))
@@ -239,17 +227,12 @@ def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
         file_keys = [key for key, _ in _read_toml(config_file)] if config_file else []
     except ConfigError:  # unreadable: the error says so, naming no option
         return error
-    cli_keys = [key for key, _ in pairs]
-    aliases = torchtitan.ALIASES
-
-    def alias_names(keys: list[str]) -> dict[str, str]:
+    aliases, names = torchtitan.ALIASES, {}
+    for keys in (file_keys, [key for key, _ in pairs]):  # the command line's value, and name, win
+        for option in {aliases.get(key, key) for key in keys}:
+            names.pop(option, None)
         # An option given by both names in one source (a contradiction's line names both) keeps its name.
-        return {aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys}
-
-    names = alias_names(file_keys)
-    for option in {aliases.get(key, key) for key in cli_keys}:  # the command line's value, and name, win
-        names.pop(option, None)
-    names.update(alias_names(cli_keys))
+        names.update({aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys})
     if not names:
         return error
     pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")
@@ -299,8 +282,7 @@ def _disagreement(first: str, first_value: typing.Any, second: str, second_value
 
 
 def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> tuple | None:
-    """Sets one setting by either name and returns (the Tessera option, its value); records what is unknown or foreign.
-    ``origin`` names the TOML file the setting came from (empty: the command line)."""
+    """Sets one setting by either name and returns (Tessera's option, its value); records what is unknown or foreign."""
     if key in torchtitan.NEGATED:
         key, value = torchtitan.NEGATED[key], _convert(key, value, bool, not origin) is False
     key = torchtitan.ALIASES.get(key, key)
@@ -335,7 +317,7 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
     """torchtitan options of features Tessera lacks: an error when the run cannot go without the feature, else one
     warning line; one more for those left at no effect."""
     foreign = {key: _as_neutral_type(key, value) for key, value in foreign.items()}
-    wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
+    wanted = {key: value for key, value in foreign.items() if torchtitan.FOREIGN[key] not in (torchtitan.ANY, value)}
     missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
     if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
         instead = "".join(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking))
@@ -370,14 +352,11 @@ def help_text(program: str = "train.py") -> str:
         hints = typing.get_type_hints(cls)
         docs = _field_docs(cls)
         for f in dataclasses.fields(cls):
-            key = f"{section_name}.{f.name}"
             default = getattr(getattr(defaults, section_name), f.name)
-            choices = _choices(hints[f.name])
-            lines.append(f"  --{key} {_type_name(hints[f.name])} (default: {default!r})")
-            doc = docs.get(f.name, "")
-            if choices:
-                doc += f" Choices: {', '.join(choices)}."
-            lines.extend("      " + line for line in textwrap.wrap(doc, 90))
+            lines.append(f"  --{section_name}.{f.name} {_type_name(hints[f.name])} (default: {default!r})")
+            if choices := _choices(hints[f.name]):
+                docs[f.name] += f" Choices: {', '.join(choices)}."
+            lines.extend("      " + line for line in textwrap.wrap(docs[f.name], 90))
     return "\n".join(lines)
 
 

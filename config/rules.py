@@ -30,8 +30,7 @@ _IN_RANGE: dict[str, typing.Callable[[float], bool]] = {
     "-1 or positive": lambda v: v == -1 or v > 0,
     "-1 or >= 0": lambda v: v >= -1,
 }
-# Range -> the options that must be in it when set (validation's only with validation.enable:
-# torchtitan's files leave validation.steps at -1 when it is off).
+# Range -> the options that must be in it when set (validation's only when enabled: torchtitan's files leave it -1).
 RANGES = {
     "positive": f"""training.seq_len training.local_batch_size training.steps metrics.log_freq metrics.peak_flops
         profiling.profile_freq profiling.profiler_active comm.init_timeout_seconds comm.train_timeout_seconds
@@ -48,15 +47,11 @@ RANGES = {
 }
 
 
-def _value(config: JobConfig, key: str) -> typing.Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(config, section), name)
-
-
 def _check_ranges(c: JobConfig) -> None:
     for allowed, keys in RANGES.items():
         for key in keys.split():
-            value = _value(c, key)
+            section, _, name = key.partition(".")
+            value = getattr(getattr(c, section), name)
             if value is not None and (c.validation.enable or not key.startswith("validation.")):
                 if not _IN_RANGE[allowed](value):
                     raise ConfigError(f"{key} must be {allowed}, got {value}")

@@ -68,9 +68,3 @@ CHANGES_THE_RUN = {
     "comm.mode": "; a dry run is COMM_MODE=fake ./run_train.sh",
 }
 """Missing features a run cannot go without (how ranks split the work, or whether they train) -> what instead."""
-
-
-def asks_for_feature(key: str, value: object) -> bool:
-    """Whether setting the foreign option ``key`` to ``value`` asks for a feature Tessera lacks."""
-    neutral = FOREIGN[key]
-    return neutral is not ANY and value != neutral
