@@ -257,11 +257,9 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget"] = "none"
     """Recompute activations in backward: none, full (every block), selective, or memory_budget (compile chooses)."""
     selective_ac_option: str = "2"
-    """For selective mode: N (checkpoint every N-th block of the model; torchtitan's default 2) or
-    'op' (every block, saving its compute-heavy ops' outputs and recomputing the rest)."""
+    """Selective mode: N (every N-th block; torchtitan's default 2) or 'op' (every block, saving heavy ops' outputs)."""
     memory_budget: float = 0.5
-    """For memory_budget mode, from 0 (what full checkpointing keeps) to 1 (what compiling without it keeps): the
-    activations kept for backward; torch's partitioner recomputes as little as fits."""
+    """For memory_budget mode: the activations kept for backward, from 0 (as full checkpointing) to 1 (as none)."""
     early_stop: bool = True
     """Stop recomputing a block once backward has all it needs (torch's default; torchtitan's: false); same numbers."""
     preserve_rng_state: bool = False
@@ -277,16 +275,14 @@ class Compile:
     enable: bool = False
     """torch.compile what compile.components names."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
-    """What compile.enable compiles: the model (per block for fsdp2, whole for simple_fsdp) and the loss (except
-    under tensor parallelism, whose loss parallel runs eagerly on the vocabulary-sharded logits)."""
+    """Compiled by compile.enable: the model (per block for fsdp2, whole for simple_fsdp) and the loss (not with TP)."""
     backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile backend: inductor or aot_eager."""
     bucketing: Literal["none", "manual", "auto", "block"] = "manual"
     """SimpleFSDP's bucketing, model compiled whole: none (per parameter), manual (manual_buckets), auto (cost-model
     buckets of blocks); or block: blocks compiled alone, attention and feed-forward a bucket each, the rest eager."""
     manual_buckets: list[str] = field(default_factory=list)
-    """Manual buckets, each a '+'-joined list of module-name patterns ('layers.0+layers.1', 'norm+output'); empty =
-    one per transformer block, tok_embeddings, and norm+output."""
+    """Buckets: '+'-joined module patterns ('layers.0+layers.1'); empty = one per block, tok_embeddings, norm+output."""
     bucket_memory_cap_mb: float = 1024.0
     """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
     compute_flops: float | None = None

@@ -52,8 +52,7 @@ def _type_name(tp: typing.Any) -> str:
 
 def _unwrap_optional(tp: typing.Any) -> tuple[typing.Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
+        return next(a for a in typing.get_args(tp) if a is not type(None)), True
     return tp, False
 
 
@@ -133,20 +132,14 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     pairs: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
-        arg = argv[i]
+        arg, i = argv[i], i + 1
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument '{arg}': options look like --section.field value")
         key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if eq:
-            pairs.append((key, value))
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            pairs.append((key, argv[i + 1]))
-            i += 2
-        else:
-            pairs.append((key, None))
-            i += 1
+        if not eq:  # the value is the next argument, unless that is an option too
+            value = argv[i] if i < len(argv) and not argv[i].startswith("--") else None
+            i += value is not None
+        pairs.append((key.replace("-", "_"), value))
     return pairs
 
 

@@ -26,8 +26,7 @@ OVERRIDING = {"training.dataset_path", "validation.dataset_path"}
 NEGATED = {"parallelism.disable_loss_parallel": "parallelism.enable_loss_parallel"}
 """torchtitan boolean -> the Tessera boolean meaning its opposite."""
 
-ANY = object()
-"""Any value leaves the feature off (or only tunes how a missing feature would run)."""
+ANY = object()  # any value leaves the feature off, or only tunes how a missing feature would run
 
 # Tessera recognises a Hugging Face folder by itself (initial_load_in_hf); its last checkpoint holds everything.
 _ANY_VALUE = """metrics.disable_color_printing training.dataloader.persistent_workers training.dataloader.pin_memory
