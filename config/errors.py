@@ -31,8 +31,7 @@ def first_few(items: list[str], limit: int = 4) -> str:
 
 def typed_first_line(error: BaseException) -> str:
     """'Type: first line' of an error, or its type's name alone when it says nothing."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
 
 
 @contextlib.contextmanager

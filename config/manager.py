@@ -29,8 +29,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 
 def _sections() -> dict[str, type]:
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    return typing.get_type_hints(JobConfig)  # section name -> its dataclass, in order
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -147,10 +146,7 @@ def _flatten(table: dict, prefix: str = "") -> list[tuple[str, typing.Any]]:
     """(dotted key, value) of every leaf of a TOML table: [quantize.linear.float8] nests three deep."""
     leaves = []
     for name, value in table.items():
-        if isinstance(value, dict):
-            leaves.extend(_flatten(value, f"{prefix}{name}."))
-        else:
-            leaves.append((f"{prefix}{name}", value))
+        leaves += _flatten(value, f"{prefix}{name}.") if isinstance(value, dict) else [(f"{prefix}{name}", value)]
     return leaves
 
 
