@@ -12,8 +12,7 @@ class ConfigError(ValueError):
 
 
 def print_error(message: object) -> None:
-    """``error: <message>`` on stderr in one write. print() writes the text and its newline apart,
-    which unbuffered (PYTHONUNBUFFERED) lets another rank's output, on the same stderr, split."""
+    """``error: <message>`` on stderr in one write: print()'s two, unbuffered, let another rank's output split it."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
 
@@ -32,17 +31,13 @@ def first_few(items: list[str], limit: int = 4) -> str:
 
 def typed_first_line(error: BaseException) -> str:
     """'Type: first line' of an error, or its type's name alone when it says nothing."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
 
 
 @contextlib.contextmanager
 def user_input(option: str = "") -> Iterator[None]:
-    """Reports a ValueError or OSError raised while acting on ``option``'s value as a one-line
-    ConfigError (without a prefix when the message already names its option).
-
-    The one convention: code below the config raises ValueError/OSError naming what is wrong; the
-    code that hands it a config value wraps the call in this context."""
+    """A ValueError or OSError raised while acting on ``option``'s value as a one-line ConfigError: code below the
+    config raises them naming what is wrong; the code that hands it a config value wraps the call in this."""
     try:
         yield
     except ConfigError:

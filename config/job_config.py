@@ -9,27 +9,22 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-# No torch here: a mistake in the config is reported before anything imports it (seconds). The
-# dtype options take torch's own names (``getattr(torch, name)`` is the dtype).
-RESOLVED_CONFIG_FILE = "config.toml"
-"""In job.dump_folder: the options the run trained with, as TOML, after this first line."""
+# No torch here, so config mistakes are reported in seconds. Dtype options take torch's names.
+RESOLVED_CONFIG_FILE = "config.toml"  # in job.dump_folder: the run's options as TOML, after this header
 RESOLVED_CONFIG_HEADER = "# The options of the run in this folder, written (and rewritten) by the run\n"
 
 
 def written_by_a_run(path: str) -> bool:
-    """Whether the file at ``path`` is a resolved config a run wrote (its first line is the header)."""
+    """Whether ``path`` is a resolved config a run wrote (its first line is the header)."""
     with open(path, errors="replace") as f:
         return f.readline() == RESOLVED_CONFIG_HEADER
 
 
-METRICS_FILE = "metrics.jsonl"
-"""In job.dump_folder: one JSON record per logged step."""
-VALIDATION_FILE = "validation.jsonl"
-"""In job.dump_folder: one JSON record per validation."""
+METRICS_FILE = "metrics.jsonl"  # in job.dump_folder: one JSON record per logged step
+VALIDATION_FILE = "validation.jsonl"  # and one per validation
 
 CheckpointPart = Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]
 CHECKPOINT_PARTS: tuple[str, ...] = typing.get_args(CheckpointPart)
-"""What a checkpoint holds, by the names ``checkpoint.exclude_from_loading`` takes."""
 
 
 @dataclass
@@ -43,7 +38,7 @@ class Job:
     print_config: bool = False
     """Log the resolved config at start (it is always written to <dump_folder>/config.toml)."""
     save_config_file: str = ""
-    """Also write the resolved config as JSON to this file in the dump folder, as torchtitan does; empty = not."""
+    """Also write the resolved config as JSON to this file in the dump folder (as torchtitan); empty = not."""
     run_name: str = ""
     """TensorBoard run sub-folder under <dump_folder>/tb; empty = a timestamp."""
     cache_dir: str = field(
@@ -59,8 +54,8 @@ class Model:
     flavor: str = "debugmodel"
     """Size within the family: debugmodel, debugmodel_wide, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1)."""
     architecture: str = "auto"
-    """Where the sizes come from: 'flavor', a Hugging Face folder (or its config.json) replacing the flavor's, or
-    'auto' (checkpoint.initial_load_path if a Hugging Face folder, else the flavor). Fields below override either."""
+    """Where the sizes come from: 'flavor', a Hugging Face folder (or its config.json), or 'auto'
+    (checkpoint.initial_load_path if a Hugging Face folder, else the flavor). Fields below override either."""
     dim: int | None = None
     """Width of the residual stream (HF hidden_size); unset = the architecture's."""
     n_layers: int | None = None
@@ -70,8 +65,7 @@ class Model:
     n_kv_heads: int | None = None
     """Key/value heads of grouped-query attention (HF num_key_value_heads); unset = the architecture's."""
     ffn_dim: int | None = None
-    """SwiGLU width (HF intermediate_size); unset = the architecture's, or from ffn_dim_multiplier and multiple_of if
-    set."""
+    """SwiGLU width (HF intermediate_size); unset = the architecture's, or from ffn_dim_multiplier/multiple_of."""
     ffn_dim_multiplier: float | None = None
     """Factor on the default SwiGLU width int(8 * dim / 3); unset = the architecture's."""
     multiple_of: int | None = None
@@ -91,21 +85,18 @@ class Model:
     rope_original_max_position_embeddings: int | None = None
     """RoPE scaling: the original context length (HF original_max_position_embeddings); unset = the architecture's."""
     max_position_embeddings: int | None = None
-    """Context length written to a Hugging Face export's config.json; unset = the architecture's
-    (the source folder's, a published flavor's), else training.seq_len."""
+    """Context length in a Hugging Face export's config.json; unset = the architecture's, else training.seq_len."""
     tie_word_embeddings: bool | None = None
     """The output head reuses the token embedding table; unset = the architecture's."""
     vocab_size: int | None = None
-    """Vocabulary of the embedding and output head; unset = the Hugging Face folder's when the
-    architecture comes from one, else the tokenizer's. Must hold every id of the tokenizer."""
+    """Embedding/output vocabulary, holding every tokenizer id; unset = an HF architecture's, else the tokenizer's."""
     tokenizer_path: str = ""
     """A Hugging Face tokenizer folder (torchtitan's model.hf_assets_path) or its tokenizer.json, a sentencepiece
     .model or a tiktoken BPE file; empty = a tokenizer trained on the default corpus."""
     default_tokenizer_vocab_size: int = 2048
     """Vocabulary of the tokenizer trained on first use when tokenizer_path is empty (at least 349)."""
     converters: list[Literal["float8"]] = field(default_factory=list)
-    """Conversions of the model before it is parallelized: float8 trains its nn.Linear layers with
-    float8 matmuls (torchao's Float8Linear; needs the torchao package), as [float8] sets."""
+    """Conversions before parallelizing: float8 trains nn.Linear in float8 (torchao's Float8Linear; see [float8])."""
     print_after_conversion: bool = False
     """Log the model's modules after the conversions (rank 0)."""
 
@@ -113,8 +104,7 @@ class Model:
 # The [model] fields that, when set, override the architecture's (all and only those unset by default).
 MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default is None)
 
-# The largest sizes a Hugging Face config.json may give: tensor dims are int32 in places, and 10,000
-# blocks build in seconds (a billion would hang the pre-launch check).
+# The largest sizes a Hugging Face config.json may give: int32 tensor dims; 10,000 blocks build in seconds.
 MAX_MODEL_SIZE, MAX_LAYERS = 2**31 - 1, 10_000
 # The default corpus's distinct characters, each of which the default tokenizer must hold.
 DEFAULT_TOKENIZER_MIN_VOCAB = 349
@@ -136,17 +126,14 @@ class Training:
     local_batch_size: int = 8
     """Sequences per rank per microbatch."""
     global_batch_size: int = -1
-    """Sequences per optimizer step over all data-parallel ranks; -1 = local x data-parallel degree. Larger multiples
-    accumulate gradients over microbatches."""
+    """Sequences per optimizer step, all DP ranks; -1 = local x DP degree; multiples of that accumulate gradients."""
     steps: int = 100
     """Optimizer steps to train."""
     max_norm: float = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping."""
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Dtype of the forward/backward compute; auto = bfloat16 where the device multiplies it fast (GPUs with bf16,
-    CPUs with AVX512-BF16 or AMX), else float32. Sharded data parallelism casts the parameters; without it (one
-    process, DDP, TP or PP alone) the forward runs under autocast, as torchtitan's. Weights and optimizer state:
-    training.dtype."""
+    """Compute dtype; auto = bfloat16 where fast (GPUs with bf16, CPUs with AVX512-BF16 or AMX), else float32.
+    Sharded data parallelism casts the parameters; without it the forward runs under autocast, as torchtitan's."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights, gradients and optimizer state. bfloat16 (torchtitan's pure bf16) halves their memory and
     keeps no float32 copy, so small updates can round away; the compute then runs in bfloat16 too."""
@@ -176,9 +163,8 @@ class Optimizer:
     implementation: Literal["foreach", "fused", "for-loop"] = "fused"
     """Kernel: fused (one pass over each tensor, where the device has it: CUDA and CPU do), foreach or for-loop."""
     early_step_in_backward: bool = False
-    """Update each parameter once backward has its gradient, then free that gradient: the gradients are never all
-    held at once. No clipping (training.max_norm does not apply; the norm is still logged), no skipped update (not
-    with training.nonfinite_policy skip_step), and not with pipeline parallelism."""
+    """Step each parameter once backward has its gradient, then free it: gradients are never all held at
+    once. No clipping (the norm is still logged), no skip_step nonfinite_policy, no pipeline parallelism."""
 
 
 @dataclass
@@ -218,9 +204,8 @@ class Parallelism:
     ] = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Blocks per (virtual) stage, as torchtitan counts them: ceil((layers + first and last stage weights) / this)
-    stages; unset = one stage per rank (two for multi-stage schedules), blocks shared as evenly as the end weights
-    allow."""
+    """Blocks per (virtual) stage: ceil((layers + first and last stage weights) / this) stages; unset =
+    one stage per rank (two for multi-stage schedules), blocks shared as evenly as the end weights allow."""
     pipeline_parallel_first_stage_less_layers: int = 1
     """Without split_points: the first stage counts its embeddings as this many blocks, and gets that many fewer."""
     pipeline_parallel_last_stage_less_layers: int = 1
@@ -228,9 +213,8 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Explicit stage boundaries, e.g. 'layers.2,layers.4': each named layer starts a stage."""
     module_fqns_per_model_part: list[list[str]] = field(default_factory=list)
-    """Explicit stages by their modules, as torchtitan names them: in TOML a list of lists, e.g. [["tok_embeddings",
-    "layers.0"], ["layers.1", "norm", "output"]]; on the command line stages joined by ',' and a stage's modules by
-    '+'. tok_embeddings goes in the first stage, norm and output in the last, the blocks in order."""
+    """Explicit stages by their modules: in TOML a list of lists ([["tok_embeddings", "layers.0"], ["layers.1",
+    "norm", "output"]]); on the command line stages joined by ',' and a stage's modules by '+'."""
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline microbatch; the local batch is split into microbatches of this size."""
 
@@ -244,8 +228,7 @@ class Checkpoint:
     interval: int = 500
     """Save every this many steps (and at the last step)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """disabled (training waits for the save), async (a background thread writes while training
-    continues) or async_with_pinned_mem (staging into pinned memory, on accelerators)."""
+    """disabled (training waits), async (a background thread saves) or async_with_pinned_mem (pinned staging)."""
     keep_latest_k: int = 10
     """Keep only the newest k complete checkpoints, deleting older ones in the background; 0 = keep all."""
     load_step: int = -1
@@ -253,8 +236,7 @@ class Checkpoint:
     exclude_from_loading: list[CheckpointPart] = field(default_factory=list)
     """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader, train_state."""
     initial_load_path: str = ""
-    """When there is no checkpoint to resume from: load model weights only from this DCP checkpoint
-    folder (e.g. a seed checkpoint's step-0) or Hugging Face safetensors folder (fine-tuning)."""
+    """With no checkpoint to resume: load model weights from this DCP (e.g. seed step-0) or HF safetensors folder."""
     initial_load_model_only: bool = True
     """With initial_load_path a DCP checkpoint: false loads it as a resume (optimizer, LR schedule, data position and
     step too, but what exclude_from_loading names), to go on from another job's checkpoint."""
@@ -273,20 +255,15 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective", "memory_budget"] = "none"
-    """Recompute activations in backward: none, full (every block), selective, or memory_budget
-    (under compile: the compiler picks what to recompute to fit activation_checkpoint.memory_budget)."""
+    """Recompute activations in backward: none, full (every block), selective, or memory_budget (compile chooses)."""
     selective_ac_option: str = "2"
-    """For selective mode: N (checkpoint every N-th block of the model; torchtitan's default 2) or
-    'op' (every block, saving its compute-heavy ops' outputs and recomputing the rest)."""
+    """Selective mode: N (every N-th block; torchtitan's default 2) or 'op' (every block, saving heavy ops' outputs)."""
     memory_budget: float = 0.5
-    """For memory_budget mode, from 0 (what full checkpointing keeps) to 1 (what compiling without it keeps): the
-    activations kept for backward; torch's partitioner recomputes as little as fits."""
+    """For memory_budget mode: the activations kept for backward, from 0 (as full checkpointing) to 1 (as none)."""
     early_stop: bool = True
-    """Stop recomputing a block in backward once every tensor backward needs from it is back
-    (torch's default; torchtitan's is false). The numbers are the same either way."""
+    """Stop recomputing a block once backward has all it needs (torch's default; torchtitan's: false); same numbers."""
     preserve_rng_state: bool = False
-    """Restore the random number generator's state before recomputing a block, so that random
-    ops draw the same numbers again (torchtitan's default is true; Llama's blocks draw none)."""
+    """Restore the RNG state before recomputing, so random ops redraw the same (torchtitan: true; Llama draws none)."""
     determinism_check: Literal["default", "none"] = "default"
     """Check that recomputed tensors have the first forward's shapes, dtypes and devices ('default') or not ('none')."""
     debug: bool = False
@@ -298,23 +275,18 @@ class Compile:
     enable: bool = False
     """torch.compile what compile.components names."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
-    """What compile.enable compiles: the model (per block for fsdp2, whole for simple_fsdp) and the loss (except
-    under tensor parallelism, whose loss parallel runs eagerly on the vocabulary-sharded logits)."""
+    """Compiled by compile.enable: the model (per block for fsdp2, whole for simple_fsdp) and the loss (not with TP)."""
     backend: Literal["inductor", "aot_eager"] = "inductor"
     """torch.compile backend: inductor or aot_eager."""
     bucketing: Literal["none", "manual", "auto", "block"] = "manual"
-    """SimpleFSDP's collective bucketing, each compiling the whole model as one graph: none (one all-gather and one
-    reduce-scatter per parameter), manual (compile.manual_buckets) or auto (equal buckets of blocks, sized by a cost
-    model); or block: each block compiled on its own (one graph for all, as FSDP2's per-block compile), its attention
-    and its feed-forward one bucket each, the rest of the model eager."""
+    """SimpleFSDP's bucketing, model compiled whole: none (per parameter), manual (manual_buckets), auto (cost-model
+    buckets of blocks); or block: blocks compiled alone, attention and feed-forward a bucket each, the rest eager."""
     manual_buckets: list[str] = field(default_factory=list)
-    """Manual buckets, each a '+'-joined list of module-name patterns ('layers.0+layers.1', 'norm+output'); empty =
-    one per transformer block, tok_embeddings, and norm+output."""
+    """Buckets: '+'-joined module patterns ('layers.0+layers.1'); empty = one per block, tok_embeddings, norm+output."""
     bucket_memory_cap_mb: float = 1024.0
     """Auto bucketing: most megabytes of gathered weights that two neighbouring buckets may hold."""
     compute_flops: float | None = None
-    """Auto bucketing: FLOP/s of one rank; unset = measured at start on a block's forward and backward at the run's
-    batch."""
+    """Auto bucketing: FLOP/s of one rank; unset = measured at start on a block's forward and backward."""
 
     @property
     def compiles_model(self) -> bool:
@@ -330,19 +302,16 @@ class Float8:
     """Float8 training (model.converters = ["float8"]), torchtitan's [quantize.linear.float8]."""
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """How values are scaled into float8: per tensor, per row, or per row with the weight gradient's matmul in high
-    precision."""
+    """Scaling into float8: per tensor, per row, or per row with the weight gradient's matmul in high precision."""
     enable_fsdp_float8_all_gather: bool = False
     """FSDP2 gathers the weights already cast to float8 (half the bytes of bf16); tensorwise only."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With the float8 all-gather: the weights' scales computed once after each step, for all weights, not in each
-    gather."""
+    """With the float8 all-gather: all weights' scales computed once after each step, not per gather."""
     filter_fqns: list[str] = field(default_factory=list)
     """Linear layers left in high precision: names containing one of these (e.g. 'output'); 'auto_filter_small_kn'
     adds those torchao finds too small to gain on H100s (tensorwise, rowwise). Dims not divisible by 16 always are."""
     emulate: bool = False
-    """Run the float8 matmuls in high precision on the float8-rounded values: for GPUs without
-    float8 units (compute capability below 8.9). CPUs multiply float8 themselves."""
+    """Float8 matmuls in high precision on float8-rounded values, for GPUs below compute capability 8.9."""
 
 
 @dataclass
@@ -366,8 +335,7 @@ class Metrics:
 @dataclass
 class Comm:
     alpha_us: float | None = None
-    """Latency of one collective in microseconds for the auto bucket planner; unset (with
-    bandwidth_gbps) = calibrated at start by timing all-gathers on the data-parallel group."""
+    """Collective latency (microseconds) for the auto bucket planner; unset = calibrated at start, as bandwidth_gbps."""
     bandwidth_gbps: float | None = None
     """Collective bandwidth in GB/s (bytes, not bits) for the auto bucket planner; unset = calibrated."""
     init_timeout_seconds: int = 300
@@ -394,8 +362,7 @@ class Profiling:
     profiler_active: int = 1
     """Steps each trace records: the last ones of every profile_freq window."""
     profiler_warmup: int = 3
-    """Steps the profiler runs unrecorded before them, its start-up out of the trace (fewer when profile_freq is
-    smaller)."""
+    """Steps run unrecorded before them, the profiler's start-up out of the trace (fewer if profile_freq is small)."""
     enable_memory_snapshot: bool = False
     """Record the GPU allocator's history and save a snapshot (pytorch.org/memory_viz) every profile_freq steps and
     on running out of memory (iteration_<step>_exit). CUDA and XPU only (on CPU: a warning)."""
@@ -439,11 +406,9 @@ class Debug:
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic collection is off); 0 = leave gc alone."""
     gc_debug: bool = False
-    """Collect garbage fully at every step instead, and warn of the tensors reference cycles were
-    holding (their number and bytes): memory only a collection frees. Slows every step."""
+    """Collect garbage fully every step instead, warning of the tensors reference cycles held (count, bytes); slow."""
     fail_at_step: int = -1
-    """Failure injection for tests, on the first attempt only (before any torchrun restart): at this step the last
-    rank does what debug.failure says; -1 = never."""
+    """Failure injection for tests, first attempt only: at this step the last rank does debug.failure; -1 = never."""
     failure: Failure = "kill"
     """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save or hang_during_save
     (in that step's save), disk_full_during_save (ENOSPC there), nan (non-finite gradients) or oom (that rank alone)."""
@@ -495,6 +460,3 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     plan: Plan = field(default_factory=Plan)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

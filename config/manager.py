@@ -1,5 +1,4 @@
-"""Loading the job config: defaults < TOML file < command line, then validation, ``--help`` and
-the resolved config as TOML."""
+"""Loading the job config (defaults < TOML file < command line) and validating it; ``--help``; the TOML dump."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import ast
 import collections
 import dataclasses
 import difflib
-import functools
 import inspect
 import json
 import logging
@@ -31,23 +29,15 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 
 def _sections() -> dict[str, type]:
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+    return typing.get_type_hints(JobConfig)  # section name -> its dataclass, in order
 
 
-@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """The string literal written under each field of a dataclass."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """The string literal written under each field of a dataclass (its only expression statements)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
@@ -61,8 +51,7 @@ def _type_name(tp: typing.Any) -> str:
 
 def _unwrap_optional(tp: typing.Any) -> tuple[typing.Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
+        return next(a for a in typing.get_args(tp) if a is not type(None)), True
     return tp, False
 
 
@@ -81,8 +70,7 @@ _FALSE = {"false", "0", "no", "off"}
 
 
 def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typing.Any:
-    """Converts a CLI string (or a TOML value, which must already have the right type) to the
-    field's type, or raises ConfigError."""
+    """A CLI string (or a TOML value, already of the right type) as the field's type, or ConfigError."""
     inner, optional = _unwrap_optional(tp)
     choices = _choices(inner)
     item_type = _list_item(inner)
@@ -117,12 +105,10 @@ def _convert(key: str, value: typing.Any, tp: typing.Any, from_cli: bool) -> typ
             raise ConfigError(expected) from None
     if choices and value not in choices:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}{_suggest(str(value), choices)}")
-    if inner is str or choices:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
-        return os.path.expanduser(value) if value.startswith("~") else value
-    raise TypeError(f"unsupported config field type {tp} for {key}")
+    if not isinstance(value, str):  # the schema's other fields are strings
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    # A home-relative path reaches us unexpanded from TOML and from --option=~/x.
+    return os.path.expanduser(value) if value.startswith("~") else value
 
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str:
@@ -140,36 +126,19 @@ def _field_type(key: str) -> typing.Any:
     return typing.get_type_hints(cls).get(field_name) if cls else None
 
 
-def _set(config: JobConfig, key: str, raw: typing.Any, origin: str) -> None:
-    """Sets the Tessera option ``key``; ``origin`` names the TOML file it came from (empty: CLI)."""
-    try:
-        value = _convert(key, raw, _field_type(key), from_cli=not origin)
-    except ConfigError as e:
-        raise ConfigError(f"{e}{origin}") from None
-    section_name, _, field_name = key.partition(".")
-    setattr(getattr(config, section_name), field_name, value)
-
-
 def _parse_cli(argv: list[str]) -> list[tuple[str, str | None]]:
-    """Splits ``--a.b v``, ``--a.b=v`` and bare ``--flag`` into (key, value-or-None) pairs; dashes
-    in names read as underscores (``--training.local-batch-size``)."""
+    """``--a.b v``, ``--a.b=v`` and bare ``--flag`` as (key, value or None) pairs; dashes read as underscores."""
     pairs: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
-        arg = argv[i]
+        arg, i = argv[i], i + 1
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument '{arg}': options look like --section.field value")
         key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if eq:
-            pairs.append((key, value))
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            pairs.append((key, argv[i + 1]))
-            i += 2
-        else:
-            pairs.append((key, None))
-            i += 1
+        if not eq:  # the value is the next argument, unless that is an option too
+            value = argv[i] if i < len(argv) and not argv[i].startswith("--") else None
+            i += value is not None
+        pairs.append((key.replace("-", "_"), value))
     return pairs
 
 
@@ -177,10 +146,7 @@ def _flatten(table: dict, prefix: str = "") -> list[tuple[str, typing.Any]]:
     """(dotted key, value) of every leaf of a TOML table: [quantize.linear.float8] nests three deep."""
     leaves = []
     for name, value in table.items():
-        if isinstance(value, dict):
-            leaves.extend(_flatten(value, f"{prefix}{name}."))
-        else:
-            leaves.append((f"{prefix}{name}", value))
+        leaves += _flatten(value, f"{prefix}{name}.") if isinstance(value, dict) else [(f"{prefix}{name}", value)]
     return leaves
 
 
@@ -206,9 +172,8 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Builds the job config from defaults, the TOML file named by --job.config_file (the last
-    one given), then the other command-line options, torchtitan's names included. Raises
-    ConfigError for any bad input; every unknown option is named in the same message."""
+    """The job config from defaults, the TOML file of the last --job.config_file, then the command line, torchtitan's
+    names included. A ConfigError for any bad input names every unknown option."""
     pairs = [_negated_flag(key, value) for key, value in _parse_cli(argv)]
     given = collections.Counter(key for key, _ in pairs)
     if repeated := [f"--{key} ({n} times)" for key, n in given.items() if n > 1]:
@@ -221,7 +186,6 @@ def load_config(argv: list[str]) -> JobConfig:
     if config_file is not None and not config_file.strip():
         raise ConfigError("job.config_file: no file given (leave the option out for the defaults alone)")
     file_settings = _read_toml(config_file) if config_file else []
-    sources = [(file_settings, f" in {config_file}")] if config_file else []
     # A run's resolved config names the file it was made from; any other file thinks it reads one.
     if (nested := dict(file_settings).get("job.config_file")) and not written_by_a_run(config_file):
         logger.warning(
@@ -230,15 +194,14 @@ def load_config(argv: list[str]) -> JobConfig:
             nested,
             config_file,
         )
-    last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
-    sources.append((list(last.items()), ""))
     config, unknown, foreign = JobConfig(), [], {}
-    for settings, origin in sources:
-        _apply_source(config, settings, origin, unknown, foreign)
+    if config_file:
+        _apply_source(config, file_settings, f" in {config_file}", unknown, foreign)
+        config.job.config_file = config_file
+    last = {k: True if v is None else v for k, v in pairs if k != "job.config_file"}  # the last counts
+    _apply_source(config, list(last.items()), "", unknown, foreign)
     if unknown:
         raise ConfigError("; ".join(dict.fromkeys(unknown)))
-    if config_file:
-        config.job.config_file = config_file
     _check_foreign(foreign)
     rules.validate(config)
     rules.warn_no_effect(config, typed_options(argv))
@@ -246,25 +209,19 @@ def load_config(argv: list[str]) -> JobConfig:
 
 
 def named_as_given(error: ConfigError, argv: list[str]) -> ConfigError:
-    """``error`` with each option the user set by one of torchtitan's names (on the command line
-    ``argv`` or in the config file it names) called by that name, the one the user knows."""
+    """``error`` with each option the user set by a torchtitan name (in ``argv`` or its config file) called by it."""
     try:
         pairs = _parse_cli(argv)
         config_file = _config_file(pairs)
         file_keys = [key for key, _ in _read_toml(config_file)] if config_file else []
     except ConfigError:  # unreadable: the error says so, naming no option
         return error
-    cli_keys = [key for key, _ in pairs]
-    aliases = torchtitan.ALIASES
-
-    def alias_names(keys: list[str]) -> dict[str, str]:
+    aliases, names = torchtitan.ALIASES, {}
+    for keys in (file_keys, [key for key, _ in pairs]):  # the command line's value, and name, win
+        for option in {aliases.get(key, key) for key in keys}:
+            names.pop(option, None)
         # An option given by both names in one source (a contradiction's line names both) keeps its name.
-        return {aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys}
-
-    names = alias_names(file_keys)
-    for option in {aliases.get(key, key) for key in cli_keys}:  # the command line's value, and name, win
-        names.pop(option, None)
-    names.update(alias_names(cli_keys))
+        names.update({aliases[key]: key for key in keys if key in aliases and aliases[key] not in keys})
     if not names:
         return error
     pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w.])")
@@ -288,16 +245,14 @@ def _negated_flag(key: str, value: str | None) -> tuple[str, str | None]:
 
 
 def _apply_source(config: JobConfig, settings: list, origin: str, unknown: list, foreign: dict) -> None:
-    """Applies one file's or the command line's settings. An option given under Tessera's name and
-    torchtitan's with values that disagree is a ConfigError: neither can be taken for the intent."""
+    """Applies one file's or the command line's settings; one option given twice with two values is refused."""
     seen: dict[str, tuple[str, typing.Any]] = {}  # Tessera option: (name given, value it set)
     # torchtitan's renamed options after the direct ones: dataset_path wins over dataset.
     for key, value in sorted(settings, key=lambda kv: kv[0] in torchtitan.ALIASES):
-        target = _apply(config, key, value, origin, unknown, foreign)
-        if target is None or key in torchtitan.OVERRIDING:
+        applied = _apply(config, key, value, origin, unknown, foreign)
+        if applied is None or key in torchtitan.OVERRIDING:
             continue
-        section_name, _, field_name = target.partition(".")
-        now = getattr(getattr(config, section_name), field_name)
+        target, now = applied
         if target in seen and seen[target][1] != now:
             raise ConfigError(_disagreement(*seen[target], key, now, origin))
         seen[target] = (key, now)
@@ -315,15 +270,19 @@ def _disagreement(first: str, first_value: typing.Any, second: str, second_value
     return f"{shown[0]} and {shown[1]}{origin} contradict each other: {why}"
 
 
-def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> str | None:
-    """Sets one setting, by its Tessera or torchtitan name, and returns the Tessera option it set;
-    records what is unknown or foreign."""
+def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown: list, foreign: dict) -> tuple | None:
+    """Sets one setting by either name and returns (Tessera's option, its value); records what is unknown or foreign."""
     if key in torchtitan.NEGATED:
         key, value = torchtitan.NEGATED[key], _convert(key, value, bool, not origin) is False
     key = torchtitan.ALIASES.get(key, key)
-    if _field_type(key) is not None:
-        _set(config, key, value, origin)
-        return key
+    if (field_type := _field_type(key)) is not None:
+        try:
+            value = _convert(key, value, field_type, from_cli=not origin)
+        except ConfigError as e:
+            raise ConfigError(f"{e}{origin}") from None
+        section_name, _, field_name = key.partition(".")
+        setattr(getattr(config, section_name), field_name, value)
+        return key, value
     if key in torchtitan.FOREIGN:
         foreign[key] = value
     else:
@@ -344,24 +303,22 @@ def _unknown(key: str, origin: str) -> str:
 
 
 def _check_foreign(foreign: dict[str, typing.Any]) -> None:
-    """One line for torchtitan options of features Tessera lacks: an error when the run cannot go
-    without the feature, else a warning; one warning line for the others (left at no effect)."""
+    """torchtitan options of features Tessera lacks: an error when the run cannot go without the feature, else one
+    warning line; one more for those left at no effect."""
     foreign = {key: _as_neutral_type(key, value) for key, value in foreign.items()}
-    wanted = {key: value for key, value in foreign.items() if torchtitan.asks_for_feature(key, value)}
+    wanted = {key: value for key, value in foreign.items() if torchtitan.FOREIGN[key] not in (torchtitan.ANY, value)}
+    missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
     if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
-        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
         instead = "".join(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking))
         raise ConfigError(f"not available in Tessera: {missing}{instead}")
     if wanted:
-        missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
         logger.warning("not available in Tessera, training without them: %s", missing)
     if ignored := sorted(foreign.keys() - wanted.keys()):
         logger.warning("torchtitan options with no effect in Tessera, ignored: %s", ", ".join(ignored))
 
 
 def _as_neutral_type(key: str, value: typing.Any) -> typing.Any:
-    """A command line's string for a foreign option, read as its neutral value's type ('1' as 1,
-    'false' as False), so that the value leaving the feature off is known as such."""
+    """A command line's string for a foreign option as its neutral value's type, so that 'false' leaves it off too."""
     neutral = torchtitan.FOREIGN[key]
     if not isinstance(value, str) or neutral is torchtitan.ANY or isinstance(neutral, str):
         return value
@@ -384,14 +341,11 @@ def help_text(program: str = "train.py") -> str:
         hints = typing.get_type_hints(cls)
         docs = _field_docs(cls)
         for f in dataclasses.fields(cls):
-            key = f"{section_name}.{f.name}"
             default = getattr(getattr(defaults, section_name), f.name)
-            choices = _choices(hints[f.name])
-            lines.append(f"  --{key} {_type_name(hints[f.name])} (default: {default!r})")
-            doc = docs.get(f.name, "")
-            if choices:
-                doc += f" Choices: {', '.join(choices)}."
-            lines.extend("      " + line for line in textwrap.wrap(doc, 90))
+            lines.append(f"  --{section_name}.{f.name} {_type_name(hints[f.name])} (default: {default!r})")
+            if choices := _choices(hints[f.name]):
+                docs[f.name] += f" Choices: {', '.join(choices)}."
+            lines.extend("      " + line for line in textwrap.wrap(docs[f.name], 90))
     return "\n".join(lines)
 
 
@@ -402,7 +356,7 @@ def _toml_value(value: typing.Any) -> str:
 def to_toml(config: JobConfig) -> str:
     """The resolved config as TOML (unset optional values are left out)."""
     lines = []
-    for section_name, values in config.to_dict().items():
+    for section_name, values in dataclasses.asdict(config).items():
         lines.append(f"[{section_name}]")
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None)
         lines.append("")

@@ -1,5 +1,4 @@
-"""The rule book of the job config: value ranges, options that contradict each other, and options
-that have no effect in a run. load_config, the pre-launch check and the ranks all call these."""
+"""The job config's rule book: value ranges, options that contradict each other, options without effect."""
 
 from __future__ import annotations
 
@@ -22,8 +21,6 @@ from config.job_config import (
 
 logger = logging.getLogger(__name__)
 
-# The blocks the first and last pipeline stages count their embeddings and output as.
-_PIPELINE_END_WEIGHTS = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
 _MODEL_SIZES = " ".join(f"model.{n}" for n in MODEL_SIZE_FIELDS if n not in ("use_rope_scaling", "tie_word_embeddings"))
 
 _IN_RANGE: dict[str, typing.Callable[[float], bool]] = {
@@ -33,8 +30,7 @@ _IN_RANGE: dict[str, typing.Callable[[float], bool]] = {
     "-1 or positive": lambda v: v == -1 or v > 0,
     "-1 or >= 0": lambda v: v >= -1,
 }
-# Range -> the options that must be in it when set (validation's only with validation.enable:
-# torchtitan's files leave validation.steps at -1 when it is off).
+# Range -> the options that must be in it when set (validation's only when enabled: torchtitan's files leave it -1).
 RANGES = {
     "positive": f"""training.seq_len training.local_batch_size training.steps metrics.log_freq metrics.peak_flops
         profiling.profile_freq profiling.profiler_active comm.init_timeout_seconds comm.train_timeout_seconds
@@ -51,15 +47,11 @@ RANGES = {
 }
 
 
-def _value(config: JobConfig, key: str) -> typing.Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(config, section), name)
-
-
 def _check_ranges(c: JobConfig) -> None:
     for allowed, keys in RANGES.items():
         for key in keys.split():
-            value = _value(c, key)
+            section, _, name = key.partition(".")
+            value = getattr(getattr(c, section), name)
             if value is not None and (c.validation.enable or not key.startswith("validation.")):
                 if not _IN_RANGE[allowed](value):
                     raise ConfigError(f"{key} must be {allowed}, got {value}")
@@ -77,9 +69,6 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
     (lambda c: c.model.default_tokenizer_vocab_size < DEFAULT_TOKENIZER_MIN_VOCAB and not c.model.tokenizer_path,
      f"model.default_tokenizer_vocab_size must be at least {DEFAULT_TOKENIZER_MIN_VOCAB} (the default corpus's "
      "characters), got {c.model.default_tokenizer_vocab_size}"),
-    # Its powers are RoPE's frequencies: below 1 they grow, past float range for tiny values.
-    (lambda c: c.model.rope_theta is not None and c.model.rope_theta < 1,
-     "model.rope_theta must be at least 1, got {c.model.rope_theta}"),
     # Llama 3.1's RoPE divides by high - low.
     (lambda c: None not in (lo := c.model.rope_low_freq_factor, hi := c.model.rope_high_freq_factor) and lo >= hi,
      "model.rope_low_freq_factor {c.model.rope_low_freq_factor} is not below model.rope_high_freq_factor "
@@ -168,8 +157,7 @@ def _every_nth_block(option: str) -> bool:
 
 
 def validate(config: JobConfig) -> None:
-    """Checks the values that do not depend on the world size (choices are checked on loading;
-    the optimizer's and the LR schedule's values when they are built)."""
+    """Checks what does not depend on the world size (the optimizer's and LR schedule's values: when built)."""
     _check_ranges(config)
     for mistake, message in _CONTRADICTIONS:
         if mistake(config):
@@ -197,14 +185,14 @@ _NO_DP = "no data parallelism: one data-parallel rank"
 _SIMPLE_FSDP = "bucketing manual_buckets bucket_memory_cap_mb compute_flops"
 _PIPELINE = _fields(Parallelism, but="pipeline_parallel_degree").split()
 _PIPELINE = " ".join(n for n in _PIPELINE if n.startswith("pipeline_parallel_")) + " module_fqns_per_model_part"
+_ENDS = "pipeline_parallel_first_stage_less_layers pipeline_parallel_last_stage_less_layers"
 
 
 def _no_effect_rules(c: JobConfig, dp: tuple[int, int] | None) -> list[tuple[typing.Any, str, str]]:
-    """(when, why, section: options), in the order the reasons are given: the first that holds
-    names an option's. ``dp``: the (replicate, shard) degrees, None before they are known."""
+    """(when, why, section: options); the first that holds gives an option's reason. ``dp``: (replicate, shard)."""
     ck, comp, ac, p, m, dbg = c.checkpoint, c.compile, c.activation_checkpoint, c.parallelism, c.metrics, c.debug
     unsharded, one_dp = dp is not None and dp[1] == 1, dp is not None and dp[0] * dp[1] == 1
-    ac_mode, ends = f"activation_checkpoint.mode is {ac.mode}", " ".join(_PIPELINE_END_WEIGHTS)
+    ac_mode = f"activation_checkpoint.mode is {ac.mode}"
     # fmt: off
     return [
         (not ck.enable, "checkpoint.enable is false", "checkpoint: folder interval async_mode keep_latest_k export_dtype"),
@@ -230,8 +218,8 @@ def _no_effect_rules(c: JobConfig, dp: tuple[int, int] | None) -> list[tuple[typ
          "activation_checkpoint: early_stop preserve_rng_state determinism_check debug"),
         (p.pipeline_parallel_degree == 1, "no pipeline parallelism", f"parallelism: {_PIPELINE}"),
         (p.pipeline_parallel_split_points, "parallelism.pipeline_parallel_split_points gives the stages",
-         f"parallelism: {ends}"),
-        (p.module_fqns_per_model_part, "parallelism.module_fqns_per_model_part gives the stages", f"parallelism: {ends}"),
+         f"parallelism: {_ENDS}"),
+        (p.module_fqns_per_model_part, "parallelism.module_fqns_per_model_part gives the stages", f"parallelism: {_ENDS}"),
         (p.tensor_parallel_degree == 1, "no tensor parallelism",
          "parallelism: enable_loss_parallel enable_async_tensor_parallel"),
         (not c.validation.enable, "validation.enable is false", f"validation: {_fields(Validation, but='enable')}"),
@@ -274,22 +262,19 @@ def _warn_ignored(reasons: dict[str, str], typed: typing.AbstractSet[str]) -> No
 def warn_no_effect_at_degrees(
     config: JobConfig, typed: typing.AbstractSet[str], dp_replicate: int, dp_shard: int
 ) -> None:
-    """One warning line for the options in ``typed`` that do nothing at these data-parallel
-    degrees, beyond those warn_no_effect named."""
+    """One warning line for the options in ``typed`` that do nothing at these data-parallel degrees alone."""
     before = _no_effect(config)
     after = _no_effect(config, (dp_replicate, dp_shard))
     _warn_ignored({key: why for key, why in after.items() if key not in before}, typed)
 
 
 def warn_no_effect(config: JobConfig, typed: typing.AbstractSet[str]) -> None:
-    """One warning line for the command-line options this run ignores (torchtitan's files set
-    many such options, so only the ones typed are named), and for windows longer than the run or
-    an LR schedule shorter than it."""
+    """One warning line for the typed options this run ignores (torchtitan's files set many), and for windows longer
+    than the run or an LR schedule shorter than it."""
     _warn_ignored(_no_effect(config), typed)
     ck = config.checkpoint
     if ck.enable and not ck.export_hf and ck.export_dtype != "float32" and "checkpoint.export_dtype" not in typed:
-        # Set in a file: torchtitan would save its last checkpoint model-only in this dtype, which
-        # Tessera's whole last checkpoint does not.
+        # torchtitan would save its last checkpoint model-only in this dtype; Tessera's is whole.
         logger.warning(
             "checkpoint.export_dtype %s is the dtype of the Hugging Face export alone (checkpoint.export_hf), "
             "which is off: the last checkpoint is saved whole, as trained",

@@ -1,3 +1,4 @@
+import dataclasses
 import logging
 import os
 import subprocess
@@ -167,7 +168,7 @@ def test_batch_sizes_must_divide():
 
 def test_help_lists_every_field_with_doc_and_default():
     text = help_text()
-    for section, values in JobConfig().to_dict().items():
+    for section, values in dataclasses.asdict(JobConfig()).items():
         for name in values:
             assert f"--{section}.{name} " in text
     assert "Optimizer steps to train. " in text or "Optimizer steps to train." in text
