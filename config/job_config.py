@@ -104,8 +104,6 @@ class Model:
 # The [model] fields that, when set, override the architecture's (all and only those unset by default).
 MODEL_SIZE_FIELDS = tuple(f.name for f in dataclasses.fields(Model) if f.default is None)
 
-# The largest sizes a Hugging Face config.json may give: int32 tensor dims; 10,000 blocks build in seconds.
-MAX_MODEL_SIZE, MAX_LAYERS = 2**31 - 1, 10_000
 # The default corpus's distinct characters, each of which the default tokenizer must hold.
 DEFAULT_TOKENIZER_MIN_VOCAB = 349
 
