@@ -49,13 +49,9 @@ def apply_ac(
     determinism_check: str = "default",
     debug: bool = False,
 ) -> None:
-    """Wraps the blocks of ``blocks`` for activation checkpointing, in place.
-
-    mode: ``full`` checkpoints every block; ``selective`` with option ``op`` saves matmul and
-    attention outputs (every other matmul recomputed), with option ``N`` checkpoints every N-th block.
-    ``none`` and ``memory_budget`` (the compiler's partitioner chooses) wrap nothing. The keyword
-    arguments are ``torch.utils.checkpoint.checkpoint``'s.
-    """
+    """Wraps ``blocks`` for activation checkpointing in place: ``full`` every block; ``selective``
+    ``op`` saves matmul and attention outputs (every other matmul recomputed), ``N`` every N-th
+    block; ``none`` and ``memory_budget`` (the partitioner chooses) nothing."""
     if mode in ("none", "memory_budget"):
         return
     wrap = functools.partial(

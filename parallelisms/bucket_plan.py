@@ -1,37 +1,19 @@
 """Bucket plans for SimpleFSDP: which modules share one all-gather and one reduce-scatter.
 
-Pure planning logic (no FX graphs): the graph pass merges the collectives of each bucket. The
-cost models (``CommModel``, ``ComputeModel``) are in ``parallelisms.cost_model``.
+Overlap (buckets ``B_0 .. B_{n-1}`` in forward order, one step per bucket). Forward step ``i`` runs
+``F_i`` while ``AG(B_{i+1})`` is prefetched: exposed_forward[i] = ``AG(B_0)`` for i = 0, else
+``max(0, AG(B_i) - F_{i-1})``. Backward runs ``B_{n-1} .. B_0``; during ``G_i`` run
+``RS(B_{i+1})`` and the re-gather ``AG(B_{i-1})``: exposed_backward[i] =
+``max(0, RS(B_{i+1}) + AG(B_{i-1}) - G_i)``, plus the unhidden ``AG(B_{n-1})`` on step ``n-1``
+and ``RS(B_0)`` on step 0. Only resharded (``regathered``) units are gathered again. Two
+consecutive buckets' gathered weights are alive together: their sum must stay under the memory cap.
 
-Overlap semantics (buckets ``B_0 .. B_{n-1}`` in forward execution order, one step per bucket)
-    Forward, step ``i`` runs ``B_i``'s forward compute ``F_i``:
-        * ``AG(B_0)`` has nothing to hide behind: fully exposed.
-        * ``AG(B_{i+1})`` is prefetched, issued before ``F_i`` and overlapping it.
-        * exposed_forward[i] = ``AG(B_0)`` for i = 0, else ``max(0, AG(B_i) - F_{i-1})``.
-    Backward runs ``B_{n-1} .. B_0``; step ``i`` runs ``B_i``'s backward compute ``G_i``:
-        * ``RS(B_{i+1})``, issued once ``G_{i+1}`` produced its gradients, overlaps ``G_i``.
-        * ``AG(B_{i-1})``, the re-gather of resharded weights, is prefetched during ``G_i``.
-        * the re-gather ``AG(B_{n-1})`` (first backward step) and ``RS(B_0)`` (after the last)
-          have nothing to hide behind: fully exposed, charged to their own step.
-        * exposed_backward[i] = ``max(0, RS(B_{i+1}) + AG(B_{i-1}) - G_i)``, plus those two
-          unhidden collectives on steps ``n-1`` and ``0``. Without resharding there are no
-          re-gathers, so every backward ``AG`` term is 0; with it, only units marked
-          ``regathered`` count.
-    Memory: while ``B_i`` computes, ``B_{i+1}`` is being gathered, so the gathered weights of
-    two consecutive buckets are alive together; their sum must stay under the memory cap.
-
-Auto wrapping (``plan_auto``): the SimpleFSDP paper's cost model, searched over uniform plans
-    The paper grows each bucket greedily while its communication hides. Its plans put blocks at
-    different offsets of differently sized buckets, and Inductor compiles the code that copies a
-    parameter out of its bucket once per distinct layout: compile time grew with the largest
-    bucket (one g++ run per kernel, about 1 s each on a CPU). So auto keeps the blocks (the longest
-    run of consecutive units with equal bytes and FLOPs) in buckets of ``k`` blocks each, aligned on
-    block boundaries (the last one holds the remainder), the units before them in one bucket and the
-    units after them in another, and picks the ``k`` whose plan the model predicts the least exposed
-    communication for (forward plus backward), the smallest ``k`` on a tie. Where compute hides
-    every collective that is ``k = 1``: a larger first bucket only exposes a larger first gather.
-    Where latency dominates, larger buckets pay it fewer times. ``k`` grows only while every bucket
-    and its predecessor stay under the memory cap; one block per bucket is always allowed.
+Auto (``plan_auto``): the SimpleFSDP paper's cost model, searched over uniform plans. Its greedy
+plans put blocks at different offsets of differently sized buckets, and Inductor compiles the code
+that copies a parameter out of its bucket once per layout (compile time grew with the largest
+bucket). So auto keeps the blocks (the longest run of units alike) in buckets of ``k`` blocks, the
+units before and after them in one bucket each, and picks the ``k`` with the least predicted
+exposed communication (the smallest on a tie), growing ``k`` only while the memory cap holds.
 """
 
 from __future__ import annotations
@@ -49,7 +31,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from parallelisms.cost_model import CommModel, ComputeModel, _ring_fraction
+from parallelisms.cost_model import CommModel, ComputeModel
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +40,7 @@ _MIB = 1024**2
 
 @dataclass(frozen=True)
 class PlanUnit:
-    """One module in forward execution order (e.g. ``tok_embeddings``, ``layers.0``, ``norm``, ``output``).
-
-    ``param_bytes`` are the full (unsharded) bytes of its parameters in the all-gather dtype.
-    """
+    """One module in forward execution order; ``param_bytes`` unsharded, in the all-gather dtype."""
 
     name: str
     param_bytes: int
@@ -70,17 +49,10 @@ class PlanUnit:
     regathered: bool = True
     """Whether backward gathers the weights again when resharding after forward."""
 
-    def __post_init__(self) -> None:
-        if self.param_bytes < 0 or self.forward_flops < 0 or self.backward_flops < 0:
-            raise ValueError(f"PlanUnit {self.name!r}: bytes and FLOPs must be >= 0, got {self}")
-
 
 @dataclass
 class Bucket:
-    """Modules whose parameters share one all-gather and one reduce-scatter.
-
-    The predicted exposed times are ``None`` for a plan made without cost models.
-    """
+    """Modules whose parameters share one all-gather and one reduce-scatter (no predictions: None)."""
 
     units: list[str]
     param_bytes: int
@@ -95,7 +67,6 @@ class BucketPlan:
     buckets: list[Bucket]
 
     def describe(self) -> str:
-        """A readable table: bucket index, modules, gathered MiB, predicted exposed comm."""
         lines = [f"{'bucket':>6}  {'modules':<40}  {'MiB':>9}  {'exposed fwd ms':>14}  {'exposed bwd ms':>14}"]
         for index, bucket in enumerate(self.buckets):
             lines.append(
@@ -113,7 +84,6 @@ class BucketPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        """Plain, JSON-serializable form: ``{"buckets": [{units, param_bytes, predicted_...}, ...]}``."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -124,13 +94,11 @@ class BucketPlan:
 def saved_or_new_plan(
     folder: str | None, key: dict, make_plan: Callable[[], BucketPlan], group: dist.ProcessGroup
 ) -> tuple[BucketPlan, str | None]:
-    """The plan an earlier start saved in ``folder`` for the same ``key`` (units and settings, JSON),
-    else ``make_plan()`` (called by every rank of ``group``), saved there; and the file's path when
-    the plan was read from it.
-
-    An auto plan rests on timings that vary from start to start, and a different plan is a different
-    compiled graph: a restart would miss the compile caches. The group's first rank decides and
-    broadcasts its choice, so every rank buckets alike even where the folder is not shared."""
+    """The plan an earlier start saved in ``folder`` for the same ``key``, else ``make_plan()`` (run
+    by every rank of ``group``) saved there; and the file's path when the plan was read from it.
+    An auto plan rests on timings, and a different plan is a different compiled graph: a restart
+    would miss the compile caches. The first rank decides for all, even where the folder is not
+    shared."""
     text = json.dumps(key, sort_keys=True)
     path = os.path.join(folder, f"auto_{hashlib.sha1(text.encode()).hexdigest()[:16]}.json") if folder else None
     first = dist.get_rank(group) == 0
@@ -169,18 +137,9 @@ def _sum_or_none(values: list[float | None]) -> float | None:
     return sum(known) if len(known) == len(values) else None
 
 
-def _check_units(units: Sequence[PlanUnit]) -> None:
-    if not units:
-        raise ValueError("A bucket plan needs at least one unit")
-    names = [unit.name for unit in units]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(f"Unit names must be unique, repeated: {duplicates}")
-
-
 @dataclass(frozen=True)
 class _Costs:
-    """Per-bucket times under one set of cost models (see the module docstring for their use)."""
+    """Per-bucket times under one set of cost models."""
 
     comm: CommModel
     compute: ComputeModel
@@ -188,17 +147,10 @@ class _Costs:
     reduce_scatter_bytes_factor: float
     reshard_after_forward: bool
 
-    def __post_init__(self) -> None:
-        _ring_fraction(self.world_size)  # validates world_size
-        factor = self.reduce_scatter_bytes_factor
-        if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"reduce_scatter_bytes_factor must be > 0, got {factor}")
-
     def all_gather(self, units: Sequence[PlanUnit]) -> float:
         return self.comm.all_gather_time(sum(unit.param_bytes for unit in units), self.world_size)
 
     def regather(self, units: Sequence[PlanUnit]) -> float:
-        """Backward all-gather: only resharded weights are gathered again."""
         return self.all_gather([unit for unit in units if unit.regathered]) if self.reshard_after_forward else 0.0
 
     def reduce_scatter(self, units: Sequence[PlanUnit]) -> float:
@@ -213,7 +165,7 @@ class _Costs:
 
 
 def _predict(groups: list[list[PlanUnit]], costs: _Costs) -> BucketPlan:
-    """Buckets with the exposed communication of each step, as defined in the module docstring."""
+    """Buckets with the exposed communication of each step (module docstring)."""
     count = len(groups)
     buckets = []
     for i, group in enumerate(groups):
@@ -250,21 +202,9 @@ def plan_auto(
     reduce_scatter_bytes_factor: float = 1.0,
     reshard_after_forward: bool = True,
 ) -> BucketPlan:
-    """Uniform buckets of blocks, sized by the paper's cost model (rules: module docstring).
-
-    Args:
-        units: modules in forward execution order.
-        world_size: ranks of the all-gather / reduce-scatter (the data-parallel shard dim).
-        memory_cap_bytes: cap on the gathered bytes of two consecutive buckets (the one computing
-            and the one being prefetched). One block per bucket is planned even above it.
-        reduce_scatter_bytes_factor: gradient bytes per gathered parameter byte, i.e. reduce
-            dtype size / gather dtype size (2.0 for bf16 gathers with fp32 reduction).
-        reshard_after_forward: whether backward gathers the weights again (adds those
-            all-gathers to the backward overlap budget).
-    """
-    _check_units(units)
-    if memory_cap_bytes <= 0:
-        raise ValueError(f"memory_cap_bytes must be > 0, got {memory_cap_bytes}")
+    """Uniform buckets of blocks, sized by the paper's cost model (module docstring).
+    ``memory_cap_bytes`` caps two consecutive buckets' gathered bytes (one block per bucket is
+    planned even above it); ``reduce_scatter_bytes_factor`` is gradient bytes per gathered byte."""
     costs = _Costs(comm, compute, world_size, reduce_scatter_bytes_factor, reshard_after_forward)
     start, stop = _repeated_run(units)
     head, blocks, tail = list(units[:start]), list(units[start:stop]), list(units[stop:])
@@ -319,17 +259,9 @@ def _parse_spec(spec: str) -> list[str]:
 
 
 def plan_manual(units: Sequence[PlanUnit], patterns: Sequence[str]) -> BucketPlan:
-    """Buckets named by the user, without cost predictions.
-
-    Each spec in ``patterns`` is one bucket: ``+``-joined fnmatch patterns over unit names
-    (``"norm+output"``; ``"layers.*"`` puts every layer in ONE bucket). Units no spec matches
-    get a bucket each. Buckets are ordered by execution order.
-
-    Raises:
-        ValueError: a pattern matches no unit, a unit matches two specs, or a spec's units are
-            not contiguous in execution order (one bucket is gathered at one point in time).
-    """
-    _check_units(units)
+    """Buckets named by the user: each spec is one bucket of ``+``-joined fnmatch patterns over unit
+    names (``"layers.*"`` puts every layer in ONE bucket), contiguous in execution order (a bucket
+    is gathered at one point in time). Units no spec matches get a bucket each."""
     names = [unit.name for unit in units]
     owner: dict[str, str] = {}
     groups: list[list[int]] = []
@@ -370,10 +302,7 @@ def plan_manual(units: Sequence[PlanUnit], patterns: Sequence[str]) -> BucketPla
 
 
 def default_manual_patterns(unit_names: Sequence[str]) -> list[str]:
-    """The default manual plan: ``tok_embeddings``, each ``layers.<i>``, and ``norm+output``.
-
-    Modules a pipeline stage lacks are left out; any other module gets a bucket of its own.
-    """
+    """``tok_embeddings``, each ``layers.<i>``, and ``norm+output`` (those this stage has)."""
     tail = [name for name in unit_names if name in ("norm", "output")]
     patterns = []
     for name in unit_names:

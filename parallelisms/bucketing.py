@@ -1,35 +1,16 @@
-"""Graph pass for SimpleFSDP: bucket the per-parameter collectives and reorder them for overlap.
+"""Graph pass for SimpleFSDP: bucket the data-parallel collectives and order them for overlap.
 
-Works on the forward and backward graphs that torch.compile produces (AOT autograd graphs, or
-Inductor's post-grad graphs). Each collective is attributed to a *unit* (``tok_embeddings``,
-``layers.3``, ``norm`` ...) through the module stack recorded in the node's metadata; the plan
-maps units to buckets. torch's own ``merge_*_bucket`` functions do the merging; this pass decides
-what to merge and where everything goes:
+Works on torch.compile's forward and backward graphs (AOT autograd's, or Inductor's post-grad).
+Each collective is attributed to a unit (``layers.3`` ...) by the module stack in its node's
+metadata; the plan maps units to buckets, and torch's ``merge_*_bucket`` functions merge them.
+Waits move to right before their first use. With ``reorder``, each bucket's all-gather runs during
+the previous bucket's compute, and in backward one transfer at a time runs beside a bucket's
+compute: at most one bucket's full-size gradients are in flight, as in FSDP2. On gloo the
+collectives are then rewritten (``gloo_graph``).
 
-- all-gathers of a bucket become one, issued where the bucket's first all-gather was;
-- reduce-scatters (and all-reduces) of a bucket become one, issued once the last gradient of the
-  bucket is ready;
-- every wait moves as late as possible: right before the first computation that needs its result;
-- with ``reorder``, bucket i+1's all-gather is issued before bucket i's wait, so it runs while
-  bucket i computes (prefetch); in backward, one transfer at a time runs beside a bucket's
-  compute: first the previous bucket's gradient reduction, then, from a point set by their bytes,
-  the next bucket's re-gather. At most one bucket's full-size gradients are in flight (as FSDP2),
-  never beside a gather's buffers nor beside the next bucket's gradient buffer;
-- on gloo, whose reduce-scatter is an all-reduce of a copy of its input, each data-parallel
-  reduce-scatter becomes an all-to-all of the bucket's chunks and a sum of the chunks received;
-  each data-parallel all-gather becomes one broadcast per rank into its slot of the bucket
-  (gloo's all-gather of a large bucket takes twice as long).
-
-Only the data-parallel collectives are bucketed and prefetched. With tensor parallelism the graphs
-also hold TP's collectives on activations (sequence parallel's all-gathers of a norm's output, the
-reduce-scatters of their gradients): each depends on the compute before it, and the next one of
-the same block on the result of the previous, so they can neither share a buffer nor be issued
-early. The pass is told the data-parallel process groups (``data_parallel_groups``): every
-collective on one of them is data-parallel; the others (TP's) stay where they are, one per
-tensor, their waits still sunk to their first use. (They cannot be told apart by shape: in a
-block's backward graph TP all-gathers saved activations, which are graph inputs as parameters'
-shards are, and all-reduces the gradient of the block's input, a graph output as parameters'
-gradients are.)
+Only collectives on the data-parallel groups are bucketed: tensor parallel's act on activations,
+each depending on the compute before it, and stay where they are. Shapes cannot tell them apart
+(TP all-gathers saved activations, graph inputs as the shards are), so the pass is told the groups.
 """
 
 from __future__ import annotations
@@ -55,11 +36,14 @@ from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
-ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
-REDUCE_SCATTERS = {c10d.reduce_scatter_tensor.default}
-ALL_REDUCES = {c10d.all_reduce.default}
-ALL_TO_ALLS = {c10d.all_to_all_single.default}
-BROADCASTS = {c10d.broadcast_.default}
+_KINDS = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.all_gather_into_tensor_out.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
+    c10d.broadcast_.default: "broadcast",
+}
 WAIT = c10d.wait_tensor.default
 
 # Ops that only re-describe a tensor: moving them together with the wait they follow is free.
@@ -97,19 +81,7 @@ def data_parallel_groups(mesh: DeviceMesh) -> list[str]:
 
 def collective_kind(node: fx.Node) -> str | None:
     """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all', 'broadcast' or None."""
-    if node.op != "call_function":
-        return None
-    if node.target in ALL_GATHERS:
-        return "all_gather"
-    if node.target in REDUCE_SCATTERS:
-        return "reduce_scatter"
-    if node.target in ALL_REDUCES:
-        return "all_reduce"
-    if node.target in ALL_TO_ALLS:
-        return "all_to_all"
-    if node.target in BROADCASTS:
-        return "broadcast"
-    return None
+    return _KINDS.get(node.target) if node.op == "call_function" else None
 
 
 def _module_stack(node: fx.Node) -> dict | None:
@@ -117,11 +89,8 @@ def _module_stack(node: fx.Node) -> dict | None:
 
 
 def module_path(node: fx.Node) -> str | None:
-    """The FQN of the innermost module that issued ``node`` (backward nodes carry the forward's).
-
-    Some collectives (a DTensor redistribute's all-reduce in backward) carry no module stack:
-    they take the one of the nearest producer of their input that does.
-    """
+    """The FQN of the innermost module that issued ``node`` (backward nodes carry the forward's);
+    without a module stack (a DTensor redistribute's backward), that of its nearest producer's."""
     stack = _module_stack(node)
     frontier, seen = list(node.all_input_nodes), set()
     while not stack and frontier:
@@ -150,8 +119,7 @@ def unit_of(path: str | None, units: list[str]) -> str | None:
 
 @dataclass
 class GraphReport:
-    """What the pass left in one graph: the collective counts and, when bucketing, the bucket
-    index of each all-gather (on gloo: each set of broadcasts) in graph order."""
+    """What the pass left in one graph: collective counts and each all-gather's bucket, in order."""
 
     collectives: collections.Counter = field(default_factory=collections.Counter)
     all_gather_buckets: list[int] = field(default_factory=list)
@@ -160,12 +128,9 @@ class GraphReport:
 
 
 class BucketingPass(CustomGraphPass):
-    """Buckets and reorders SimpleFSDP's collectives; usable as Inductor's
-    ``post_grad_custom_post_pass`` or called on AOT autograd graphs.
-
-    ``buckets`` lists unit names per bucket, in execution order; None means no bucketing (one
-    collective per parameter), still with waits sunk when ``reorder``.
-    """
+    """Buckets and reorders SimpleFSDP's collectives: Inductor's ``post_grad_custom_post_pass``, or
+    called on AOT autograd graphs. ``buckets``: unit names per bucket in execution order, or None
+    (one collective per parameter)."""
 
     def __init__(self, buckets: list[list[str]] | None, dp_groups: list[str], reorder: bool = True):
         self.buckets = buckets
@@ -243,10 +208,8 @@ class BucketingPass(CustomGraphPass):
                 node.meta["tessera_bucket"] = bucket
 
     def _prefetch_all_gathers(self, graph: fx.Graph) -> None:
-        """Issues the first data-parallel all-gather at the start of the graph and each next one
-        right before the previous one's wait. In backward the first re-gathered bucket is a block
-        (the output's weights stay gathered from forward): its gather runs beside the output's
-        and the loss's backward."""
+        """Issues the first all-gather at the start of the graph and each next one right before the
+        previous one's wait (in backward the first runs beside the output's and the loss's)."""
         gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and self._is_data_parallel(n)]
         if gathers:
             last_input = [n for n in graph.nodes if _is_input(n)][-1]
@@ -258,21 +221,12 @@ class BucketingPass(CustomGraphPass):
                 previous_wait.prepend(node)
 
     def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
-        """In backward, lets one transfer at a time run beside a bucket's compute: the reduction
-        of the gradients of the bucket before it, then the gather of the bucket after it.
-
-        The gather is set up where the compute is as far along (in matmul FLOPs) as the
-        reduction's share of the two transfers' bytes, and the reduction is waited for right
-        before; with no gather there (weights kept from forward, or the last blocks), right
-        before the next bucket's gradients are copied into their reduction buffer. Without
-        bucketing, each reduction is its own bucket. A nested compile region's compute cannot be
-        split: a point inside one moves to its nearer end (to its end in the first region, so
-        that the reduction runs beside some compute).
-
-        A sunk wait would sit at the graph's output, keeping every bucket's full-size gradients
-        alive to the end of backward (a DDP's worth of memory); a reduction left running beside
-        the next gather would hold both transfers' buffers (gradients, gathered weights, and the
-        transport's copies of each) beside the computing bucket's weights and gradients."""
+        """In backward, runs one transfer at a time beside a bucket's compute: the previous bucket's
+        gradient reduction, then, from where the compute (in matmul FLOPs) is as far along as the
+        reduction's share of the two transfers' bytes, the next bucket's gather. The reduction is
+        waited for before the gather, or without one before the next bucket's gradients are
+        assembled. A sunk wait would keep every bucket's gradients alive to the end of backward;
+        overlapping both transfers would hold both their buffers beside the computing bucket."""
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_issue: dict[int | fx.Node, fx.Node] = {}
         waits: dict[int | fx.Node, list[fx.Node]] = collections.defaultdict(list)
@@ -301,9 +255,8 @@ class BucketingPass(CustomGraphPass):
 
 
 def _assembly_start(reduction: fx.Node) -> fx.Node:
-    """Where a bucket's full-size gradient buffer comes into being: the first node of the merge
-    that reshapes and concatenates the bucket's gradients (after the last of them is computed)
-    into the reduction's input; the reduction itself when it reduces one gradient."""
+    """The first node of the merge that builds a reduction's full-size gradient buffer (the
+    reduction itself for one gradient)."""
     bucket = reduction.meta.get("tessera_bucket")
     if bucket is None:
         return reduction
@@ -329,8 +282,7 @@ def _bytes(node: fx.Node) -> int:
 
 
 def _flops(node: fx.Node) -> float:
-    """FLOPs of a matmul or attention node (torch's FLOP formulas), of the ones in a nested compile
-    region for a call of it, 0 for any other node."""
+    """FLOPs of a matmul or attention node (a nested compile region's for a call of it), else 0."""
     if _is_region_call(node):
         subgraph = getattr(node.graph.owning_module, node.args[0].target)
         return sum(_flops(inner) for inner in subgraph.graph.nodes)
@@ -343,8 +295,7 @@ def _flops(node: fx.Node) -> float:
 
 
 def _compute_point(start: fx.Node, end: fx.Node, share: float) -> fx.Node:
-    """The first node from ``start`` (before ``end``) by which ``share`` of the matmul FLOPs
-    between them have run."""
+    """The first node from ``start`` by which ``share`` of the FLOPs up to ``end`` have run."""
     nodes = []
     node = start
     while node is not end and node.op != "output":
@@ -400,8 +351,7 @@ def sink_wait(wait: fx.Node) -> None:
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:
-    """Reorders nodes so every input comes before its users, keeping the given order otherwise
-    (an input found late is pulled up to just before its first user)."""
+    """Reorders nodes so every input comes before its users, keeping the given order otherwise."""
     placed: set[fx.Node] = set()
     order: list[fx.Node] = []
 

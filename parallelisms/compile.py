@@ -1,17 +1,12 @@
-"""torch.compile: per transformer block (FSDP2, and SimpleFSDP with block bucketing) or the whole
-model (SimpleFSDP, with each block's attention and feed-forward nested compile regions, compiled
-once for all blocks), with our collective passes for SimpleFSDP, and the graph breaks compilation
-ran into.
+"""torch.compile per transformer block, or of the whole model (SimpleFSDP, each block's computation
+a nested compile region compiled once for all), with our partitioner and SimpleFSDP's passes; and
+the graph breaks compilation ran into.
 
-Partitioner. Every compiled graph is split into forward and backward by torch's min-cut
-partitioner (``MinCutPartitioner``), given SimpleFSDP's recompute tags and an activation memory
-budget first and followed by one fix-up: when a graph saves a non-tensor object for backward (the
-``DeviceMesh`` of DTensor parameters: SimpleFSDP, tensor parallel) and also recomputes a random op
-in backward (scaled-dot-product attention under full or every-N-th-block activation
-checkpointing), torch 2.13 appends the random op's saved RNG state *after* the saved mesh, while
-its runtime expects all saved tensors first, and the first forward fails ("expected all
-tensors_saved_with_vc_check to be Tensors"). The fix-up moves such objects behind the tensors in
-the forward outputs and the backward inputs alike; graphs already in order are left untouched.
+The partitioner is torch's min-cut one plus a fix-up: when a graph saves a non-tensor object for
+backward (a DTensor parameter's ``DeviceMesh``) and also recomputes a random op (attention under
+activation checkpointing), torch 2.13 saves the RNG state after the mesh while its runtime expects
+all tensors first ("expected all tensors_saved_with_vc_check to be Tensors"). The fix-up moves
+such objects behind the tensors, in the forward outputs and the backward inputs alike.
 """
 
 from __future__ import annotations
@@ -41,15 +36,9 @@ from parallelisms.simple_fsdp import mark_gathers_for_partitioner
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------
-# Partitioner
-# ---------------------------------------------------------------------------
-
-
 def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> bool:
-    """Moves the non-tensor objects saved for backward behind the saved tensors, in the forward
-    graph's outputs and in the backward graph's inputs (same permutation). Returns whether it
-    changed anything."""
+    """Moves the non-tensor objects saved for backward behind the saved tensors (module docstring);
+    returns whether it changed anything."""
     fw_output = fw_module.graph.find_nodes(op="output")[0]
     outputs = list(fw_output.args[0])
     saved = outputs[num_fwd_outputs:]
@@ -85,11 +74,9 @@ def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, nu
 
 
 def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
-    """A nested compile region's forward hands its backward what it needs as extra outputs, among
-    them its own inputs and views of them: under SimpleFSDP, the gathered weights. Taken from the
-    region's outputs they are saved for backward, whatever their gathers' recompute tags say; this
-    takes each from the region's input instead, viewed the same way, so that the partitioner
-    gathers it again in backward, as it does outside regions."""
+    """Takes what a nested compile region returns of its own inputs (views of SimpleFSDP's gathered
+    weights, handed to its backward) from the inputs instead: from the region's outputs they would
+    be saved whatever their gathers' recompute tags say."""
     graph = joint.graph
     for call in graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         subgraph = getattr(joint, call.args[0].target)
@@ -115,12 +102,9 @@ def _read_region_inputs_outside(joint: fx.GraphModule) -> None:
 
 
 class MinCutPartitioner(CustomPartitionerFn):
-    """torch's min-cut partitioner, with SimpleFSDP's gathers tagged and nested compile regions'
-    inputs read outside them first, then the saved non-tensor objects moved behind the saved
-    tensors (see the module docstring). ``memory_budget`` is torch's activation memory budget: 1
-    keeps what runs fastest, 0 the least (as if every op ran under activation checkpointing),
-    between, the least recomputation that fits. Usable as AOT autograd's ``partition_fn`` and as
-    inductor's ``custom_partitioner_fn``."""
+    """torch's min-cut partitioner with the fix-ups above, as AOT autograd's ``partition_fn`` and
+    Inductor's ``custom_partitioner_fn``. ``memory_budget`` is torch's activation memory budget: 1
+    keeps what runs fastest, 0 the least, between, the least recomputation that fits."""
 
     def __init__(self, memory_budget: float = 1.0):
         self.memory_budget = memory_budget
@@ -148,8 +132,7 @@ def _partitioner(memory_budget: float) -> MinCutPartitioner:
 
 
 def _aot_eager(graph_pass: BucketingPass | None = None, memory_budget: float = 1.0):
-    """AOT autograd without code generation (torch's ``aot_eager``) with our partitioner, running
-    ``graph_pass`` on the forward and backward graphs when given."""
+    """torch's ``aot_eager`` with our partitioner, running ``graph_pass`` on both graphs when given."""
 
     def compile_graph(gm: fx.GraphModule, example_inputs):
         if graph_pass is not None:
@@ -172,15 +155,9 @@ def _shared_aot_eager(memory_budget: float):
     return _aot_eager(memory_budget=memory_budget)
 
 
-# ---------------------------------------------------------------------------
-# Compile
-# ---------------------------------------------------------------------------
-
-
 def _inductor_options(graph_pass: BucketingPass | None, memory_budget: float) -> dict[str, Any]:
-    """Inductor's options: our partitioner, and ``graph_pass`` when given. Inductor's reordering
-    for peak memory would undo the pass's order: it issues each collective right before its wait,
-    leaving no communication overlapped, so it is off where the pass sets the order."""
+    """Our partitioner, and ``graph_pass`` when given; then Inductor's reordering for peak memory is
+    off: it would issue each collective right before its wait, overlapping nothing."""
     options: dict[str, Any] = {"custom_partitioner_fn": _partitioner(memory_budget)}
     if graph_pass is not None:
         options.update(post_grad_custom_post_pass=graph_pass, reorder_for_peak_memory=False)
@@ -190,10 +167,8 @@ def _inductor_options(graph_pass: BucketingPass | None, memory_budget: float) ->
 def apply_compile_per_block(
     blocks: nn.ModuleDict, backend: str, graph_pass: BucketingPass | None = None, memory_budget: float = 1.0
 ) -> None:
-    """Compiles each block in place (parameter names unchanged), as one graph per block that dynamo
-    compiles once and reuses for every block of the same shape; ``graph_pass`` (SimpleFSDP's, when
-    its gathers are traced with the block) runs on the forward and backward graphs. For
-    ``memory_budget`` see ``MinCutPartitioner``."""
+    """Compiles each block in place (names unchanged), one graph reused for blocks of the same shape;
+    ``graph_pass`` is SimpleFSDP's when its gathers are traced with the block."""
     if backend == "inductor":
         options = _inductor_options(graph_pass, memory_budget)
         for block in blocks.values():
@@ -213,12 +188,8 @@ def apply_compile_loss(loss_fn: Callable[..., torch.Tensor], backend: str) -> Ca
 def apply_compile_whole_model(
     model: nn.Module, backend: str, graph_pass: BucketingPass, memory_budget: float = 1.0
 ) -> None:
-    """Compiles ``model`` as one graph (``fullgraph=True``) so compute and SimpleFSDP's collectives
-    are traced together, and runs ``graph_pass`` on the forward and backward graphs.
-
-    The min-cut partitioner honours the recompute tags SimpleFSDP puts on its gathers (the default
-    partitioner would save the gathered weights). For ``memory_budget`` see
-    ``MinCutPartitioner``."""
+    """Compiles ``model`` as one graph so compute and SimpleFSDP's collectives are traced together,
+    ``graph_pass`` ordering them."""
     if backend == "inductor":
         model.compile(backend="inductor", fullgraph=True, options=_inductor_options(graph_pass, memory_budget))
     else:
@@ -226,16 +197,10 @@ def apply_compile_whole_model(
 
 
 def apply_compile_regions(modules: Iterable[nn.Module], template: nn.Module) -> None:
-    """Runs each of ``modules`` (alike: one per transformer block) as one nested compile region
-    (``torch.compiler.nested_compile_region``): a whole-model compile then traces, partitions and
-    lowers their computation once and reuses it for all of them, so its compile time grows with
-    the graph between the regions, not with their operations. Outside torch.compile the region is
-    a plain call.
-
-    ``template`` is a copy of one of them on the meta device, taken before any parallelism: the
-    region runs it on each module's parameters, passed in as arguments. They are read from the
-    module outside the region, so SimpleFSDP's gathers stay in the outer graph, where the
-    bucketing pass merges them and orders them across blocks."""
+    """Runs each of ``modules`` (alike: the blocks) as one nested compile region, which a whole-model
+    compile traces and lowers once for all. The region runs ``template`` (a meta copy of one, taken
+    before any parallelism) on the module's parameters, read outside it: SimpleFSDP's gathers stay
+    in the outer graph, where the bucketing pass orders them across blocks."""
     names = [name for name, _ in template.named_parameters()]
 
     @torch.compiler.nested_compile_region
@@ -252,13 +217,8 @@ def _forward_in_region(module: nn.Module, names: list[str], region: Callable[...
     return region(*inputs, *weights)
 
 
-# ---------------------------------------------------------------------------
-# Graph breaks
-# ---------------------------------------------------------------------------
-
-
 def _summary(reason: str) -> str:
-    """One line for a dynamo graph-break reason: its title and, when given, its explanation."""
+    """A graph-break reason's title and, when given, its explanation, on one line."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     if not lines:
         return "(no reason given)"
@@ -272,8 +232,7 @@ def graph_break_count() -> int:
 
 
 def graph_break_reasons() -> dict[str, int]:
-    """The distinct graph-break reasons seen in this process so far, one line each, with their
-    counts, most frequent first."""
+    """The distinct graph-break reasons so far, one line each, with their counts, most frequent first."""
     merged: Counter[str] = Counter()
     for reason, count in counters["graph_break"].items():
         merged[_summary(reason)] += count

@@ -1,28 +1,5 @@
-"""The device a rank computes on, and what it can do: the one place for every device-specific
-choice, so that the same code runs on CUDA + NCCL and on CPU + gloo. Each branch that only an
-accelerator (or only CUDA) takes is a function here, and the README lists them:
-
-- ``accelerator_count``: ranks per node by default (one per accelerator, else 2 CPU processes);
-- ``device_type`` / ``rank_device``: the accelerator of this local rank, made current, else the CPU;
-- ``backend_for``: the process group's backend (nccl on CUDA, gloo on CPU);
-- ``reduce_scatter_as_all_to_all``: gradient reductions as an all-to-all and a sum (gloo);
-- ``all_gather_as_broadcasts`` / ``all_gather_into``: parameter gathers as one broadcast per rank
-  (gloo);
-- ``device_peak``: datasheet peak FLOP/s of known GPUs (TF32 included), a benchmark otherwise;
-- ``supports_async_tp``: asynchronous tensor parallel (CUDA symmetric memory);
-- ``fast_bfloat16``: whether bf16 matmuls beat fp32 (the default precision follows it);
-- ``attention_dtype``: attention in fp32 under bf16 where that is faster (narrow heads on a CPU);
-- ``causal_query_chunk``: causal attention over chunks of queries where the kernel masks instead of
-  skipping (short sequences on a CPU);
-- ``pinned_memory_available``: pinned-memory staging of asynchronous checkpoints;
-- ``cache_freed_host_memory``: on a CPU, malloc keeps freed memory for reuse (CUDA's allocator
-  caches by itself);
-- ``peak_memory_bytes`` / ``reset_peak_memory``: the allocator's peak on CUDA, peak RSS on a CPU;
-- ``memory_per_rank``: an accelerator's own memory, or a share of the host's;
-- ``profiler_activities``: CUDA kernels in profiler traces;
-- ``allocator_history``: the GPU allocator's recorded history, for memory snapshots;
-- ``use_deterministic_algorithms``: cuBLAS's fixed workspace and no cuDNN autotuning on CUDA;
-- ``synchronize``: waiting for the accelerator before reading a clock.
+"""The device a rank computes on, and what it can do: every device-specific choice is a function
+here, so that the same code runs on CUDA + NCCL and on CPU + gloo (docs/parallelisms.md lists them).
 """
 
 from __future__ import annotations
@@ -57,9 +34,8 @@ def device_type() -> str:
 
 
 def memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
-    """Bytes of memory one rank can have, and where they come from (for a message): its
-    accelerator's total, or on a CPU the host's physical memory (its cgroup's limit when lower)
-    shared by the node's ranks."""
+    """Bytes of memory one rank can have, and where they come from (for a message): its accelerator's
+    total, or on a CPU the host's memory (or its cgroup's limit) shared by the node's ranks."""
     if torch.accelerator.is_available():
         total = torch.accelerator.get_memory_info(0)[1]
         return total, f"a {device_type()} device has {total / 2**30:.1f} GiB"
@@ -70,8 +46,7 @@ def memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
 
 
 def memory_cgroup() -> tuple[str, str]:
-    """This process's memory cgroup: its folder and the name of its limit's file (cgroup v1's
-    memory controller, else v2's unified hierarchy)."""
+    """This process's memory cgroup: its folder and its limit's file name (cgroup v1, else v2)."""
     with open("/proc/self/cgroup") as f:
         entries = [line.rstrip("\n").split(":", 2) for line in f]
     v1 = next((path for _, controllers, path in entries if "memory" in controllers.split(",")), None)
@@ -81,8 +56,7 @@ def memory_cgroup() -> tuple[str, str]:
 
 
 def _cgroup_memory_limit() -> int | None:
-    """The lowest memory limit of this process's cgroup and the cgroups above it (a batch
-    scheduler's job, a container), or None where there is none."""
+    """The lowest memory limit of this cgroup and those above it (a scheduler's job, a container)."""
     try:
         folder, limit_file = memory_cgroup()
     except OSError:  # not Linux
@@ -99,8 +73,7 @@ def _cgroup_memory_limit() -> int | None:
 
 
 def rank_device(local_rank: int) -> torch.device:
-    """The device of the rank with this ``local_rank`` on its node: that accelerator, made the
-    current one, or the CPU (all ranks of a node share it)."""
+    """This local rank's accelerator, made the current one, or the CPU (shared by the node's ranks)."""
     dev_type = device_type()
     if dev_type == "cpu":
         return torch.device("cpu")
@@ -118,24 +91,19 @@ def _on_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 
 def reduce_scatter_as_all_to_all(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether a sum reduce-scatter over ``group`` should run as an all-to-all of the input's chunks
-    and a sum of the chunks received: where the group runs on gloo, whose reduce-scatter is an
-    all-reduce of a fresh copy of its input (ProcessGroupGloo in torch 2.13), twice the bytes. NCCL
-    reduce-scatters natively."""
+    """Whether a sum reduce-scatter should run as an all-to-all of chunks and a sum: on gloo, whose
+    reduce-scatter all-reduces a fresh copy of its input (torch 2.13), twice the bytes."""
     return _on_gloo(group, device)
 
 
 def all_gather_as_broadcasts(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether an all-gather over ``group`` should run as one broadcast per rank, each into its
-    slot of the output, issued together: where the group runs on gloo, whose all-gather of a large
-    bucket takes about twice as long (bench/gloo_collectives.py) and allocates buffers of its own.
-    NCCL all-gathers natively."""
+    """Whether an all-gather should run as one broadcast per rank into its slot: on gloo, whose
+    all-gather of a large bucket takes twice as long (bench/gloo_collectives.py)."""
     return _on_gloo(group, device)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Gathers every rank's ``shard`` into ``output`` in rank order and waits: as one broadcast per
-    rank where ``all_gather_as_broadcasts`` says so, otherwise with the backend's all-gather."""
+    """Gathers every rank's ``shard`` into ``output`` in rank order and waits."""
     if not all_gather_as_broadcasts(group, output.device):
         dist.all_gather_into_tensor(output, shard, group=group)
         return
@@ -149,24 +117,21 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
 
 
 def supports_async_tp(device_type: str) -> bool:
-    """Asynchronous tensor parallel needs CUDA: symmetric-memory collectives that the compiler fuses
-    with the matmuls. Elsewhere it is turned off (it only overlaps communication)."""
+    """Asynchronous tensor parallel needs CUDA's symmetric-memory collectives."""
     return device_type == "cuda"
 
 
 def float8_matmuls(device_type: str) -> bool:
-    """Whether this device multiplies float8 matrices (torch._scaled_mm): GPUs of compute
-    capability 8.9 and up (Ada, Hopper, and later; AMD's float8 GPUs report 9.4), and CPUs, where
-    torch 2.13 has a kernel for it (correct, not fast)."""
+    """Whether torch._scaled_mm runs here: GPUs of compute capability 8.9 and up (AMD's report 9.4),
+    and CPUs (a correct, slow kernel)."""
     if device_type == "cuda":
         return torch.cuda.get_device_capability() >= (8, 9)
     return device_type == "cpu"
 
 
 def fast_bfloat16(device_type: str) -> tuple[bool, str]:
-    """Whether this device multiplies bfloat16 matrices faster than float32, and why: GPUs that
-    support bf16 do (tensor cores); a CPU does when it has bf16 instructions (AVX512-BF16 or AMX
-    tiles), which oneDNN uses for bf16 matmuls. Elsewhere bf16 is emulated and slower."""
+    """Whether bf16 matmuls beat fp32 here, and why: on GPUs that support bf16, and on CPUs with
+    AVX512-BF16 or AMX (elsewhere bf16 is emulated)."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported(), "CUDA"
     if device_type == "cpu":
@@ -181,11 +146,9 @@ def fast_bfloat16(device_type: str) -> tuple[bool, str]:
 
 
 def attention_dtype(device_type: str, compute_dtype: torch.dtype, head_dim: int) -> torch.dtype | None:
-    """The dtype attention should run in when it is not ``compute_dtype``, else None. On a CPU,
-    torch's flash attention computes the backward of narrow bf16 heads slower than in float32
-    (torch 2.13, AVX512-BF16, one thread, seq 512: 1.67x at head_dim 16, 1.18x at 32, 0.95x at 64;
-    at seq 128 and head_dim 64, 2.1x), while the casts of q, k and v cost little: heads narrower
-    than 64 attend in float32. Llama 3's 128-wide heads, and every GPU, keep the compute dtype."""
+    """The dtype attention should run in when not ``compute_dtype``, else None. torch's CPU flash
+    attention runs the backward of bf16 heads narrower than 64 slower than in float32 (1.67x at
+    head_dim 16, 1.18x at 32, one thread, seq 512), and the casts cost little."""
     if device_type == "cpu" and compute_dtype == torch.bfloat16 and head_dim < 64:
         return torch.float32
     return None
@@ -193,25 +156,20 @@ def attention_dtype(device_type: str, compute_dtype: torch.dtype, head_dim: int)
 
 def causal_query_chunk(device_type: str, seq_len: int) -> int | None:
     """Rows of queries per call of causal attention when splitting them up is faster, else None.
-    torch's CPU flash attention (2.13) takes keys in blocks of 512 and skips only whole blocks past
-    a query's position, so up to 512 tokens every query is computed against every key and half of
-    the work is masked away. Chunks of 128 queries, each attending to the keys up to its own last
-    row, took 0.74x the time at seq 512 and 0.92x at 256 (forward and backward, one thread, heads
-    of 16; 0.86x and 0.83x for heads of 64 and 128 at 512); at 1024, where the kernel's own
-    skipping starts, 0.90x with a spread of 0.77-1.05, and at 2048 1.08x (bench/cpu_attention.py).
-    GPU kernels skip per tile."""
+    torch's CPU flash attention skips only whole 512-key blocks, so up to 512 tokens half its work
+    is masked away; chunks of 128 queries took 0.74x the time at 512 and 0.92x at 256, but not
+    less from 1024 on (bench/cpu_attention.py). GPU kernels skip per tile."""
     if device_type == "cpu" and 128 < seq_len <= 512:
         return 128
     return None
 
 
 def pinned_memory_available() -> bool:
-    """Whether pinned (page-locked) host memory helps: only copies from an accelerator use it."""
+    """Whether pinned host memory helps: only copies from an accelerator use it."""
     return torch.accelerator.is_available()
 
 
-# glibc's mallopt parameters (malloc.h), and the environment variables by which a user tunes malloc
-# (or replaces it) before the process starts.
+# glibc's mallopt parameters, and the variables by which a user tunes or replaces malloc.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _MALLOC_TUNING = (
     "MALLOC_MMAP_MAX_",
@@ -223,12 +181,10 @@ _MALLOC_TUNING = (
 
 
 def cache_freed_host_memory(device: torch.device) -> bool:
-    """On a CPU, makes glibc's malloc keep the memory of freed tensors for the next ones, as CUDA's
-    caching allocator does on a GPU. By default every buffer over 32 MiB (a bucket of gathered
-    weights, its gradients, a transport's copy) is a fresh mmap that the step faults in page by page
-    and unmaps when freed, and the top of the heap is given back too. The cost is resident memory:
-    the heap keeps its high-water mark. Left alone where the user tuned or replaced malloc (one of
-    ``_MALLOC_TUNING`` set) and off glibc. Returns whether malloc now keeps freed memory."""
+    """On a CPU, makes glibc's malloc keep freed tensors' memory for the next ones, as CUDA's caching
+    allocator does: otherwise every buffer over 32 MiB is a fresh mmap faulted in page by page each
+    step. The heap keeps its high-water mark. Left alone where the user tuned or replaced malloc, and
+    off glibc. Returns whether malloc now keeps freed memory."""
     if torch.device(device).type != "cpu" or any(os.environ.get(name) for name in _MALLOC_TUNING):
         return False
     try:
@@ -240,8 +196,7 @@ def cache_freed_host_memory(device: torch.device) -> bool:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory since the last ``reset_peak_memory``: the CUDA allocator's max allocated, else
-    this process's peak RSS."""
+    """Peak memory since ``reset_peak_memory``: the CUDA allocator's, else this process's peak RSS."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -251,8 +206,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new peak-memory window: the CUDA allocator's peak, or the RSS high-water mark that
-    ``getrusage`` reports (Linux only; elsewhere the CPU peak covers the whole process lifetime)."""
+    """Starts a new peak-memory window (on a CPU, Linux only; elsewhere the peak is the process's)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -266,7 +220,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def profiler_activities() -> list[torch.profiler.ProfilerActivity]:
-    """What torch.profiler records: CPU operators, plus CUDA kernels when there is a GPU."""
+    """CPU operators, plus CUDA kernels when there is a GPU."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -274,8 +228,7 @@ def profiler_activities() -> list[torch.profiler.ProfilerActivity]:
 
 
 def allocator_history(device: torch.device) -> types.ModuleType | None:
-    """The module that records the device allocator's history and takes its snapshots
-    (``torch.cuda.memory``, ``torch.xpu.memory``); None on a CPU, whose allocator keeps none."""
+    """The module that records the allocator's history (``torch.cuda.memory``); None on a CPU."""
     if device.type not in ("cuda", "xpu"):
         return None
     return torch.get_device_module(device).memory
@@ -283,15 +236,14 @@ def allocator_history(device: torch.device) -> types.ModuleType | None:
 
 @dataclass(frozen=True)
 class _GpuPeak:
-    """Dense (no sparsity) peak matmul FLOP/s of one accelerator model."""
+    """Dense peak matmul FLOP/s of one accelerator model."""
 
     bf16: float  # also the fp16 rate on every listed model
     fp32: float  # plain fp32, i.e. without TF32 tensor cores
 
 
-# Ordered: the first pattern that matches the device name wins, so the more
-# specific H100 variants come before the generic SXM entry. Word boundaries keep
-# "A10" from matching "A100" or "A10G".
+# The first match wins: specific H100 variants before the SXM entry; word boundaries keep "A10" from
+# matching "A100" or "A10G".
 _KNOWN_GPUS: tuple[tuple[str, _GpuPeak], ...] = (
     (r"\bH100\b.*\bNVL\b", _GpuPeak(bf16=835e12, fp32=60e12)),
     (r"\bH100\b.*\bPCIe\b", _GpuPeak(bf16=756e12, fp32=51e12)),
@@ -328,8 +280,7 @@ class PeakFlops:
 
 
 def use_deterministic_algorithms(warn_only: bool = False) -> None:
-    """torch's deterministic kernels (``warn_only``: an operation without
-    one warns instead of failing); on CUDA cuBLAS also needs a fixed workspace, and cuDNN must not
+    """torch's deterministic kernels; on CUDA cuBLAS also needs a fixed workspace, and cuDNN must not
     pick kernels by timing them."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
@@ -341,9 +292,8 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-# CPU peak: the largest of these sizes whose matmul fits twice in the budget is timed for about the
-# budget, best run kept (other processes on the machine only ever slow a run down). Below 1024 a CPU
-# matmul runs below its sustained rate; a slow dtype (fp16 on most CPUs) gets a smaller size or none.
+# CPU peak: the largest size whose matmul fits twice in the budget is timed for about the budget, best
+# run kept (other processes only ever slow a run down). Below 1024 a CPU runs below its sustained rate.
 _CPU_MATMUL_SIZES = (512, 1024, 2048)
 _CPU_BUDGET_SECONDS = 0.5
 
@@ -353,7 +303,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _time_matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
-    """Seconds of one ``a @ b``."""
     start = time.perf_counter()
     torch.matmul(a, b)
     synchronize(device)
@@ -365,9 +314,8 @@ def _square(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _pick_cpu_size(dtype: torch.dtype, device: torch.device) -> tuple[int, float] | None:
-    """The largest size in ``_CPU_MATMUL_SIZES`` whose matmul takes at most half the budget (the
-    first may take the whole budget), with the time of its one matmul; None when even the first
-    takes longer than the budget."""
+    """The largest size whose matmul takes at most half the budget, with its time; None when even the
+    first takes longer than the whole budget."""
     picked = None
     for size in _CPU_MATMUL_SIZES:
         if picked is not None and picked[1] * (size / picked[0]) ** 3 > _CPU_BUDGET_SECONDS / 2:
@@ -390,8 +338,8 @@ def _pick_cpu_size(dtype: torch.dtype, device: torch.device) -> tuple[int, float
 
 @functools.cache
 def _cpu_matmul_peak(dtype: torch.dtype, threads: int) -> PeakFlops | None:
-    """Best achieved FLOP/s of a square ``dtype`` matmul with this process's ``threads`` intra-op
-    threads, or None when it cannot be measured (the dtype has no CPU matmul, or it is too slow)."""
+    """Best achieved FLOP/s of a square ``dtype`` matmul on ``threads`` threads, or None (no CPU
+    matmul for the dtype, or too slow)."""
     device = torch.device("cpu")
     try:
         _time_matmul(_square(64, dtype, device), _square(64, dtype, device), device)  # kernel set-up
@@ -413,8 +361,7 @@ def _cpu_matmul_peak(dtype: torch.dtype, threads: int) -> PeakFlops | None:
 
 @functools.cache
 def _accelerator_matmul_peak(device: torch.device, dtype: torch.dtype) -> PeakFlops:
-    """Achieved FLOP/s of a 4096x4096 matmul (accelerators need large matrices to approach their
-    peak), timed for about a quarter of a second."""
+    """Achieved FLOP/s of a 4096x4096 matmul (accelerators need large ones), timed for 0.25 s."""
     size = 4096
     a, b = _square(size, dtype, device), _square(size, dtype, device)
     _time_matmul(a, b, device)  # warm-up: kernel selection and first-touch allocation
@@ -426,30 +373,18 @@ def _accelerator_matmul_peak(device: torch.device, dtype: torch.dtype) -> PeakFl
 
 
 def _benchmark_matmul_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops | None:
-    """A matmul benchmark, run once per process and (device, dtype) (and thread count on CPU)."""
     if device.type == "cpu":
         return _cpu_matmul_peak(dtype, torch.get_num_threads())
     return _accelerator_matmul_peak(device, dtype)
 
 
 def device_peak(device: torch.device, dtype: torch.dtype, override: float | None = None) -> PeakFlops | None:
-    """Peak dense matmul FLOP/s of ``device`` for ``dtype``, the denominator of MFU; None when it
-    cannot be known (then report no MFU rather than a wrong one).
+    """Peak dense matmul FLOP/s of ``device`` for ``dtype`` (the denominator of MFU), or None when it
+    cannot be known: better no MFU than a wrong one. ``override`` is the user's figure.
 
-    Args:
-        device: device the model runs on.
-        dtype: dtype the matmuls run in (bf16 under mixed precision).
-        override: returned as is when given (the user's figure).
-
-    Known GPUs are looked up by ``torch.cuda.get_device_name`` (bf16/fp16 dense
-    rates; fp32 uses the TF32 rate, half the bf16 one, when TF32 matmuls are
-    enabled on CUDA, else the much lower plain fp32 rate). On a CPU, an unknown
-    GPU, or other dtypes, a matmul benchmark is run once per process and
-    (device, dtype): achieved rather than theoretical peak, so MFU there means
-    "fraction of what this process's matmul reaches". On a CPU it runs in the
-    dtype and with the intra-op threads the process trains with (one per rank
-    under torchrun), at the largest size up to 2048 that fits about 0.5 s.
-    """
+    Known GPUs take their datasheet rate (fp32 the TF32 one, half bf16's, when TF32 is on). Elsewhere
+    a matmul benchmark runs once per process and (device, dtype), in the threads the process trains
+    with: MFU there is the fraction of what this process's matmul reaches."""
     if override is not None:
         if not override > 0:
             raise ValueError(f"device_peak_flops: override must be > 0, got {override}")

@@ -1,13 +1,7 @@
-"""Float8 training with torchao: nn.Linear layers become ``Float8Linear``, whose matmuls cast
-their inputs, weights and output gradients to float8 with dynamic scales (one per tensor, or one
-per row) and multiply in float8, accumulating in high precision. Weights, gradients and optimizer
-state keep their dtype.
-
-With FSDP2, tensorwise scaling can also gather the weights in float8: each rank casts its shard
-with the scale of the whole weight (a max over the shards), so the gather moves a byte per value.
-The scales can be computed after the optimizer step for all weights at once
-(``precompute_float8_scales``) instead of in every gather. Such weights, and the optimizer state
-made from them, are torchao's subclass around the weight: ``plain_tensor`` gives the weight itself.
+"""Float8 training with torchao: nn.Linear layers become ``Float8Linear``, whose matmuls cast their
+inputs, weights and output gradients to float8 with dynamic scales and accumulate in high
+precision. With FSDP2, tensorwise scaling can also gather the weights in float8; such weights, and
+the optimizer state made from them, are torchao's subclass around the weight (``plain_tensor``).
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ from parallelisms.device import float8_matmuls
 # Float8 matmuls need every dim of the weight divisible by this (torch._scaled_mm's constraint).
 _DIM_MULTIPLE = 16
 
+# In filter_fqns (torchtitan's spelling): also leave the layers too small to gain from float8.
 AUTO_FILTER = "auto_filter_small_kn"
-"""In filter_fqns (torchtitan's spelling): also leave the layers too small to gain from float8."""
 
 
 @contextlib.contextmanager
@@ -60,8 +54,7 @@ def torchao_float8():
 
 
 def check_float8(device_type: str, emulate: bool) -> None:
-    """ValueError when float8 training cannot run here: no torchao, or a device without float8
-    matmuls (unless ``emulate``)."""
+    """ValueError without torchao, or on a device without float8 matmuls unless ``emulate``."""
     torchao_float8()
     if not emulate and not float8_matmuls(device_type):
         raise ValueError(
@@ -79,8 +72,7 @@ def _converts(module: nn.Module, name: str, patterns: list[str]) -> bool:
 
 
 def check_filter_fqns(model: nn.Module, filter_fqns: list[str]) -> None:
-    """ValueError naming each pattern of ``filter_fqns`` that is part of no linear layer's name of
-    ``model``: it would leave nothing in high precision, a typo that changes nothing."""
+    """ValueError naming each pattern of ``filter_fqns`` in no linear layer's name (a typo)."""
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     if unmatched := [p for p in filter_fqns if p != AUTO_FILTER and not any(p in name for name in names)]:
         raise ValueError(
@@ -97,14 +89,9 @@ def _name_patterns(names: list[str]) -> list[str]:
 def apply_float8(
     model: nn.Module, *, recipe_name: str, filter_fqns: list[str], emulate: bool, fsdp_float8_all_gather: bool
 ) -> list[str]:
-    """Swaps ``model``'s nn.Linear layers for torchao's Float8Linear in place (the model can be on
-    the meta device), except those whose name contains one of ``filter_fqns`` and those with a dim
-    not divisible by 16; with ``AUTO_FILTER`` among ``filter_fqns``, also those torchao deems too
-    small for float8 to pay off (its thresholds, measured on H100s). Returns the names of the
-    layers swapped.
-
-    Call it before tensor parallelism and data parallelism. ``fsdp_float8_all_gather`` (tensorwise
-    only) makes the weights gather in float8 under FSDP2; ``emulate`` multiplies in high precision."""
+    """Swaps ``model``'s nn.Linear layers for Float8Linear in place, except those named by
+    ``filter_fqns``, with a dim not divisible by 16, or (``AUTO_FILTER``) too small for float8 by
+    torchao's thresholds; returns the names swapped. Call it before tensor and data parallelism."""
     float8 = torchao_float8()
     config = dataclasses.replace(
         float8.Float8LinearConfig.from_recipe_name(recipe_name),
@@ -129,17 +116,15 @@ def apply_float8(
 
 
 def precompute_float8_scales(modules: Iterable[nn.Module]) -> None:
-    """Computes the float8 scales of all float8-gathered weights in ``modules`` at once (one
-    all-reduce), for their next gathers: call it after each optimizer step."""
+    """Computes all float8-gathered weights' scales in one all-reduce: call it after each step."""
     float8 = torchao_float8()
     for module in modules:
         float8.precompute_float8_dynamic_scale_for_fsdp(module)
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor inside a weight FSDP2 gathers in float8 (torchao's subclass, also of the optimizer
-    state made from it, in or out of a DTensor), sharing its storage; any other tensor as it is. A
-    checkpoint would pickle the subclass, which only a run that imports torchao's float8 can load."""
+    """The tensor inside torchao's float8-gathered weight subclass (in or out of a DTensor), sharing
+    its storage; any other tensor as it is. A checkpoint would pickle the subclass."""
     fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # imported by float8 training only
     if fsdp_utils is None:
         return tensor

@@ -30,8 +30,7 @@ class _PlainBuffers:
 
 
 class AllToAllReduceScatter(_PlainBuffers, ReduceScatter):
-    """A reduce-scatter (sum) as an all-to-all of the input's chunks and a sum of the chunks received,
-    where ``reduce_scatter_as_all_to_all`` says so (gloo); NCCL keeps FSDP2's default."""
+    """A sum reduce-scatter as an all-to-all of chunks and a sum (``reduce_scatter_as_all_to_all``)."""
 
     def __call__(
         self,
@@ -50,10 +49,8 @@ class AllToAllReduceScatter(_PlainBuffers, ReduceScatter):
 
 
 class BroadcastAllGather(_PlainBuffers, AllGather):
-    """An all-gather as one broadcast per rank, each into its slot of the output, issued together,
-    where ``all_gather_as_broadcasts`` says so (gloo, which has no float8 types: those travel as
-    bytes); NCCL keeps FSDP2's default. Synchronous (FSDP2 gathers so on a CPU); an asynchronous
-    one, which must return one Work, is gloo's own."""
+    """An all-gather as one broadcast per rank (``all_gather_as_broadcasts``); float8 travels as bytes
+    (gloo has no float8). An asynchronous one, which must return one Work, is gloo's own."""
 
     def __call__(
         self,
@@ -80,11 +77,8 @@ def apply_fsdp2(
     blocks: list[nn.Module],
     reshard_last_block: bool = False,
 ) -> None:
-    """Shards ``model`` over ``dp_mesh``: one FSDP unit per block in ``blocks`` plus the root.
-
-    A 1-D mesh gives FSDP; a 2-D ``(dp_replicate, dp_shard)`` mesh gives HSDP. Resharding after
-    forward keeps the last block gathered (backward needs it at once) unless ``reshard_last_block``.
-    """
+    """Shards ``model`` over ``dp_mesh`` (2-D: HSDP), one FSDP unit per block plus the root. Resharding
+    keeps the last block gathered (backward needs it at once) unless ``reshard_last_block``."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and (reshard_last_block or i < len(blocks) - 1)

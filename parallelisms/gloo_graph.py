@@ -16,9 +16,8 @@ WAIT = c10d.wait_tensor.default
 
 
 def reduce_scatters_as_all_to_all(graph: fx.Graph, reduce_scatters: list[fx.Node]) -> None:
-    """Where ``reduce_scatter_as_all_to_all`` says so (gloo), each data-parallel reduce-scatter
-    (a sum) becomes an all-to-all of the bucket's chunks and a sum of the chunks received,
-    right after the wait: each rank is sent only its own chunk of every other rank's bucket."""
+    """Where ``reduce_scatter_as_all_to_all`` says so, each sum reduce-scatter becomes an all-to-all
+    of the bucket's chunks and, after the wait, a sum of the chunks received."""
     for node in reduce_scatters:
         gradients, reduce_op, group_size, group_name = node.args
         value = gradients.meta["val"]
@@ -59,10 +58,9 @@ def reduce_scatters_as_all_to_all(graph: fx.Graph, reduce_scatters: list[fx.Node
 
 
 def all_gathers_as_broadcasts(graph: fx.Graph, all_gathers: list[fx.Node]) -> None:
-    """Where ``all_gather_as_broadcasts`` says so (gloo), each data-parallel all-gather becomes
-    one broadcast per rank, in place into that rank's slot of the gathered buffer, all issued
-    where the all-gather was and waited for where it was. The users read the buffer after the
-    last wait; each broadcast (and wait) mutates its slot, which orders them for Inductor."""
+    """Where ``all_gather_as_broadcasts`` says so, each all-gather becomes one broadcast per rank into
+    its slot of the buffer, issued and waited for where the all-gather was; each broadcast mutates
+    its slot, which orders it for Inductor against the buffer's readers."""
     for node in all_gathers:
         shard, group_size, group_name = node.args
         group = _resolve_process_group(group_name)

@@ -18,33 +18,24 @@ def _stable_mesh_hash(mesh: DeviceMesh) -> int:
 
 
 def _hash_meshes_stably() -> None:
-    """Before Python 3.12, ``hash(None)`` is the object's address, and a DeviceMesh's hash covers a
-    None field (its thread id), so a mesh's hash differs from one process to the next. torch.compile's
-    caches pickle the mesh, cached hash included, into their keys: SimpleFSDP's graphs (which hold
-    the mesh) missed the caches at every start of a job, a restart too, and compiled again. torch's
-    own stable hash of the mesh (the fields equality compares, through blake2b) instead; it must be
-    in place before any mesh is hashed."""
+    """Before Python 3.12 ``hash(None)`` is an address, and a DeviceMesh's hash covers a None field,
+    so it differs between processes; torch.compile's cache keys pickle it, and SimpleFSDP's graphs
+    missed the caches at every start. torch's stable hash instead, before any mesh is hashed."""
     if sys.version_info < (3, 12):
         DeviceMesh.__hash__ = _stable_mesh_hash
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of each parallelism; their product is the world size. Owns the mesh once built.
-
-    Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Only degrees above one get a
-    dimension; ``dp`` is the flattened (dp_replicate, dp_shard) mesh that data loading and loss
-    averaging use. Raises ValueError when the degrees do not multiply to the world size.
-    """
+    """Degrees of each parallelism, multiplying to the world size, and the mesh once built: dims pp,
+    dp_replicate, dp_shard, tp (those above one), and ``dp`` flattening the data-parallel ones."""
 
     dp_replicate: int
-    dp_shard: int
-    """-1 = the ranks the other degrees leave."""
+    dp_shard: int  # -1: the ranks the other degrees leave
     tp: int
     pp: int
     world_size: int
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    """The whole mesh, set by ``build_mesh``."""
 
     def __post_init__(self) -> None:
         others = self.dp_replicate * self.tp * self.pp
@@ -87,7 +78,7 @@ class ParallelDims:
         return self.pp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Creates the mesh (a collective over the default group) and keeps it in ``self.mesh``."""
+        """Creates the mesh (a collective over the default group)."""
         dims = [
             (name, size)
             for name, size in (
@@ -117,8 +108,7 @@ class ParallelDims:
 
     @property
     def dp_param_mesh(self) -> DeviceMesh:
-        """The data-parallel dims that hold parameters, unflattened: (dp_replicate, dp_shard) for
-        HSDP, else the one of them in use."""
+        """The data-parallel dims that hold parameters, unflattened."""
         enabled = (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.fsdp_enabled))
         return self.mesh[tuple(name for name, on in enabled if on)]
 

@@ -1,26 +1,14 @@
 """Pipeline parallelism: the transformer blocks split into stages that a
 ``torch.distributed.pipelining`` schedule runs microbatch by microbatch.
 
-Stages. A stage is a copy of the whole model (built on the meta device) with the blocks of the
-other stages deleted; the first stage keeps ``tok_embeddings``, the last ``norm`` and ``output``.
-Parameter names (FQNs) stay those of the full model, so the per-name seeded initialization, the
-parallelisms applied per stage and checkpoints see the same names as without pipelining. This
-relies on the model's layout contract: ``layers`` is a ``ModuleDict`` keyed by the global block
-index and ``tok_embeddings``, ``norm`` and ``output`` may be ``None``.
+A stage is a copy of the whole model (on the meta device) without the other stages' blocks; the
+first keeps ``tok_embeddings``, the last ``norm`` and ``output``. Names stay the full model's, so
+seeded initialization, the parallelisms and checkpoints see the same names as without pipelining
+(``layers`` is a ``ModuleDict`` keyed by the global block index; the other modules may be None).
+A split that does not fit the schedule is refused, never silently rebalanced.
 
-Layout. ``pp`` ranks run one stage each (GPipe, 1F1B) or several virtual stages each
-(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble: stage ``s`` on rank ``s % pp``;
-ZBVZeroBubble: exactly two per rank in a V, rank ``r`` holding stages ``r`` and
-``2 pp - 1 - r``). The blocks are split by explicit split points, or as torchtitan splits them
-(the first and last stages weighted for their embeddings and output) over a number of stages given
-by the blocks per stage or by the schedule; a split that does not fit is refused, never silently
-rebalanced.
-
-Loss and gradients. The schedule calls ``loss_fn(output, target)`` on each microbatch of the
-last stage, backpropagates from it, and would divide the gradients by the number of
-microbatches (``scale_grads``). The caller's loss is a microbatch's *summed* loss over the
-global batch's token count, so summing over microbatches already gives the global mean:
-gradients are left unscaled (``scale_grads=False``) and equal those of a run without pipelining.
+The caller's loss is a microbatch's summed loss over the global batch's token count, so summing
+over microbatches already gives the global mean: gradients are left unscaled (``scale_grads``).
 """
 
 from __future__ import annotations
@@ -36,13 +24,12 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
+# Schedules that split backward into input and weight gradients (no compile, no FSDP reshard).
 ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
-"""Schedules that split backward into input and weight gradients (no compile, no FSDP reshard)."""
+# Schedules placing exactly two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r.
 V_SCHEDULES = frozenset({"ZBVZeroBubble"})
-"""Schedules placing exactly two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r."""
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
-"""A built schedule: one stage per rank, or several."""
 
 
 @dataclass(frozen=True)
@@ -50,13 +37,9 @@ class PipelineLayout:
     """Where the blocks go: the stages, the ranks running them, and the microbatch count."""
 
     schedule: str
-    """Name of the ``torch.distributed.pipelining`` schedule."""
     pp_degree: int
-    """Ranks in the pipeline."""
-    stage_layers: tuple[tuple[int, ...], ...]
-    """Global block indices of each stage, in stage order."""
+    stage_layers: tuple[tuple[int, ...], ...]  # global block indices of each stage
     n_microbatches: int
-    """Microbatches each schedule step splits the local batch into."""
 
     @property
     def num_stages(self) -> int:
@@ -90,21 +73,12 @@ def plan_pipeline(
     first_stage_less_layers: int = 1,
     last_stage_less_layers: int = 1,
 ) -> PipelineLayout:
-    """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks.
-
-    Stage boundaries come from ``split_points`` (``'layers.N'`` starts a stage) or from
-    ``module_fqns`` (torchtitan's module names per stage); else the blocks
-    are shared as torchtitan shares them: the first and last stages count their embeddings and
-    output as ``first_stage_less_layers`` and ``last_stage_less_layers`` blocks, and the blocks
-    plus these are split as evenly as they go, earlier stages taking one more, over as many stages
-    as ``layers_per_stage`` of them fill (rounded up, as torchtitan counts), or one stage per rank
-    (two for multi-stage schedules). Depends on no process group, so a launcher can check a config
-    up front.
-
-    Raises:
-        ValueError: a one-line message naming the parameters to change (as spelled here) when the
-            blocks cannot be split that way or the microbatches do not fit the schedule.
-    """
+    """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks, at
+    ``split_points`` (``'layers.N'`` starts a stage), by ``module_fqns`` (names per stage), or as
+    torchtitan does: the end stages count their embeddings and output as ``first_stage_less_layers``
+    and ``last_stage_less_layers`` blocks, shared evenly over the stages ``layers_per_stage`` fill,
+    or one stage per rank (two for multi-stage schedules). Needs no process group, so a launcher can
+    check a config up front. A one-line ValueError, naming these parameters, when it cannot fit."""
     try:
         schedule_cls = get_schedule_class(schedule)
     except ValueError:
@@ -169,10 +143,8 @@ def _stage_starts(
 def _weighted_stage_starts(
     n_layers: int, num_stages: int, first_less: int, last_less: int, schedule: str, source: str
 ) -> list[int]:
-    """First block of each stage when ``n_layers`` plus the first and last stages' weights are
-    shared evenly, the remainder one each to the earliest stages, then the weights taken off the
-    first and last. The first and last stages may hold only the embeddings or the output, as in
-    torchtitan; the others need a block."""
+    """First block of each stage when ``n_layers`` plus the end stages' weights are shared evenly
+    (earlier stages taking the remainder); the end stages may hold no block, as in torchtitan."""
     share, remainder = divmod(n_layers + first_less + last_less, num_stages)
     blocks = [share + (s < remainder) for s in range(num_stages)]
     blocks[0] -= first_less
@@ -202,9 +174,7 @@ def _parse_split_points(split_points: Sequence[str], n_layers: int) -> list[int]
 
 
 def _parse_module_fqns(module_fqns: Sequence[Sequence[str]], n_layers: int) -> list[int]:
-    """Block indices starting each stage (0 first) from the module names of each stage. The model's
-    stages keep tok_embeddings in the first and norm and output in the last; each stage's blocks
-    follow the previous stage's, each block in one stage."""
+    """Block indices starting each stage (0 first) from the module names of each stage."""
     last, starts, next_block = len(module_fqns) - 1, [], 0
     for s, names in enumerate(module_fqns):
         blocks, ends = [], set()
@@ -261,8 +231,8 @@ def _check_stages_per_rank(num_stages: int, pp_degree: int, schedule: str, singl
 def _microbatch_count(
     local_batch_size: int, microbatch_size: int, num_stages: int, pp_degree: int, schedule: str
 ) -> int:
-    """``local_batch_size / microbatch_size``, checked against the schedule's own constraints
-    (which torch would otherwise report mid-construction, or not at all)."""
+    """``local_batch_size / microbatch_size``, checked against the schedule's constraints (which
+    torch reports mid-construction, or not at all)."""
     if microbatch_size < 1 or local_batch_size % microbatch_size:
         raise ValueError(f"microbatch_size {microbatch_size} does not divide local_batch_size {local_batch_size}")
     n_microbatches = local_batch_size // microbatch_size
@@ -283,10 +253,7 @@ def _microbatch_count(
 
 
 def split_stage(model: nn.Module, layout: PipelineLayout, stage_index: int) -> nn.Module:
-    """A copy of ``model`` keeping only what stage ``stage_index`` runs (FQNs unchanged).
-
-    ``model`` should be on the meta device, so that the copy costs no memory.
-    """
+    """A copy of ``model`` (on the meta device: free) keeping only what stage ``stage_index`` runs."""
     stage = copy.deepcopy(model)
     kept = {str(i) for i in layout.stage_layers[stage_index]}
     for name in list(stage.layers.keys()):
@@ -309,12 +276,8 @@ def build_schedule(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Schedule:
-    """The schedule running ``stage_models`` (this rank's stages, in ``layout.stage_indices``
-    order, parallelized and materialized) with ``loss_fn`` on the last stage.
-
-    Stage input and output shapes are inferred at the first step, so the stages may hold
-    DTensors or mixed-precision activations without being told.
-    """
+    """The schedule running ``stage_models`` (this rank's, in ``layout.stage_indices`` order,
+    materialized) with ``loss_fn`` on the last stage; stage shapes are inferred at the first step."""
     stages = [
         PipelineStage(model, stage_index, layout.num_stages, device, group=pp_group)
         for model, stage_index in zip(stage_models, layout.stage_indices(pp_rank), strict=True)

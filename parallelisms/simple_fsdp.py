@@ -1,45 +1,25 @@
 """SimpleFSDP: data parallelism as sharded DTensor storage plus a gather on attribute access.
 
 Every parameter is stored as a DTensor on the data-parallel mesh (FSDP ``Shard(0)``, DDP
-``Replicate()``, HSDP ``(Replicate(), Shard(0))``) under its original name, so the optimizer,
-``state_dict()`` and DCP only ever see the sharded values. Reading ``module.weight`` returns the
-gathered full tensor: the module's class is swapped for a cached subclass with one property per
-parameter, and the property runs one traceable expression (redistribute to ``Replicate``, then
-``to_local`` with a ``Partial`` gradient). Autograd turns that gradient into a reduce-scatter
-(FSDP), an all-reduce (DDP) or both (HSDP), summed, in ``reduce_dtype``.
+``Replicate()``, HSDP ``(Replicate(), Shard(0))``) under its own name, so the optimizer,
+``state_dict()`` and DCP only see shards. Reading ``module.weight`` runs one traceable gather
+(redistribute to ``Replicate``, ``to_local`` with a ``Partial`` gradient) through a property of a
+cached subclass; autograd turns the gradient into a reduce-scatter, an all-reduce or both, summed.
 
-Reshard after forward. Each gather runs under an ``fx.traceback`` annotation saying whether it
-reshards. Under ``torch.compile`` the partitioner tags the annotated all-gather, its wait and the
-dtype cast ``MUST_RECOMPUTE`` (``MUST_SAVE`` when not resharding;
-``mark_gathers_for_partitioner``) and the min-cut partitioner re-gathers in backward. (Until
-2026-11-28 each gather ran in a selective-checkpoint region with those tags as its policy: the
-same graphs, traced one region per parameter.) In eager the annotation does nothing, and the
-matmul that consumes a gathered weight saves it for backward. So each resharded block also runs
-its forward in a block-level region that replays only the gathers (and the views aliasing them)
-and saves everything else: backward re-runs the block's forward from those saved outputs, issuing
-the all-gathers again. Given the model's ``blocks``, only they reshard: backward starts with the
-parameters outside them (the output projection, the final norm), so gathering those again would
-only add an exposed all-gather at its start; FSDP2 keeps its root's gathered the same way. (The
-embedding's backward needs no weight: nothing to keep.) Unlike FSDP2 in ``apply_fsdp2``, the last
-block reshards too: its gathered weights would sit beside the loss's backward, at the step's peak
-(tried on the wide benchmark model: 747 MiB tracked in each of 3 rounds, against 656 in 2 of 3
-without, for 1.10x tokens/s; 0.95x on the debug model).
+Reshard after forward. Each gather runs under an ``fx.traceback`` annotation; under compile the
+partitioner recomputes the annotated gathers in backward (``mark_gathers_for_partitioner``). In
+eager the matmul would save the gathered weight, so each resharded block runs its forward in a
+block-level region that replays only the gathers (and views aliasing them) in backward and saves
+everything else. A block already under ``checkpoint_wrapper`` needs no region: its checkpoint
+redoes the gathers. Given the model's ``blocks``, only they reshard: backward starts with the
+parameters outside them, so gathering those again would only expose an all-gather. Unlike FSDP2
+in ``apply_fsdp2`` the last block reshards too: its weights would sit beside the loss's backward,
+at the step's peak. Under compile (``compiled=True``) the regions are left out: their
+save-everything policy would override the partitioner's choice of activations.
 
-Activation checkpointing. A block already wrapped by ``checkpoint_wrapper`` (full AC, op-level
-SAC, or the checkpointed blocks of every-N-th AC) gets no block-level region: its checkpoint
-re-runs the block in backward and recomputes everything its policy does not explicitly save, and
-the gathers (never saved by those policies) are redone with it. In eager this holds even with
-``reshard_after_forward=False``.
-
-Compile. Pass ``compiled=True`` when the model will run under ``torch.compile``: the block-level
-regions are then left out. They would trace (also with ``fullgraph=True``), but their
-save-everything policy overrides the partitioner's own choice of activations to keep; the
-gathers' tags alone make compiled graphs reshard.
-
-Tensor parallelism. A parameter that is already a DTensor on a 1-D TP mesh is stored on the
-(dp..., tp) mesh, with a strided dp shard when TP also splits dim 0 (the layout FSDP2 uses). The
-gather re-wraps the local shard on the dp mesh alone, gathers it, and re-wraps the result on the
-TP mesh, so the TP styles see the DTensor they expect.
+Tensor parallelism. A TP DTensor parameter is stored on the (dp..., tp) mesh, with a strided dp
+shard when TP also splits dim 0 (FSDP2's layout); the gather re-wraps the local shard on the dp
+mesh, gathers it, and re-wraps the result on the TP mesh for the TP styles.
 """
 
 from __future__ import annotations
@@ -86,12 +66,10 @@ class _GatherConfig:
 
     dp_mesh: DeviceMesh
     dp_placements: tuple[Placement, ...]
-    hsdp_meshes: tuple[DeviceMesh, DeviceMesh] | None
-    """HSDP only: the (replicate, shard) sub-meshes, gathered over one at a time."""
+    hsdp_meshes: tuple[DeviceMesh, DeviceMesh] | None  # HSDP: (replicate, shard), one at a time
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reshard_after_forward: bool
-    """Gather again in backward (see ``mark_gathers_for_partitioner``)."""
 
 
 @dataclass(frozen=True)
@@ -102,20 +80,13 @@ class _TensorParallelLayout:
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
-    local_shape: torch.Size
-    """This rank's TP part: the tensor the data-parallel mesh shards."""
+    local_shape: torch.Size  # this rank's TP part, which the data-parallel mesh shards
     local_stride: tuple[int, ...]
 
 
-# ---------------------------------------------------------------------------
-# The gather
-# ---------------------------------------------------------------------------
-
-
 def _replicate_to_local(tensor: DTensor, forward_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """All-gathers ``tensor`` into a plain local tensor; backward sums the gradient over the mesh."""
-    # forward_dtype casts before the all-gather (bf16 on the wire); backward_dtype runs the
-    # reduce-scatter / all-reduce in reduce_dtype, and the gradient lands in the input's dtype.
+    """All-gathers ``tensor`` (cast first: bf16 on the wire) into a plain local tensor; backward sums
+    the gradient over the mesh in ``reduce_dtype``."""
     replicated = tensor.redistribute(
         placements=[Replicate()] * tensor.device_mesh.ndim, forward_dtype=forward_dtype, backward_dtype=reduce_dtype
     )
@@ -143,11 +114,7 @@ def _gather_over_dp(
 
 
 def _gather(param: DTensor, config: _GatherConfig, tp: _TensorParallelLayout | None) -> torch.Tensor:
-    """``param`` gathered over the data-parallel mesh; its gradient flows back summed over it.
-
-    The local shard is re-wrapped on the data-parallel mesh alone, which leaves a TP dim of the
-    storage mesh untouched; a TP part is then re-wrapped on its own mesh.
-    """
+    """``param`` gathered over the data-parallel mesh alone (a TP part then re-wrapped on its own)."""
     if tp is None:
         return _gather_over_dp(param.to_local(), param.shape, param.stride(), config)
     tp_part = _gather_over_dp(param.to_local(), tp.local_shape, tp.local_stride, config)
@@ -180,10 +147,8 @@ def _gathered_parameter(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def mark_gathers_for_partitioner(joint: fx.GraphModule) -> None:
-    """Tags the forward nodes of every gather in a compiled joint graph for the min-cut
-    partitioner: its all-gather (or, under HSDP, all-gathers), waits and cast ``MUST_RECOMPUTE``
-    when resharding (backward gathers again), ``MUST_SAVE`` when not; the views around them are
-    left to the partitioner's choice."""
+    """Tags every gather's collectives, waits and cast in a compiled joint graph ``MUST_RECOMPUTE``
+    when resharding, ``MUST_SAVE`` when not; the views around them are the partitioner's choice."""
     for node in joint.graph.nodes:
         custom = node.meta.get("custom") or {}
         if GATHER_ANNOTATION not in custom or node.meta.get("partitioner_tag") == "is_backward":
@@ -195,10 +160,6 @@ def mark_gathers_for_partitioner(joint: fx.GraphModule) -> None:
         else:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
-
-# ---------------------------------------------------------------------------
-# Class swaps (one cached subclass per original class)
-# ---------------------------------------------------------------------------
 
 _GATHERING_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 _RESHARDING_CLASSES: dict[type, type] = {}
@@ -234,11 +195,6 @@ def _resharding_class(cls: type[nn.Module]) -> type[nn.Module]:
 
         _RESHARDING_CLASSES[cls] = type(f"Resharding{cls.__name__}", (cls,), {"forward": forward})
     return _RESHARDING_CLASSES[cls]
-
-
-# ---------------------------------------------------------------------------
-# Sharding
-# ---------------------------------------------------------------------------
 
 
 def _shard_plain(param: torch.Tensor, config: _GatherConfig) -> DTensor:
@@ -309,11 +265,6 @@ def _keep_gathered_outside(model: nn.Module, blocks: list[nn.Module], config: _G
             module._simple_fsdp_config = keep_config
 
 
-# ---------------------------------------------------------------------------
-# Public API
-# ---------------------------------------------------------------------------
-
-
 def apply_simple_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -325,27 +276,10 @@ def apply_simple_fsdp(
     blocks: list[nn.Module] | None = None,
     compiled: bool = False,
 ) -> None:
-    """Shards ``model``'s parameters over ``dp_mesh`` in place and gathers them on access.
-
-    Args:
-        model: built on the meta device (then ``to_empty`` + init) or already materialized.
-            Parameters may already be DTensors on a 1-D TP mesh (named, like ``dp_mesh``, and
-            sliced from the same root mesh).
-        dp_mesh: 1-D for ``replicate`` (DDP) and ``fully_shard`` (FSDP); 2-D
-            ``(dp_replicate, dp_shard)`` with named dims for ``hybrid_shard`` (HSDP).
-        param_dtype: dtype the weights are cast to before gathering (compute dtype).
-        reduce_dtype: dtype gradients are reduced in; they are stored in the parameter's dtype.
-        reshard_after_forward: free gathered weights after forward and gather again in backward.
-            Ignored for ``replicate``: its "gathered" weight is the stored one.
-        blocks: the model's blocks. When given, only they reshard; each runs its forward in a
-            block-level region so that resharding also happens in eager. Blocks already wrapped by
-            ``checkpoint_wrapper`` are left as they are (their checkpoint already re-gathers).
-            Without blocks every parameter's gather is tagged to reshard, which only a compiled
-            model follows.
-        compiled: the model will run under ``torch.compile``; no block-level regions are added.
-
-    Gradients are summed over the data-parallel ranks, not averaged.
-    """
+    """Shards ``model``'s parameters (on the meta device or materialized; maybe TP DTensors on a named
+    1-D mesh of the same root) over ``dp_mesh`` in place and gathers them on access. ``dp_mesh`` is
+    1-D, or for ``hybrid_shard`` 2-D with named dims. Without ``blocks`` every gather is tagged to
+    reshard, which only a compiled model follows. Gradients are summed over the ranks, not averaged."""
     placements = _STORAGE_PLACEMENTS[mode]
     if dp_mesh.ndim != len(placements):
         raise ValueError(f"mode {mode!r} needs a {len(placements)}-D mesh, got {dp_mesh.ndim}-D")

@@ -1,12 +1,7 @@
-"""Tensor parallelism (Megatron-style) with sequence parallelism for the Llama 3 model.
-
-Inside each block, wq/wk/wv and w1/w3 are split column-wise (each rank owns whole heads and an
-equal slice of the FFN hidden dim) and wo/w2 row-wise, so attention and the FFN each need only
-one all-gather of their input and one reduce-scatter of their output. Between them the residual
-stream and the norms run sequence parallel: activations stay sharded on the sequence dim, which
-splits the norms' work and the activation memory too. The embedding is split by vocabulary row;
-the output head by vocabulary column, its logits either gathered (replicated) or left
-vocab-sharded for loss parallel.
+"""Tensor parallelism (Megatron-style) with sequence parallelism for the Llama 3 model: wq/wk/wv and
+w1/w3 split column-wise, wo/w2 row-wise, so attention and the FFN each need one all-gather of their
+input and one reduce-scatter of their output; between them the residual stream and the norms stay
+sharded on the sequence. The embedding is split by vocabulary row, the output head by column.
 """
 
 from __future__ import annotations
@@ -69,12 +64,8 @@ def _outer_plan(model: nn.Module, loss_parallel: bool) -> dict[str, ParallelStyl
 
 
 def _dims_split_by_tp(model: nn.Module) -> dict[str, int]:
-    """The dims the plan splits evenly across tensor-parallel ranks, read from the model.
-
-    Each rank must own whole heads (attention views its projections as heads) and an equal FFN
-    slice, and sequence parallel passes plain local tensors between the norms, which only works
-    for equal sequence shards. The vocabulary (embedding rows, output columns) may split unevenly.
-    """
+    """The dims the plan splits evenly: whole heads, equal FFN slices, and equal sequence shards
+    (sequence parallel passes plain local tensors); the vocabulary may split unevenly."""
     dims = {}
     blocks = list(model.layers.values())
     if blocks:
@@ -118,19 +109,9 @@ def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enable_async_tp: bool) -> None:
-    """Applies tensor + sequence parallelism over the 1-D ``tp_mesh`` to a Llama ``Transformer``
-    (or a pipeline stage of one, whose missing modules are skipped), in place.
-
-    Call it before activation checkpointing, compile and data parallelism. Parameters become
-    DTensors on ``tp_mesh``; the model can still be on the meta device.
-
-    Args:
-        loss_parallel: return the logits as a DTensor sharded on the vocabulary (compute the loss
-            inside ``torch.distributed.tensor.parallel.loss_parallel()``); otherwise logits are
-            gathered into a plain, replicated tensor.
-        enable_async_tp: overlap TP collectives with matmuls (CUDA only, takes effect under
-            ``torch.compile``).
-    """
+    """Applies tensor + sequence parallelism over ``tp_mesh`` to a Llama ``Transformer`` or a pipeline
+    stage of one, in place; call it before activation checkpointing, compile and data parallelism.
+    ``loss_parallel`` leaves the logits vocab-sharded (for ``loss_parallel()``), else gathered."""
     validate_tp(model, tp_mesh.size())
     if enable_async_tp:
         _enable_async_tp(tp_mesh)
