@@ -63,12 +63,16 @@ def is_hf_folder(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
+def missing(path: str) -> ValueError:
+    return ValueError(f"HF checkpoint: {path} does not exist")
+
+
 def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"HF checkpoint: {path} does not exist") from None
+        raise missing(path) from None
     except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
         raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
     if not isinstance(data, dict):

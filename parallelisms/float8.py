@@ -117,9 +117,9 @@ def apply_float8(
 
 def precompute_float8_scales(modules: Iterable[nn.Module]) -> None:
     """Computes all float8-gathered weights' scales in one all-reduce: call it after each step."""
-    float8 = torchao_float8()
+    precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
     for module in modules:
-        float8.precompute_float8_dynamic_scale_for_fsdp(module)
+        precompute(module)
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,6 @@ TP_OPTIONS = {
     "enable_async_tp": "parallelism.enable_async_tensor_parallel",
 }
 FLOAT8_OPTIONS = {"emulate": "float8.emulate"}
-COST_OPTIONS = {
-    "alpha_us": "comm.alpha_us",
-    "bandwidth_gbps": "comm.bandwidth_gbps",
-    "compute_flops": "compile.compute_flops",
-}
 """The parameters of the parallelisms that their error messages name, and the options setting them."""
 
 SAVED_PLANS = "bucket_plans"  # in the dump folder: auto bucket plans kept for restarts
@@ -258,20 +253,19 @@ def _cost_models(
 ) -> tuple[CommModel, ComputeModel]:
     """Auto bucketing's link and compute models: configured, or measured on every rank."""
     device = torch.device(parallel_dims.mesh.device_type)
-    with as_options(COST_OPTIONS):
-        if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
-            comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
-        else:
-            comm = calibrate_comm_model(parallel_dims.dp_mesh.get_group(), device=device)
-            logger.info(
-                "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
-                comm.alpha_s * 1e6,
-                comm.bandwidth_bytes_per_s / 1e9,
-            )
-        compute = ComputeModel.from_config(
-            config.compile.compute_flops,
-            lambda: block_rate(args, config.training.local_batch_size, device, dtype),
+    if config.comm.alpha_us is not None and config.comm.bandwidth_gbps is not None:
+        comm = CommModel.from_config(config.comm.alpha_us, config.comm.bandwidth_gbps)
+    else:
+        comm = calibrate_comm_model(parallel_dims.dp_mesh.get_group(), device=device)
+        logger.info(
+            "calibrated collectives: alpha %.1f us, bandwidth %.3f GB/s",
+            comm.alpha_s * 1e6,
+            comm.bandwidth_bytes_per_s / 1e9,
         )
+    compute = ComputeModel.from_config(
+        config.compile.compute_flops,
+        lambda: block_rate(args, config.training.local_batch_size, device, dtype),
+    )
     # Every rank must merge the same collectives: plan with the slowest rank's measured rate.
     rate = torch.tensor(compute.flops_per_second, dtype=torch.float64, device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)

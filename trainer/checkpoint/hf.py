@@ -4,14 +4,15 @@ of names and layouts is ``models.llama3.hf_adapter``'s."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from models.llama3.hf_adapter import (
     to_hf_state_dict,
 )
 from models.llama3.model import TransformerModelArgs
-from models.sizes import CONFIG_NAME, architecture_folder, is_hf_folder, read_hf_config, read_json
+from models.sizes import CONFIG_NAME, architecture_folder, is_hf_folder, missing, read_hf_config, read_json
 from parallelisms.names import clean_name
 from trainer.data.tokenizer import (
     DEFAULT_TOKENIZER_HF_CONFIG,
@@ -270,16 +271,23 @@ def _weight_files(folder: str) -> dict[str, StoredWeight]:
     out: dict[str, StoredWeight] = {}
     for name in files:
         path = os.path.join(folder, name)
-        try:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    header = f.get_slice(key)
-                    out[key] = StoredWeight(path, tuple(header.get_shape()), header.get_dtype())
-        except FileNotFoundError:
-            raise ValueError(f"HF checkpoint: {path} does not exist") from None
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"HF checkpoint: {path} is not a valid safetensors file ({exc})") from None
+        with _safetensors(path) as f:
+            for key in f.keys():
+                header = f.get_slice(key)
+                out[key] = StoredWeight(path, tuple(header.get_shape()), header.get_dtype())
     return out
+
+
+@contextlib.contextmanager
+def _safetensors(path: str) -> Iterator[Any]:
+    """The safetensors file at ``path``, open; ValueError when it is missing or broken."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except FileNotFoundError:
+        raise missing(path) from None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"HF checkpoint: {path} is not a valid safetensors file ({exc})") from None
 
 
 def _read_tensors(files: dict[str, StoredWeight], keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -289,13 +297,10 @@ def _read_tensors(files: dict[str, StoredWeight], keys: Iterable[str]) -> dict[s
         by_file.setdefault(files[key].path, []).append(key)
     out = {}
     for path, file_keys in by_file.items():
-        try:
-            with safe_open(path, framework="pt") as f:
-                for key in file_keys:
-                    out[key] = f.get_tensor(key)
-                    _check_finite(out[key], path, key)
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"HF checkpoint: {path} is not a valid safetensors file ({exc})") from None
+        with _safetensors(path) as f:
+            for key in file_keys:
+                out[key] = f.get_tensor(key)
+                _check_finite(out[key], path, key)
     return out
 
 
