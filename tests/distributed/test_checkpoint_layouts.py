@@ -130,8 +130,8 @@ def test_seed_checkpoint_loads_at_another_layout(tmp_path, one_process):
 def test_nonfinite_policies(tmp_path, one_process):
     """NaN gradients at step 3. skip_step drops that update and batch; rollback to the step-2
     checkpoint, going on past the bad batch, must end in exactly the same place; error stops
-    with one line, once the step-2 save still in the background is complete (until 2026-11-30 it
-    was left without its marker, and a restart resumed from the step before)."""
+    with one line, once the step-2 save still in the background is complete (else it would be left
+    without its marker, and a restart would resume from the step before)."""
     common = ["--training.steps", "5", *SMALL, "--debug.fail_at_step", "3", "--debug.failure", "nan"]
     clean = one_process  # a constant learning rate: the run's length does not matter
     skipped = losses_by_step(run_train(str(tmp_path / "skip"), 1, *common, "--training.nonfinite_policy", "skip_step"))

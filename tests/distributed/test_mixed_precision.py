@@ -149,7 +149,7 @@ def test_pure_bf16_losses_match_one_process(layout, pure_bf16_run):
 
 def test_ddp_runs_under_autocast_as_torchtitans_and_one_processs(tmp_path):
     """torchtitan's DDP (replicas alone) leaves the weights float32 and runs the forward under
-    autocast, as one process does; until 2026-11-29 Tessera's cast the parameters as FSDP2 does.
+    autocast, as one process does, rather than casting the parameters as FSDP2 does.
     Under autocast, step 1 (the weights as initialized) differs from one process only by how the
     ranks' halves of the batch sum: measured 0 to 1e-7 relative, where casting the parameters gave
     3e-5 (seq 64, 6 blocks)."""

@@ -92,10 +92,10 @@ def test_manual_buckets_match_single_process(tmp_path, reference):
 
 
 def test_block_buckets_match_single_process(tmp_path, reference):
-    """Each block compiled on its own, its attention and feed-forward one bucket each. Until
-    2026-11-29 refused: the pass took tensor parallelism's all-reduce of the block input's
-    gradient (a graph output, as parameters' gradients are) for a data-parallel reduction and
-    merged TP's all-reduces into one bucket, an AssertionError in every rank's first backward."""
+    """Each block compiled on its own, its attention and feed-forward one bucket each. The pass
+    must not take tensor parallelism's all-reduce of the block input's gradient (a graph output,
+    as parameters' gradients are) for a data-parallel reduction and merge TP's all-reduces into
+    one bucket."""
     folder = str(tmp_path / "block")
     for report in launch_dp2_tp2(folder, "--compile.bucketing", "block"):
         # One block graph, compiled once for all blocks: its forward and its backward.

@@ -194,7 +194,7 @@ CASES: list[tuple[str, list[str], str]] = [
         ],
         "not supported with the ZBVZeroBubble",
     ),
-    # Zero bubble's two backward passes: a traceback in every rank, restarted, until 2026-11-30.
+    # Zero bubble's two backward passes: found before launch, not as a traceback in every rank.
     (
         "layout",
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]

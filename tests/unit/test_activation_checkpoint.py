@@ -182,8 +182,7 @@ def test_every_nth_block_past_the_last_is_a_warning_before_launch(caplog):
 
 def test_selective_without_an_option_checkpoints_every_second_block_as_torchtitan():
     """torchtitan's selective_ac_option defaults to 2: mode selective alone checkpoints blocks 2
-    and 4 of 4 (torchtitan counts them from 1), where until 2026-11-29 it meant the op-level
-    policy on every block."""
+    and 4 of 4 (torchtitan counts them from 1), not the op-level policy on every block."""
     ac = load_config(["--activation_checkpoint.mode", "selective"]).activation_checkpoint
     model = Transformer(ARGS)
     apply_ac(model.layers, ac.mode, ac.selective_ac_option)

@@ -275,8 +275,8 @@ def test_corrupt_metadata_is_named(tmp_path):
 
 def test_explicit_load_step_reports_instead_of_falling_back(tmp_path):
     """A load_step that does not load is a refusal naming it, and the newer checkpoints stay where
-    they are: until 2026-11-30 they were moved aside first, the error restarted the job, and the
-    restart, which does not go back to load_step, resumed from an older one."""
+    they are: moved aside first, a restart (which does not go back to load_step) would resume from
+    an older one."""
     Run(str(tmp_path)).train(3)
     shard = next((tmp_path / "checkpoint" / "step-2").glob("*.distcp"))
     shard.write_bytes(b"")
@@ -603,8 +603,7 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path,
     """The dataloader state goes through a real checkpoint at dp 1 and comes back into two dp
     ranks of 2 sequences: counted sample by sample, the global order goes on with none lost or
     repeated. Saved in batches of 4, or of 2 (a global batch of 4 accumulated in two microbatches:
-    the loaders' batches differ, yet the saved step's end is where a batch of both begins; until
-    2026-11-30 refused as another batch size)."""
+    the loaders' batches differ, yet the saved step's end is where a batch of both begins)."""
     single = arange_loader(local_batch_size=single_batch)
     batches = iter(single)
     consumed = sum(take_window_ids(batches, saved_batches), [])
@@ -624,8 +623,8 @@ def test_saved_data_position_continues_at_another_data_parallel_degree(tmp_path,
 
 def test_another_number_of_loader_workers_is_named_not_taken_for_a_bad_checkpoint(tmp_path):
     """The data position is each loader worker's: resumed with other dataloader_num_workers it
-    does not load (DCP: a missing key), which until 2026-11-30 made every checkpoint unloadable.
-    Now one line names the option, and leaving the data position out resumes the rest."""
+    does not load (DCP: a missing key), which would make every checkpoint look unloadable. One
+    line names the option, and leaving the data position out resumes the rest."""
     Run(str(tmp_path), resolved_config="[training]\ndataloader_num_workers = 0\n").train(2)
     other = "[training]\ndataloader_num_workers = 2\n"
     expected = "training.dataloader_num_workers 2: the data position in .*step-2 was saved by 0; keep 0, or start"

@@ -249,7 +249,7 @@ def test_export_keeps_the_source_ids_and_generation_config(tmp_path, corpus):
     assets = job_export_assets(load_config(folder_args(source, corpus)), bos_id=0, eos_id=1)
     assert assets.generation_config == generation and assets.config["eos_token_id"] == [1, 0]
     # A tokenizer.json named by itself and no source folder: it and the tokenizer_config.json
-    # beside it, which the loader read too (until 2026-11-30 left out of the export).
+    # beside it, which the loader reads too, go into the export.
     tokenizer = str(tmp_path / "tok")
     write_tokenizer(tokenizer)
     assets = job_export_assets(load_config(["--model.tokenizer_path", tokenizer + "/tokenizer.json"]), 0, 1)
