@@ -1,18 +1,6 @@
-"""Layout planner: which layout of a model fits the devices, and which is fastest.
-
-``python -m programs.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
-SimpleFSDP and their shard/replicate degrees, tensor-parallel degrees dividing the heads, pipeline
-degrees with 1F1B and interleaved 1F1B and microbatches of 1 or 2, activation checkpointing),
-ranks them by an estimated step time (FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, the
-exposed communication of an alpha-beta model), and measures the per-rank peak of the fastest with
-the dry run until ``plan.top`` fit ``plan.device_memory_gib``; prints them and writes the best as
-a config file (``plan.output``).
-
-The dry run's peak grows linearly with a stage's blocks: each layout is measured on models cut to
-1 and 2 blocks per stage and extrapolated to the model's depth (plus compiled SimpleFSDP's two
-largest gathered buckets); measurements are cached by shape (HSDP's replicas change no rank's
-memory: measured with one).
-"""
+"""Layout planner: ranks the layouts of a model on ``plan.devices`` by an estimated step time,
+measures the fastest with the dry run until ``plan.top`` fit, and writes the best as a config file
+(docs/dry-run-and-planner.md)."""
 
 from __future__ import annotations
 
@@ -73,8 +61,7 @@ class ModelShape:
 
 
 def model_shape(config: JobConfig) -> ModelShape:
-    """Parameter counts of the job's model (the flavor's, or a Hugging Face folder's architecture),
-    from modules built on the meta device."""
+    """Parameter counts of the job's model, from modules built on the meta device."""
     args = job_model_args(config)
     found = architecture_folder(config)
     name = config.model.flavor if found is None else found[1]
@@ -96,8 +83,8 @@ def global_batch(config: JobConfig) -> int:
 
 
 def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
-    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline the planner
-    tries on ``pp`` ranks with ``per_rank`` sequences per data-parallel rank and step."""
+    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline tried on
+    ``pp`` ranks with ``per_rank`` sequences per data-parallel rank and step."""
     if pp == 1:
         yield from (("", 1, shape.n_layers, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
         return
@@ -145,9 +132,8 @@ def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
 
 
 def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float) -> float:
-    """A ring collective over ``group`` ranks that lie within ``span`` consecutive ranks moving
-    ``nbytes`` in ``collectives`` calls: each call pays (group - 1) hops of latency, and each rank
-    sends (group - 1) / group of the bytes at the link speed (intra-node when the span fits a node)."""
+    """A ring collective over ``group`` ranks within ``span`` consecutive ones moving ``nbytes`` in
+    ``collectives`` calls: (group - 1) hops of latency per call, (group - 1) / group of the bytes."""
     if group == 1:
         return 0.0
     gbps = plan.intra_node_gbps if span <= plan.devices_per_node else plan.inter_node_gbps
@@ -204,8 +190,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
 
 
 def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
-    """``config`` laid out as ``layout``, with bf16 compute weights (fp32 master weights, gradients,
-    optimizer state and reductions) as on GPUs."""
+    """``config`` laid out as ``layout``, computing in bf16 as on GPUs."""
     parallelism = dataclasses.replace(
         config.parallelism,
         data_parallel_impl=layout.impl,
@@ -252,8 +237,8 @@ def _peak_of(config: JobConfig, world_size: int, rank: int) -> tuple[int, int]:
 
 
 class PeakEstimator:
-    """Per-rank peak bytes of layouts by the dry run, measured on 1 and 2 blocks per stage and
-    extrapolated linearly to the model's blocks per stage; cached by shape."""
+    """Per-rank peak bytes by the dry run on 1 and 2 blocks per stage, extrapolated linearly to the
+    model's; cached by shape (HSDP's replicas change no rank's memory: measured with one)."""
 
     def __init__(self, config: JobConfig, shape: ModelShape):
         self.config, self.shape = config, shape
@@ -291,8 +276,8 @@ class PeakEstimator:
 
 
 def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:
-    """A lower bound of the per-rank peak: fp32 master weights, gradients and two Adam moments of
-    the rank's shard, 16 bytes per parameter."""
+    """A lower bound of the per-rank peak: fp32 weights, gradients and two Adam moments, 16 bytes
+    per parameter of the rank's shard."""
     params = shape.block_params * shape.n_layers + shape.other_params
     return 16 * params / (layout.shard * layout.tp * layout.pp)
 
@@ -305,16 +290,14 @@ class Planned:
 
 
 def _needs_more(layout: Layout, than: Layout) -> bool:
-    """Whether ``layout`` needs at least the memory of ``than``: the same but for more sequences
-    per microbatch or fewer activations recomputed."""
+    """Whether ``layout`` is ``than`` with more sequences per microbatch or less recomputation."""
     same = dataclasses.replace(layout, microbatch=than.microbatch, local_batch=than.local_batch, ac=than.ac) == than
     more = layout.microbatch >= than.microbatch and AC_MODES.index(layout.ac) <= AC_MODES.index(than.ac)
     return same and more
 
 
 def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator) -> tuple[list[Planned], int]:
-    """The fastest ``plan.top`` layouts that fit, fastest first, and the number of layouts tried.
-    ConfigError naming the smallest peak when none fits."""
+    """The fastest ``plan.top`` layouts that fit and the number tried; ConfigError when none fits."""
     plan = config.plan
     limit = plan.device_memory_gib * GiB
     layouts = enumerate_layouts(config, shape)
@@ -325,7 +308,6 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
     frugal = max(plan.activation_checkpoint_modes, key=AC_MODES.index)
 
     def fits(layout: Layout) -> int | None:
-        """The layout's peak when it fits; None when it does not, cannot be built, or is not measured."""
         if state_bytes_floor(shape, layout) > limit or any(
             _needs_more(layout, lay) for peak, lay in measured if peak > limit
         ):
