@@ -42,8 +42,7 @@ def log_peak(peak: PeakFlops | None) -> float | None:
 
 
 class ThroughputTracker:
-    """Tokens this rank processed, data-loading time and wall time between two logs: the rates
-    are per rank. ``clock`` returns seconds (tests inject a fake one)."""
+    """Tokens, data-loading time and wall time of this rank between two logs."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
@@ -57,21 +56,16 @@ class ThroughputTracker:
     def add_tokens(self, num_tokens: int) -> None:
         self.tokens += num_tokens
 
-    def add_data_loading_time(self, seconds: float) -> None:
-        self.data_loading_seconds += seconds
-
     @contextlib.contextmanager
     def data_loading(self) -> Iterator[None]:
-        """Times the enclosed block as data loading."""
         start = self._clock()
         try:
             yield
         finally:
-            self.add_data_loading_time(self._clock() - start)
+            self.data_loading_seconds += self._clock() - start
 
     def summarize(self, num_flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
-        """Per-rank rates over the window, which starts anew: ``tps``, ``tflops``, ``mfu`` (percent
-        of ``peak_flops``; NaN when unknown) and ``data_loading_pct`` (zero for an empty window)."""
+        """Per-rank rates over the window, which starts anew; ``mfu`` is NaN when the peak is unknown."""
         elapsed = self._clock() - self.window_start
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
         achieved_flops = num_flops_per_token * tps
@@ -113,7 +107,7 @@ def format_duration(seconds: float) -> str:
 
 class RunProgress:
     """Where a run stands: wall time since training started, the recent step rate (for the ETA),
-    the steps run and the losses seen. ``clock`` returns seconds; tests inject a fake one."""
+    the steps run and the losses seen."""
 
     def __init__(self, total_steps: int | None, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.total_steps = total_steps
@@ -152,27 +146,31 @@ class RunProgress:
         return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
 
 
+# Keys of every metrics.jsonl line after "step", in order (then "elapsed_s"): TensorBoard tag,
+# console field.
+_METRICS = {
+    "loss": ("loss/global_avg", "loss {:.4f}"),
+    "grad_norm": ("grad_norm", "grad_norm {:.4f}"),
+    "lr": ("lr", "lr {:.3e}"),
+    "tps": ("throughput/tps", "tps/rank {:,.0f}"),
+    "tflops": ("throughput/tflops", "tflops/rank {:.3g}"),
+    "mfu": ("throughput/mfu_pct", "mfu {:.1f}%"),
+    "memory_gib": ("memory/peak_gib", "memory {:.2f} GiB"),
+    "data_loading_pct": ("time/data_loading_pct", "data {:.1f}%"),
+}
+
+
 def format_step_line(
     step: int, total_steps: int | None, values: dict[str, float], elapsed: float, eta: float | None
 ) -> str:
-    """The console line of a logged step; ``mfu`` is left out when not finite (peak unknown), the
-    ETA when unknown."""
-    progress = f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"
-    fields = [
-        progress,
-        f"loss {values['loss']:.4f}",
-        f"grad_norm {values['grad_norm']:.4f}",
-        f"lr {values['lr']:.3e}",
-        f"tps/rank {values['tps']:,.0f}",
-        f"tflops/rank {values['tflops']:.0f}" if values["tflops"] >= 100 else f"tflops/rank {values['tflops']:.3g}",
-    ]
-    if math.isfinite(values["mfu"]):
-        fields.append(f"mfu {values['mfu']:.1f}%")
-    fields += [
-        f"memory {values['memory_gib']:.2f} GiB",
-        f"data {values['data_loading_pct']:.1f}%",
-        f"elapsed {format_duration(elapsed)}",
-    ]
+    """The console line of a logged step, without an unknown MFU (NaN) or ETA."""
+    fields = [f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"]
+    for key, (_, field) in _METRICS.items():
+        if key == "tflops" and values[key] >= 100:
+            field = "tflops/rank {:.0f}"
+        if key != "mfu" or math.isfinite(values[key]):
+            fields.append(field.format(values[key]))
+    fields.append(f"elapsed {format_duration(elapsed)}")
     if eta is not None:
         fields.append(f"eta {format_duration(eta)}")
     return " | ".join(fields)
@@ -195,19 +193,6 @@ def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[st
         lines.append(f"  loss        final {last_loss:.4f} (step {last_step}), best {best_loss:.4f} (step {best_step})")
     lines += [f"  {label:<11} {path}" for label, path in folders.items() if path]
     return "\n".join(lines)
-
-
-# Keys of every metrics.jsonl line after "step", in order (then "elapsed_s"), and their TensorBoard tags.
-_TENSORBOARD_TAGS = {
-    "loss": "loss/global_avg",
-    "grad_norm": "grad_norm",
-    "lr": "lr",
-    "tps": "throughput/tps",
-    "tflops": "throughput/tflops",
-    "mfu": "throughput/mfu_pct",
-    "memory_gib": "memory/peak_gib",
-    "data_loading_pct": "time/data_loading_pct",
-}
 
 
 def check_wandb() -> None:
@@ -239,8 +224,7 @@ def check_wandb() -> None:
 
 
 def _settings_problems(error: ValueError) -> str:
-    """Each refused setting of a pydantic ValidationError on one line: ``mode='ofline': Input should
-    be ...``; other errors' first line."""
+    """Each refused setting of a pydantic ValidationError: ``mode='ofline': Input should be ...``."""
     if not hasattr(error, "errors"):
         return first_line(error)
     return "; ".join(
@@ -249,8 +233,8 @@ def _settings_problems(error: ValueError) -> str:
 
 
 def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
-    """A W&B run with its files under ``folder``/wandb; None, with a warning, when W&B's side
-    (network, server, account) keeps it from starting: the other logs go on."""
+    """A W&B run with its files under ``folder``/wandb; None, with a warning, when W&B's side keeps
+    it from starting: the other logs go on."""
     import wandb
 
     os.makedirs(folder, exist_ok=True)
@@ -285,8 +269,7 @@ def _name_aside(stem: str, last_write: float, extension: str = "") -> str:
 
 
 def _move_aside(path: str) -> None:
-    """Renames the records of an earlier run at ``path`` (a run from step 0 in the same folder,
-    whose steps would interleave with this one's) after the time of their last write."""
+    """Renames an earlier run's records at ``path``, whose steps would interleave with this one's."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     stem, extension = os.path.splitext(path)
@@ -295,14 +278,9 @@ def _move_aside(path: str) -> None:
     logger.warning("%s holds an earlier run's records; moved to %s (this run starts from step 0)", path, moved)
 
 
-def _event_files(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(folder), "events.out.tfevents.*")))
-
-
 def _move_events_aside(folder: str, events: list[str]) -> None:
-    """Moves an earlier run's TensorBoard event files out of ``folder`` (the same ``job.run_name``,
-    from step 0: both runs' curves would be drawn as one) into a folder beside it, named after
-    their last write, which TensorBoard lists as a run of its own."""
+    """Moves an earlier run's TensorBoard events (the same ``job.run_name``: both runs' curves would
+    be drawn as one) into a folder beside it, which TensorBoard lists as a run of its own."""
     moved = _name_aside(folder.rstrip(os.sep), max(os.path.getmtime(path) for path in events))
     os.makedirs(moved)
     for path in events:
@@ -312,12 +290,8 @@ def _move_events_aside(folder: str, events: list[str]) -> None:
 
 class MetricsLogger:
     """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary.
-
-    Built on every rank: ``enable`` on the logging rank (console, JSON lines, summary),
-    ``enable_tensorboard`` on the ranks writing TensorBoard, ``wandb_run`` (``wandb.init``'s
-    settings) where W&B gets the TensorBoard scalars; the others do nothing. ``log`` takes the keys
-    of ``_TENSORBOARD_TAGS``; ``total_steps`` and the global ``tokens_per_step`` feed the ETA and
-    summary. ``start`` comes before the first ``log``."""
+    Built on every rank: ``enable`` on the logging rank, ``enable_tensorboard`` and ``wandb_run``
+    (``wandb.init``'s settings) where those are written. ``start`` comes before the first ``log``."""
 
     def __init__(
         self,
@@ -337,7 +311,8 @@ class MetricsLogger:
         self.tensorboard_dir = tensorboard_dir if enable_tensorboard else None
         self._jsonl = None
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
-        self._earlier_events = _event_files(tensorboard_dir) if enable_tensorboard else []
+        events = os.path.join(glob.escape(tensorboard_dir), "events.out.tfevents.*")
+        self._earlier_events = sorted(glob.glob(events)) if enable_tensorboard else []
         if enable:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(dump_folder, METRICS_FILE)
@@ -345,9 +320,8 @@ class MetricsLogger:
         self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
     def start(self, step: int, new_run: bool = False) -> None:
-        """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``.
-        A ``new_run`` (launched from step 0, not restarted) first moves an earlier run's records
-        (JSON lines, TensorBoard events) in its folders aside; a restart of the same launch appends, as a resumed run does."""
+        """Training starts after ``step``. A ``new_run`` (from step 0, not restarted) first moves an
+        earlier run's records in its folders aside; a restart or a resumed run appends."""
         self.progress.start(step)
         if self._earlier_events and new_run:
             _move_events_aside(self.tensorboard_dir, self._earlier_events)
@@ -371,10 +345,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
-        missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
-        if missing:
-            raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
-        values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
+        values = {key: float(metrics[key]) for key in _METRICS}
         if self.enabled:
             elapsed = self.progress.elapsed()
             line = format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta())
@@ -384,9 +355,7 @@ class MetricsLogger:
             self._jsonl.flush()  # a crash must not lose the lines before it
 
         # No MFU point when the peak is unknown.
-        scalars = {
-            tag: values[key] for key, tag in _TENSORBOARD_TAGS.items() if math.isfinite(values[key]) or key != "mfu"
-        }
+        scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, step)
@@ -416,7 +385,6 @@ class MetricsLogger:
             self._wandb.log({"validation/loss": loss}, step=step)
 
     def close(self) -> None:
-        """Closes the files; further calls log nothing."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -237,7 +237,8 @@ def test_throughput_summary_matches_hand_computation() -> None:
     with tracker.data_loading():
         clock.now += 0.5
     tracker.add_tokens(4096)
-    tracker.add_data_loading_time(0.25)
+    with tracker.data_loading():
+        clock.now += 0.25
     clock.now = 104.0
 
     summary = tracker.summarize(num_flops_per_token=6e9, peak_flops=1e15)
