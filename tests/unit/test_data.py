@@ -214,19 +214,6 @@ def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharToke
         )
 
 
-@pytest.mark.parametrize(
-    ("option", "kwargs"),
-    [("seq_len", {"seq_len": 0}), ("local_batch_size", {"local_batch_size": 0}), ("dp_rank", {"dp_rank": 2})],
-)
-def test_bad_loader_options_are_named(
-    tmp_path: Path, char_tokenizer: CharTokenizer, option: str, kwargs: dict[str, int]
-) -> None:
-    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
-    options = {"seq_len": 4, "local_batch_size": 1, "dp_rank": 0, "dp_world_size": 2, **kwargs}
-    with pytest.raises(ValueError, match=option):
-        build_dataloader(str(corpus / "c.txt"), char_tokenizer, seed=0, cache_dir=str(tmp_path / "cache"), **options)
-
-
 # --- global order ----------------------------------------------------------
 
 
