@@ -27,7 +27,6 @@ from trainer.data.tokenizer import (
     SentencePieceTokenizer,
     TiktokenTokenizer,
     Tokenizer,
-    _split_for_tiktoken,
     build_tokenizer,
     default_tokenizer,
     default_tokenizer_path,
@@ -234,16 +233,6 @@ def test_tiktoken_round_trips_long_and_unicode_text(tiny_tiktoken_file: Path) ->
     ]
     for text in texts:
         assert tokenizer.decode(tokenizer.encode(text)) == text
-
-
-def test_long_texts_are_cut_into_bounded_pieces() -> None:
-    text = "word " * 100_000 + " " * 60_000 + "z" * 30_000
-    pieces = list(_split_for_tiktoken(text))
-    assert "".join(pieces) == text
-    assert max(len(piece) for piece in pieces) <= 400_000
-    uniform_runs = [piece for piece in pieces if piece.isspace() or " " not in piece]
-    assert uniform_runs and max(len(piece) for piece in uniform_runs) <= 25_000
-    assert pieces[1].startswith(" ")  # the 400k cut falls before a space, not inside a word
 
 
 # --- format detection and errors -------------------------------------------

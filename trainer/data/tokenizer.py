@@ -10,7 +10,6 @@ import io
 import itertools
 import json
 import os
-import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
@@ -38,12 +37,6 @@ _LLAMA3_SPECIAL_TOKENS = [
     ).split(),
     *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
 ]
-
-# Some tiktoken versions backtrack or recurse deeply on very long runs of (non-)whitespace; bounded
-# pieces (Llama 3's reference code's two bounds) keep encoding fast on all of them.
-_TIKTOKEN_MAX_RUN_CHARS = 25_000
-_TIKTOKEN_MAX_CHUNK_CHARS = 400_000
-_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS},}}")
 
 # Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -133,11 +126,7 @@ class TiktokenTokenizer(Tokenizer):
         )
 
     def _encode_text(self, text: str) -> list[int]:
-        # encode_ordinary: special-token text in documents is plain text.
-        ids: list[int] = []
-        for piece in _split_for_tiktoken(text):
-            ids.extend(self._encoding.encode_ordinary(piece))
-        return ids
+        return self._encoding.encode_ordinary(text)  # special-token text in documents is plain text
 
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)  # invalid UTF-8 becomes U+FFFD
@@ -351,30 +340,6 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
         # Without all single bytes some texts have no encoding (tiktoken panics).
         raise ValueError(f"tiktoken file {path}: {len(missing_bytes)} of the 256 single-byte tokens are missing")
     return ranks
-
-
-def _split_for_tiktoken(text: str) -> Iterator[str]:
-    """Runs of (non-)whitespace of at most 25k chars and chunks of at most 400k cut before a space."""
-    start = 0
-    for run in _LONG_RUN.finditer(text):
-        yield from _bounded_chunks(text[start : run.start()])
-        for run_start in range(run.start(), run.end(), _TIKTOKEN_MAX_RUN_CHARS):
-            yield text[run_start : min(run_start + _TIKTOKEN_MAX_RUN_CHARS, run.end())]
-        start = run.end()
-    yield from _bounded_chunks(text[start:])
-
-
-def _bounded_chunks(text: str) -> Iterator[str]:
-    while len(text) > _TIKTOKEN_MAX_CHUNK_CHARS:
-        # Cutting before whitespace keeps " word" pre-tokens intact; the text has
-        # no run longer than 25k chars, so whitespace exists in the window.
-        cut = max(text.rfind(space, 1, _TIKTOKEN_MAX_CHUNK_CHARS) for space in " \n\t")
-        if cut <= 0:
-            cut = _TIKTOKEN_MAX_CHUNK_CHARS
-        yield text[:cut]
-        text = text[cut:]
-    if text:
-        yield text
 
 
 # The tokenizer_config.json of an export of the default tokenizer: with it, transformers'
