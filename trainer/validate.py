@@ -21,14 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 def validation_due(step: int, freq: int) -> bool:
-    """Whether training step ``step`` (1-based) is followed by a validation: every ``freq`` steps
-    and after step 1, as torchtitan's validation.freq (the loss before training has moved far)."""
+    """Whether a validation follows step ``step``: after step 1 and every ``freq``, as torchtitan's."""
     return step == 1 or step % freq == 0
 
 
 class Validator:
-    """Evaluates ``validation.steps`` batches of the loaders ``loader()`` gives, each at the start
-    of the same held-out windows."""
+    """Evaluates ``validation.steps`` batches of a fresh ``loader()``: the same windows each time."""
 
     def __init__(self, validation: Validation, loader: Callable[[], StatefulDataLoader], dp_degree: int, loss: Loss):
         self.steps = validation.steps
@@ -41,8 +39,7 @@ class Validator:
             _warn_of_repeated_windows(loader().dataset, validation.steps)
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
-        """The mean token loss after ``step``, over all data-parallel ranks (a global value, the same
-        on every rank)."""
+        """This rank's share of the global mean token loss after ``step``."""
         try:
             return self._mean_loss(model, device)
         except RuntimeError as e:
@@ -76,8 +73,7 @@ class Validator:
 
 
 def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
-    """A held-out corpus of fewer windows than a validation reads is read round again within it:
-    its loss weighs some windows twice or more, which the user would not guess from the option."""
+    """Warns when a validation reads some windows of a short held-out corpus more than once."""
     wanted = steps * windows.global_batch_size
     if windows.num_windows < wanted:
         logger.warning(
