@@ -56,20 +56,12 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
         tokens = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:  # cut short or overwritten since it was written
         raise ValueError(f"its token cache {path} is damaged ({e}); delete the file and it is rebuilt") from None
-    if problem := _id_problem(tokens, tokenizer.vocab_size):
+    # An id past the vocabulary would fail every attempt's first step; one pass at memory speed finds it.
+    largest = int(tokens.max()) if len(tokens) else 0
+    if largest >= tokenizer.vocab_size:
+        problem = f"it holds id {largest}, past the tokenizer's {tokenizer.vocab_size} ids"
         raise ValueError(f"its token cache {path} is damaged ({problem}); delete the file and it is rebuilt")
     return tokens
-
-
-def _id_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
-    """Why ``tokens`` cannot be a stream of ``vocab_size`` ids, else None: an id past the vocabulary
-    would fail every attempt's first step; one pass at memory speed finds it first."""
-    if tokens.dtype.kind != "u":  # the cache is written as uint16 or uint32
-        return f"its ids are {tokens.dtype}, not unsigned integers"
-    largest = int(tokens.max()) if len(tokens) else 0
-    if largest >= vocab_size:
-        return f"it holds id {largest}, past the tokenizer's {vocab_size} ids"
-    return None
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
