@@ -63,14 +63,11 @@ def is_hf_folder(path: str) -> bool:
 def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
         raise ValueError(f"HF checkpoint: {path} does not exist") from None
-    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
+    except (OSError, ValueError) as exc:  # not JSON or not UTF-8
         raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"HF checkpoint: {path} is not a JSON object")
-    return data
 
 
 def read_hf_config(folder: str) -> dict:

@@ -241,13 +241,10 @@ def _parse_hf_tokenizer(json_bytes: bytes, path: str) -> tokenizers.Tokenizer:
 
 
 def _parse_hf_config(config_bytes: bytes, path: str) -> dict[str, Any]:
-    if not config_bytes:
-        return {}
     try:
-        config = json.loads(config_bytes)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        return json.loads(config_bytes) if config_bytes else {}
+    except ValueError as error:  # UnicodeDecodeError is one too
         raise ValueError(f"cannot parse {path}: {error}") from None
-    return config
 
 
 def _hf_config_token(config: dict[str, Any], key: str) -> str | None:
