@@ -33,8 +33,7 @@ class BuiltModel:
     args: Any  # the family's hyper-parameters
     flops_per_token: float  # training FLOPs per token of the whole model, for MFU
     compute_dtype: torch.dtype  # of the matmuls (training.mixed_precision_param, decided)
-    # The forwards run under torch.autocast (no wrapper casts the weights): the activations
-    # between blocks stay in the weights' dtype.
+    # Forwards under torch.autocast (no wrapper casts the weights): activations stay in the weights' dtype.
     autocast: bool
     graph_passes: list[BucketingPass] = field(default_factory=list)  # SimpleFSDP's, per compiled part
     schedule: Schedule | None = None
@@ -133,8 +132,7 @@ def build_model(
         )
     model.configure_attention(upcast, query_chunk)
     _log_precision(config, parallel_dims)
-    # A sharding wrapper casts the parameters; without one, as in torchtitan, autocast casts the
-    # forward's matmuls (backward follows). Weights already in the compute dtype need neither.
+    # Without a casting wrapper autocast casts the matmuls; weights in the compute dtype need neither.
     casts = wrapper_casts_parameters(config, parallel_dims) or compute_dtype == getattr(torch, config.training.dtype)
     flops = spec.flops_per_token_fn(args, model, config.training.seq_len)
     built = BuiltModel([], args, flops, compute_dtype, autocast=not casts)

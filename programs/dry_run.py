@@ -52,13 +52,11 @@ class _PeakTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
-        # A parameter stepped in backward (optimizer.early_step_in_backward) has freed its
-        # gradient before MemTracker's own hook comes to count it.
+        # A parameter stepped in backward has freed its gradient before MemTracker's hook counts it.
         return set() if t is None else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
-        # MemTracker refuses a root module's second forward (it keeps one call's stats per module):
-        # each microbatch through a model part or stage starts its stats afresh.
+        # MemTracker refuses a root module's second forward: each microbatch starts its stats afresh.
         parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
         if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
             del self.memory_tracking[module]
@@ -165,8 +163,7 @@ def _pipeline_step(
     boundaries = _Boundaries({s: ranks[r] for s, r in stage_ranks.items()}, group)
     micro_inputs = inputs.tensor_split(schedule._n_microbatches)
     micro_labels = labels.tensor_split(schedule._n_microbatches)
-    # What a stage receives: the hidden state, a plain tensor (split on the sequence under tensor
-    # parallelism) in the compute dtype; autocast keeps it in the weights' float32.
+    # A stage receives the hidden state (split on the sequence under TP); autocast keeps it in float32.
     microbatch, seq_len = micro_inputs[0].shape
     dtype = torch.float32 if built.autocast else built.compute_dtype
     template = torch.empty(microbatch, seq_len // dims.tp, built.args.dim, dtype=dtype)
@@ -238,8 +235,7 @@ def measure_steps(
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
 
     for group in optimizer.param_groups:
-        # Per tensor: the fused step reads a scalar fake tensors do not hold, and MemTracker counts
-        # foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
+        # Per tensor: fused reads a scalar fake tensors lack; MemTracker counts foreach's as new state.
         group.update(foreach=False, fused=False)
     for step in range(STEPS):
         batches = [make_batch() for _ in range(accumulation)]

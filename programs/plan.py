@@ -23,8 +23,7 @@ from programs.dry_run import dry_run, in_child, measured_ranks
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-# Extra block FLOPs of each AC mode, of forward + backward's 6 per parameter and token: full
-# recomputes the forward (2 of 6), selective every second matmul (1 of 6).
+# Extra block FLOPs of each AC mode, of 6 per parameter and token: full 2 of 6, selective 1 of 6.
 RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
 
 
@@ -154,8 +153,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     microbatches = lay.local_batch // lay.microbatch
     if lay.pp > 1:
         compute *= 1 + (lay.pp - 1) / (lay.stages // lay.pp * microbatches)
-    # Data parallel: bf16 all-gathers (forward and backward; once per pipeline step, which keeps
-    # the gathered weights), fp32 reduce-scatters, the replicas' fp32 all-reduce; all overlappable.
+    # Data parallel: bf16 all-gathers (once per pipeline step), fp32 reduce-scatters and all-reduce; overlappable.
     rank_params = (shape.block_params * shape.n_layers + shape.other_params) / (lay.tp * lay.pp)
     gathers = 1 if lay.pp > 1 else 2
     embedding = shape.vocab * shape.dim
@@ -163,8 +161,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
         # One unit per block, and the root: embedding, final norm and output, gathered first.
         calls, first = shape.n_layers / lay.pp + 1, shape.other_params
     else:
-        # The written config's buckets (compile.bucketing manual, no list): one per block, the
-        # embedding (gathered first), and final norm with output.
+        # Manual buckets: one per block, the embedding (gathered first), and final norm with output.
         calls, first = shape.n_layers / lay.pp + 2, embedding
     if lay.pp > 1:
         first = min(first, embedding)  # rank 0's first stage holds the embedding, not the output
@@ -175,8 +172,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     dp_comm = passes * (gathers * ag + rs) + ar
     # Each forward pass waits for its first gather; the rest overlaps compute.
     exposed = max(0.0, dp_comm - compute) + passes * _ring_seconds(plan, lay.shard, span, first / lay.tp * 2, 1)
-    # Tensor parallel (sequence parallel): an all-gather and a reduce-scatter of the activations
-    # around attention and MLP, forward and backward: 8 per block and microbatch, all exposed.
+    # Sequence parallel: 8 exposed activation all-gathers and reduce-scatters per block and microbatch.
     activation = lay.microbatch * seq * shape.dim * 2
     blocks = shape.n_layers / lay.pp
     tp = _ring_seconds(
@@ -221,8 +217,7 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
             mode=layout.ac,
             selective_ac_option="op" if layout.ac == "selective" else config.activation_checkpoint.selective_ac_option,
         ),
-        # Per-block compile for FSDP2 (the GPU default) and whole-model compile for SimpleFSDP,
-        # whose bucketing (which the time model counts on) is a compiler pass.
+        # Compiled: SimpleFSDP's bucketing, which the time model counts on, is a compiler pass.
         compile=dataclasses.replace(
             config.compile, enable=True, components=["model", "loss"], bucketing="manual", manual_buckets=[]
         ),

@@ -146,8 +146,7 @@ class RunProgress:
         return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
 
 
-# Keys of every metrics.jsonl line after "step", in order (then "elapsed_s"): TensorBoard tag,
-# console field.
+# Each metrics.jsonl line's keys after "step", in order (then "elapsed_s"): TensorBoard tag, console field.
 _METRICS = {
     "loss": ("loss/global_avg", "loss {:.4f}"),
     "grad_norm": ("grad_norm", "grad_norm {:.4f}"),
@@ -328,8 +327,7 @@ class MetricsLogger:
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resume's first event hides the earlier attempts' events from its first step on
-            # (TensorBoard's purge), which it logs again: one point per step.
+            # A resume purges the earlier attempts' events from its first step on: one point per step.
             self._tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=step + 1 if step else None)
             logger.info("TensorBoard logs in %s", self.tensorboard_dir)
         if self._jsonl is not None and new_run:

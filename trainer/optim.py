@@ -34,14 +34,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
         super().__init__(params, settings)
         self.per_parameter = {p: optimizer_class([p], **settings) for p in params}
         self.stepping = True
-        # This rank's part of the squared gradient norm, by the mesh and placements its reduction
-        # takes (DTensor gradients) or None (plain ones).
+        # This rank's part of the squared norm, by the (mesh, placements) reducing it; None: plain tensors.
         self._squares: dict[tuple | None, torch.Tensor] = {}
         for param in params:
             param.register_post_accumulate_grad_hook(self._step_parameter)
         for optimizer in self.per_parameter.values():
-            # Each saved per-parameter optimizer carries the schedule's settings (lr, initial_lr):
-            # a checkpoint holds what one optimizer's would.
+            # Each saved one carries the schedule's settings: a checkpoint holds what one optimizer's would.
             optimizer.register_state_dict_pre_hook(self._lend_settings)
             optimizer.register_load_state_dict_post_hook(self._take_settings)
 
@@ -54,8 +52,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _step_parameter(self, param: nn.Parameter) -> None:
         if not self.stepping:
             return
-        # One tensor's norm: a DTensor's stays partial here (get_total_norm's stack of norms would
-        # all-reduce for every parameter).
+        # A DTensor's norm stays partial here: get_total_norm would all-reduce for every parameter.
         norm = torch.linalg.vector_norm(param.grad)
         key = (norm.device_mesh, norm.placements) if isinstance(norm, DTensor) else None
         local = norm.to_local() if isinstance(norm, DTensor) else norm

@@ -30,8 +30,7 @@ def maybe_profile(
     ending = False
 
     def save_trace(prof: torch.profiler.profile) -> None:
-        # The profiler's exit saves the window it is in. One whose recording begins with the step
-        # after the last holds no step (and its name may be the last window's, which it replaced).
+        # The profiler's exit saves its window; one whose recording begins after the last step holds none.
         freq = config.profile_freq
         if ending and prof.step_num % freq == (freq - config.profiler_active) % freq:
             return

@@ -34,8 +34,7 @@ class Validator:
         self.dp_degree = dp_degree
         self.loss = loss
         if validation.enable:
-            # Tokenized and counted now: a held-out corpus too short for one window would otherwise
-            # be refused at the first validation, after the first step of training.
+            # Tokenized now: a corpus too short for one window is refused before training, not after a step.
             _warn_of_repeated_windows(loader().dataset, validation.steps)
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:

@@ -26,15 +26,13 @@ from trainer.folders import write_whole
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATASET = "python_docs"
-# Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
-# form C4's and many hub datasets' JSON shards are kept in).
+# Formats read through `datasets`, by its builder's name (it decompresses .gz, as C4's shards are kept).
 DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".json.gz": "json", ".jsonl.gz": "json"}
 CORPUS_SUFFIXES = (".txt", ".jsonl", *DATASETS_BUILDERS)
 _SUFFIX_NAMES = ", ".join(CORPUS_SUFFIXES)
 # Files `Dataset.save_to_disk` writes next to its .arrow shards: metadata, not records.
 _SAVE_TO_DISK_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
-# torchtitan's dataset names: 'c4' and 'c4_validation' stream from the hub; 'c4_test' is a folder
-# of JSON lines in torchtitan's repository, found from the working folder as torchtitan finds it.
+# torchtitan's dataset names; 'c4_test' is a folder of torchtitan's repository, found from the working folder.
 TORCHTITAN_DATASETS = {
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
@@ -222,8 +220,7 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    # JSON Lines ends a record at '\n' alone: str.splitlines would also cut the U+2028, U+2029 and
-    # U+0085 that JSON strings may hold unescaped (web text does; json.dumps(ensure_ascii=False) keeps them).
+    # A record ends at '\n' alone: splitlines would also cut the U+2028, U+2029, U+0085 JSON strings may hold.
     for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
@@ -367,8 +364,7 @@ def create_file_once(path: str, write: Callable[[str], None]) -> None:
     if os.path.exists(path):
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # The lock file is never deleted: removing it would let two processes hold
-    # locks on different inodes.
+    # The lock file is never deleted: two processes could then hold locks on different inodes.
     with open(path + ".lock", "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if not os.path.exists(path):  # else built by another process while we waited

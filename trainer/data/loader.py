@@ -95,8 +95,7 @@ class PackedTokenDataset(IterableDataset):
         self.dp_world_size = dp_world_size
         self.global_batch_size = local_batch_size * dp_world_size
         self.seed = seed
-        # Position: where the current chunk starts in the global stream, samples of this rank's
-        # slice of it yielded, and the distance to the next chunk (K for a worker's stream, else 1).
+        # Position: the chunk's start, samples of this rank's slice yielded, the stride to the next chunk.
         self._chunk_start = 0
         self._index_in_slice = 0
         self._chunk_stride = 1

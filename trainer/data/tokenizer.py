@@ -42,8 +42,7 @@ _LLAMA3_SPECIAL_TOKENS = [
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
 MODEL_FILE = "tokenizer.model"  # Hugging Face's name for a sentencepiece or tiktoken file
-# tokenizer_config.json keys whose tokens are registered as special, in torchtitan's order (which
-# decides the ids of new tokens).
+# tokenizer_config.json keys registered as special tokens, in torchtitan's order (it decides new ids).
 _HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 # Tried in order when tokenizer_config.json does not name a BOS/EOS token.
 _HF_FALLBACK_TOKENS = {"bos_token": ("<|begin_of_text|>", "<s>"), "eos_token": ("<|end_of_text|>", "</s>")}
@@ -339,8 +338,7 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
     return ranks
 
 
-# The tokenizer_config.json of an export of the default tokenizer: with it, transformers'
-# AutoTokenizer gives BOS and then this tokenizer's ids.
+# An export's tokenizer_config.json: with it, transformers' AutoTokenizer gives BOS, then these ids.
 DEFAULT_TOKENIZER_HF_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "add_bos_token": True,  # as training frames each document
