@@ -41,8 +41,7 @@ class BuiltModel:
     has_last_stage: bool = True
 
     def run_pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
-        """Runs the schedule on one microbatch, with backward when ``train``: the sum of the pipeline
-        microbatches' losses on the last stage's rank, zero on the others."""
+        """Runs the schedule: the sum of the microbatches' losses on the last stage's rank, zero elsewhere."""
         losses: list[torch.Tensor] = []
         stage_inputs = (inputs,) if self.has_first_stage else ()
         targets = labels if self.has_last_stage else None
@@ -61,8 +60,7 @@ def _describe(config: JobConfig, args: Any) -> str:
 
 
 def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
-    """``config`` with ``training.mixed_precision_param = "auto"`` decided for ``device_type`` (bfloat16
-    where it multiplies fast); bfloat16 weights compute in bfloat16."""
+    """``config`` with ``mixed_precision_param = "auto"`` decided for ``device_type``."""
     training = config.training
     if training.dtype == "bfloat16":
         logger.info("training.dtype bfloat16: weights, gradients and optimizer state in bfloat16, no float32 copy")
@@ -78,8 +76,7 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
 
 
 def wrapper_casts_parameters(config: JobConfig, parallel_dims: ParallelDims) -> bool:
-    """Whether the data-parallel wrapper casts the parameters (sharding and SimpleFSDP do); else
-    autocast casts the forward's matmuls, as in torchtitan."""
+    """Whether the DP wrapper casts the parameters (sharding and SimpleFSDP do); else autocast casts."""
     if not parallel_dims.dp_enabled:
         return False
     return parallel_dims.fsdp_enabled or config.parallelism.data_parallel_impl == "simple_fsdp"

@@ -89,8 +89,7 @@ def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
 
 
 def job_model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
-    """``model_args`` of the job, from ``model.architecture``'s folder if any; ConfigError naming the
-    option when the folder cannot give them."""
+    """``model_args`` of the job; ConfigError naming the option when its HF folder cannot give them."""
     found = architecture_folder(config)
     if found is None:
         return model_args(config, vocab_size)

@@ -42,8 +42,7 @@ CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp
 
 
 class _PeakTracker(MemTracker):
-    """MemTracker keeping only the whole rank's peak: its per-module peaks walk every module at
-    every operator (8B's two steps: 500 s instead of 30 s)."""
+    """MemTracker keeping only the rank's peak: per-module peaks made 8B's two steps 500 s, not 30 s."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
@@ -225,8 +224,7 @@ def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches,
 def measure_steps(
     built: BuiltModel, loss: Loss, optimizer, lr_scheduler, make_batch, accumulation: int, dims: ParallelDims
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """The last of ``STEPS`` training steps' peak and end of forward, bytes by MemTracker category
-    (and "Total"); fake or real tensors alike."""
+    """The last of ``STEPS`` steps' peak and end of forward, bytes by MemTracker category (and "Total")."""
     device = next(built.parts[0].parameters()).device
     after_forward: dict[str, int] = {}
     tracker = _PeakTracker()
@@ -259,8 +257,7 @@ def _bytes_of(value) -> int:
 
 
 def _buckets_planned(config: JobConfig) -> bool:
-    """Whether the real run compiles SimpleFSDP with bucketing; auto bucketing needs given figures
-    (a dry run cannot time the GPUs it stands for)."""
+    """Whether the real run compiles SimpleFSDP with bucketing (auto needs given figures: no GPUs here)."""
     c = config.compile
     if not (c.compiles_model and config.parallelism.data_parallel_impl == "simple_fsdp" and c.bucketing != "none"):
         return False
@@ -343,8 +340,7 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
 
 
 def in_child(fn, *args):
-    """``fn(*args)`` in a forked child: a second fake world in this process would find torch's
-    per-process meshes and group names stale; a fork costs no imports."""
+    """``fn(*args)`` in a forked child: a second fake world in this process would find torch's state stale."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -372,8 +368,7 @@ USAGE = "usage: python -m programs.dry_run (--world-size N | --nnodes N --nproc-
 
 
 def measured_ranks(config: JobConfig, world_size: int) -> list[int]:
-    """Rank 0 and, under pipeline parallelism (the outermost mesh dimension), the last stage's first
-    rank: the output layer, the logits and the loss."""
+    """Rank 0 and, under pipelining, the last stage's first rank (the output layer, logits and loss)."""
     pp = config.parallelism.pipeline_parallel_degree
     return [0] if pp == 1 else [0, (pp - 1) * (world_size // pp)]
 

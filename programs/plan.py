@@ -82,8 +82,7 @@ def global_batch(config: JobConfig) -> int:
 
 
 def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
-    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline tried on
-    ``pp`` ranks with ``per_rank`` sequences per data-parallel rank and step."""
+    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline tried."""
     if pp == 1:
         yield from (("", 1, shape.n_layers, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
         return
@@ -140,8 +139,7 @@ def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float
 
 
 def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
-    """The time model (README "Layout planner"): compute with the pipeline bubble, plus the
-    communication that is not hidden behind it."""
+    """The time model (README): compute with the pipeline bubble, plus the communication not hidden."""
     plan, seq, lay = config.plan, config.training.seq_len, layout
     tokens = global_batch(config) * seq
     block = (6 * shape.block_params + 12 * shape.dim * seq) * shape.n_layers * tokens
@@ -271,8 +269,7 @@ class PeakEstimator:
 
 
 def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:
-    """A lower bound of the per-rank peak: fp32 weights, gradients and two Adam moments, 16 bytes
-    per parameter of the rank's shard."""
+    """A lower bound of the peak: fp32 weights, gradients and Adam moments, 16 bytes per parameter."""
     params = shape.block_params * shape.n_layers + shape.other_params
     return 16 * params / (layout.shard * layout.tp * layout.pp)
 

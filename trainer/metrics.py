@@ -80,15 +80,12 @@ class ThroughputTracker:
 
 
 def tokens_of_this_rank(microbatches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> int:
-    """This rank's share of the step's tokens, so that tokens/s and TFLOP/s stay per rank: the
-    ranks of a pipeline, and of a tensor-parallel group, all see their data-parallel rank's batch
-    (torchtitan divides by the same degrees)."""
+    """This rank's share: a TP group's and a pipeline's ranks all see their DP rank's batch (as torchtitan counts)."""
     return sum(x.numel() for x, _ in microbatches) // (dims.pp * dims.tp)
 
 
 def format_duration(seconds: float) -> str:
-    """A duration as people read it: ``45s``, ``4m10s``, then (rounded to the minute) ``30m``,
-    ``1h02m``, then ``2d03h``; ``?`` when unknown (negative or not finite)."""
+    """``45s``, ``4m10s``, ``30m``, ``1h02m``, ``2d03h``; ``?`` when unknown."""
     if not (math.isfinite(seconds) and seconds >= 0):
         return "?"
     if round(seconds) < 60:
@@ -106,8 +103,7 @@ def format_duration(seconds: float) -> str:
 
 
 class RunProgress:
-    """Where a run stands: wall time since training started, the recent step rate (for the ETA),
-    the steps run and the losses seen."""
+    """Where a run stands: wall time, the recent step rate (for the ETA), the steps run and the losses seen."""
 
     def __init__(self, total_steps: int | None, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.total_steps = total_steps
@@ -138,8 +134,7 @@ class RunProgress:
         return self._clock() - self.start_time
 
     def eta(self) -> float | None:
-        """Seconds left at the recent step rate; None before two steps are done, without a total, or
-        once the last step is done."""
+        """Seconds left at the recent step rate; None before two steps, without a total, or at the end."""
         if self.total_steps is None or len(self._recent) < 2 or self._recent[-1][1] >= self.total_steps:
             return None
         (first_time, first_step), (last_time, last_step) = self._recent[0], self._recent[-1]
@@ -195,9 +190,7 @@ def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[st
 
 
 def check_wandb() -> None:
-    """ConfigError naming metrics.enable_wandb when this host cannot start W&B runs: no wandb
-    package, a WANDB_* variable W&B does not take (WANDB_MODE=ofline), or no API key where runs go
-    to W&B's servers (WANDB_MODE neither offline nor disabled)."""
+    """ConfigError when this host cannot start W&B runs: no package, refused WANDB_* settings, no API key."""
     try:
         import wandb
     except ImportError:
@@ -232,8 +225,7 @@ def _settings_problems(error: ValueError) -> str:
 
 
 def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
-    """A W&B run with its files under ``folder``/wandb; None, with a warning, when W&B's side keeps
-    it from starting: the other logs go on."""
+    """A W&B run under ``folder``; None, with a warning, when W&B's side keeps it from starting."""
     import wandb
 
     os.makedirs(folder, exist_ok=True)
@@ -278,8 +270,7 @@ def _move_aside(path: str) -> None:
 
 
 def _move_events_aside(folder: str, events: list[str]) -> None:
-    """Moves an earlier run's TensorBoard events (the same ``job.run_name``: both runs' curves would
-    be drawn as one) into a folder beside it, which TensorBoard lists as a run of its own."""
+    """Moves an earlier run's TensorBoard events (drawn as one curve with this one's) beside ``folder``."""
     moved = _name_aside(folder.rstrip(os.sep), max(os.path.getmtime(path) for path in events))
     os.makedirs(moved)
     for path in events:

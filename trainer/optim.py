@@ -82,8 +82,7 @@ def _settings(param_group: dict) -> dict:
 
 
 def optimizers_holding_state(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose state a checkpoint saves: those of each parameter when they step in
-    backward (their state under the parameters' names is the same as one optimizer's)."""
+    """The optimizers a checkpoint saves: each parameter's when they step in backward."""
     if isinstance(optimizer, OptimizerInBackward):
         return list(optimizer.per_parameter.values())
     return [optimizer]
@@ -100,8 +99,7 @@ def build_optimizer(
     implementation: str = "fused",
     early_step_in_backward: bool = False,
 ) -> torch.optim.Optimizer:
-    """One optimizer over the parts' trainable parameters (an ``OptimizerInBackward`` with
-    ``early_step_in_backward``); ``fused`` falls back to ``foreach`` where torch has no fused kernel."""
+    """One optimizer over the parts' parameters; ``fused`` falls back to ``foreach`` where torch has no kernel."""
     if not lr > 0:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
     if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
@@ -175,8 +173,7 @@ def build_lr_scheduler(
     decay_ratio: float | None = None,
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """torchtitan's schedule: linear warmup, a stable phase, then a decay over ``decay_ratio`` of the
-    steps (None: all after warmup) towards ``min_lr_factor`` x ``lr``; cut to fit a short run."""
+    """torchtitan's warmup, stable and decay phases towards ``min_lr_factor`` x ``lr``; cut to fit a short run."""
     if total_steps < 1:
         raise ValueError(f"{total_steps_option} must be >= 1, got {total_steps}")
     if warmup_steps > total_steps:

@@ -85,8 +85,7 @@ class MemorySnapshots:
 def maybe_snapshot_memory(
     config: Profiling, dump_folder: str, rank: int, device: torch.device, last_step: int
 ) -> Iterator[MemorySnapshots | None]:
-    """The snapshots the loop reports each step to (None when off or without allocator history); a
-    step that runs out of memory saves one more."""
+    """The snapshots the loop reports steps to (None when off); a step out of memory saves one more."""
     if not config.enable_memory_snapshot:
         yield None
         return

@@ -151,8 +151,7 @@ class Trainer:
         )
 
     def _start_data(self, resumed: str | None):
-        """The training batches from the position the checkpoint saved; one that does not fit this
-        job's data is a mistake in the job: one line saying how to go on, not a restart to fail again."""
+        """The batches from the saved position; one that does not fit the job is a one-line mistake, not a restart."""
         try:
             return iter(self.dataloader)  # the loader checks a restored position here
         except ValueError as e:
@@ -179,8 +178,7 @@ class Trainer:
         return local_loss(loss.detach())
 
     def train_step(self, microbatches: Microbatches) -> dict[str, float]:
-        """Forward/backward over the microbatches, clip, update; returns loss, grad norm, lr. A
-        non-finite loss or norm leaves the model untouched, unless it stepped in backward."""
+        """Forward/backward, clip, update; a non-finite loss or norm leaves the model untouched (but in backward)."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
         if isinstance(self.optimizer, OptimizerInBackward):

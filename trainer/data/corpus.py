@@ -145,8 +145,7 @@ def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
 
 
 def local_corpus_files(path: str) -> list[Path]:
-    """The files of a file, a folder (recursively, sorted) or a comma-separated list of them; all
-    .txt/.jsonl, or all of one ``datasets`` format."""
+    """The files of a file, folder or comma-separated list of them; of one format."""
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
     if not files:
         raise ValueError(f"dataset {path!r} names no files")
@@ -246,8 +245,7 @@ def _record_texts(records: Iterable[dict[str, Any]], source: str, text_field: st
 
 
 def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[str, Any]]:
-    """Records of ``datasets.load_dataset(path, **options)``, streamed (never copied into the
-    library's cache); its errors as one-line ValueErrors naming ``source``."""
+    """``datasets.load_dataset``'s records, streamed; its errors as one-line ValueErrors naming ``source``."""
     # Imported on use: it takes a second, and most runs read other corpora.
     import datasets
     import pyarrow
@@ -310,8 +308,7 @@ def corpus_identity(corpus: Corpus) -> dict[str, Any]:
 
 
 def check_corpus(corpus: Corpus) -> str | None:
-    """Cheap checks before launch (paths, shard schemas, the hub, the first document); returns that
-    document (None for the default corpus, which takes seconds to extract)."""
+    """Cheap checks before launch; returns the first document (None for the slow default corpus)."""
     if corpus.dataset == DEFAULT_DATASET:
         return None
     if is_local(corpus.dataset):
@@ -359,8 +356,7 @@ def _arrow_schema(source: Any) -> Any:
 
 
 def create_file_once(path: str, write: Callable[[str], None]) -> None:
-    """Creates ``path`` with ``write(partial path)`` unless it exists; a lock on ``path + ".lock"``
-    lets one of concurrent processes build it while the others wait."""
+    """Creates ``path`` with ``write(partial path)`` unless it exists; concurrent processes wait for one."""
     if os.path.exists(path):
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

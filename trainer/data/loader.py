@@ -28,8 +28,7 @@ _TOKEN_CACHE_VERSION = 1
 
 
 def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
-    """Token stream of ``corpus``, tokenized once into ``cache_dir`` under the corpus identity and
-    the tokenizer's fingerprint; memory-mapped, read-only: each rank reads only its windows."""
+    """``corpus``'s tokens, cached under its identity and the tokenizer's fingerprint; memory-mapped."""
     corpus = pin_revision(corpus)  # one question to the hub, for both the key and the documents
     key = json.dumps(
         {
@@ -152,8 +151,7 @@ class PackedTokenDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume from ``state_dict``; the DP layout may differ at a batch boundary of both (a step's
-        end is one for any layout of the step's global batch)."""
+        """Resume; the DP layout may differ at a batch boundary of both (a step's end is one)."""
         missing = sorted(self.state_dict().keys() - state_dict.keys())
         if missing:
             raise ValueError(f"data state lacks {', '.join(missing)}: not saved by PackedTokenDataset")
@@ -200,8 +198,7 @@ def config_dataloader(
     seed: int,
     cache_dir: str,
 ) -> StatefulDataLoader:
-    """This DP rank's loader of the corpus ``section`` describes (``option`` names it in a
-    ConfigError); a validation batch takes training's shape where it sets none."""
+    """This DP rank's loader of ``section``'s corpus; validation takes training's shape where it sets none."""
     with user_input(option):
         dataset = build_dataset(
             corpus_of(section),

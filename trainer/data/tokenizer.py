@@ -56,8 +56,7 @@ _DEFAULT_MAX_LINE_CHARS = 1_000
 
 
 class Tokenizer(ABC):
-    """Maps text to token ids in ``[0, vocab_size)`` and back. ``fingerprint`` changes whenever
-    the text-to-ids mapping does: the cache key of tokenized corpora."""
+    """Text to ids in ``[0, vocab_size)`` and back; ``fingerprint`` keys the tokenized corpora."""
 
     def __init__(self, *, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
         self.vocab_size = vocab_size
@@ -103,8 +102,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class TiktokenTokenizer(Tokenizer):
-    """A tiktoken BPE file in the Llama 3 ``tokenizer.model`` format (``base64(token_bytes) rank``
-    lines); the 256 Llama 3 special tokens get the ids right after the base vocabulary."""
+    """A Llama 3 ``tokenizer.model`` (tiktoken); the 256 special tokens follow the base vocabulary."""
 
     def __init__(self, path: str) -> None:
         model_bytes = Path(path).read_bytes()
@@ -171,8 +169,7 @@ class HuggingFaceTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer of the format found: a Hugging Face folder or ``*.json`` file, else a
-    sentencepiece or tiktoken file (a folder's ``tokenizer.model`` when it has no ``tokenizer.json``)."""
+    """A tokenizer of the format found (a folder with only ``tokenizer.model`` loads that file)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     model_file = os.path.join(path, MODEL_FILE)
@@ -194,8 +191,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def default_tokenizer(cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Sentencepiece BPE tokenizer trained on the Python docs corpus, on first use, into
-    ``cache_dir``; concurrent callers (torchrun's ranks) wait for one to train it."""
+    """Sentencepiece BPE trained on the default corpus on first use; concurrent ranks wait for one."""
     path = default_tokenizer_path(cache_dir, vocab_size)
     create_file_once(path, lambda tmp_path: _train_default_model(tmp_path, vocab_size))
     try:
