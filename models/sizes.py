@@ -18,9 +18,8 @@ logger = logging.getLogger(__name__)
 def model_args(
     config: JobConfig, vocab_size: int | None = None, hf_config: dict | None = None, source: str = ""
 ) -> Any:
-    """The flavor's hyper-parameters, replaced by ``hf_config``'s (read from ``source``), then by the
-    [model] fields set. The vocabulary is the tokenizer's (``vocab_size``) unless a [model] field or
-    the file gives one, which must then hold every token id."""
+    """The flavor's sizes, replaced by ``hf_config``'s, then by the [model] fields set. The vocabulary is the
+    tokenizer's unless a [model] field or the file gives one, which must then hold every token id."""
     spec = get_model_spec(config.model.name)
     args = get_flavor(spec, config.model.flavor)
     if hf_config is not None:
@@ -54,7 +53,6 @@ CONFIG_NAME = "config.json"
 
 
 def is_hf_folder(path: str) -> bool:
-    """A folder with a ``config.json`` and ``.safetensors`` files."""
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         return False
     return any(name.endswith(".safetensors") for name in os.listdir(path))

@@ -105,9 +105,8 @@ def _size(nbytes: int) -> str:
 
 
 def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
-    """(stage, computation, microbatch) of each action the rank runs, in order: a multi-stage
-    schedule's ``pipeline_order``; GPipe's and 1F1B's own loop spelt out (torch 2.13's
-    ``pipeline_order`` numbers the last rank's 1F1B forwards from 1)."""
+    """(stage, computation, microbatch) of the rank's actions in order; GPipe's and 1F1B's loop spelt out
+    (torch 2.13's ``pipeline_order`` numbers the last rank's 1F1B forwards from 1)."""
     if not isinstance(schedule, PipelineScheduleSingle):
         actions = (a for a in schedule.pipeline_order[pp_rank] if a is not None)
         return [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions]
@@ -149,10 +148,8 @@ class _Boundaries:
 def _pipeline_step(
     built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark, dims: ParallelDims
 ) -> None:
-    """This rank's actions of one schedule step, in torch's order, with sends and receives on the
-    fake group (its schedules' warm-up needs values a fake group cannot deliver). ``mark()`` comes
-    before the first backward, when the most microbatches are in flight; a zero-bubble split
-    backward runs whole at the input-gradient action."""
+    """This rank's actions of one schedule step, sends and receives on the fake group (torch's warm-up needs
+    values it cannot deliver). ``mark()`` comes before the first backward: the most in flight."""
     schedule = built.schedule
     pipeline_stages = getattr(schedule, "_stages", None) or [schedule._stage]
     stages = {stage.stage_index: stage for stage in pipeline_stages}
@@ -270,7 +267,6 @@ def _buckets_planned(config: JobConfig) -> bool:
 
 
 def _eager(config: JobConfig, bucketed: bool) -> JobConfig:
-    """torch.compile does not trace under the fake tensors' dispatch mode: the dry run runs eagerly."""
     if not config.compile.enable:
         return config
     logger.warning(

@@ -15,7 +15,6 @@ from parallelisms.parallel_dims import ParallelDims
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the tokens, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 

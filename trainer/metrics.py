@@ -24,16 +24,13 @@ from trainer.folders import free_path
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1024**3
-
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory in GiB since the last reset: CUDA max allocated, CPU peak RSS of this process."""
-    return peak_memory_bytes(device) / _GIB
+    return peak_memory_bytes(device) / 2**30
 
 
 def log_peak(peak: PeakFlops | None) -> float | None:
-    """Says what MFU is measured against (or that there is no MFU); returns the peak FLOP/s."""
     if peak is None:
         logger.info("no MFU: the peak FLOP/s of this device is unknown (metrics.peak_flops sets one)")
         return None
@@ -110,16 +107,15 @@ class RunProgress:
         self._clock = clock
         self.start(0)
 
-    def start(self, step: int, rate_window: int = 50) -> None:
-        """Training starts (again) after ``step``: 0 for a fresh run, the step resumed from otherwise.
-        The ETA uses the rate of the last ``rate_window`` steps, never the first step of the run
-        (which pays for warm-up and compilation)."""
+    def start(self, step: int) -> None:
+        """Training starts (again) after ``step``: 0 for a fresh run, the step resumed from otherwise."""
         self.start_time = self._clock()
         self.start_step = step
         self.steps_run = 0
         self.last: tuple[int, float] | None = None  # (step, loss)
         self.best: tuple[int, float] | None = None
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=rate_window + 1)
+        # The ETA's rate: the last 50 steps', never the first step's (warm-up and compilation).
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=51)
 
     def step_done(self, step: int, loss: float) -> None:
         if self._recent and step <= self._recent[-1][1]:
@@ -279,9 +275,8 @@ def _move_events_aside(folder: str, events: list[str]) -> None:
 
 
 class MetricsLogger:
-    """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary.
-    Built on every rank: ``enable`` on the logging rank, ``enable_tensorboard`` and ``wandb_run``
-    (``wandb.init``'s settings) where those are written. ``start`` comes before the first ``log``."""
+    """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary;
+    built on every rank, each writing what it is enabled for. ``start`` comes before ``log``."""
 
     def __init__(
         self,

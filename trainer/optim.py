@@ -26,9 +26,8 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
-    """Steps and frees each parameter's gradient as soon as backward completes it, one optimizer per
-    parameter; this one holds the shared settings the LR schedule sets. Nothing is clipped (the norm
-    is known only once all have stepped). ``stepping`` False lets gradients accumulate."""
+    """Steps and frees each parameter's gradient as soon as backward completes it; nothing is clipped (the
+    norm is known only once all have stepped). ``stepping`` False lets gradients accumulate."""
 
     def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **settings):
         super().__init__(params, settings)
@@ -216,10 +215,8 @@ def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int,
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, *, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
-    """Clips the gradients in place by their global 2-norm and returns it as a float32 scalar (not
-    finite is returned, not raised: checking would sync every step). Each mesh's gradients get
-    their own norm (torch's one DTensor op over all fails across meshes), then combined, over
-    ``pp_mesh``'s stages too, where every rank must call."""
+    """Clips the gradients by their global 2-norm, returned (not raised when not finite: that would sync).
+    Each mesh's gradients get their own norm, then combined, over ``pp_mesh``'s stages too."""
     params = [p for p in parameters if p.grad is not None]
     params_by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
     for p in params:

@@ -57,10 +57,6 @@ def maybe_profile(
         ending = True
 
 
-# Allocator events kept in the history (torchtitan's number): a few steps of a large model.
-MEMORY_HISTORY_ENTRIES = 100_000
-
-
 class MemorySnapshots:
     """Saves the allocator's recorded history, ``<folder>/<name>/rank<rank>_memory_snapshot.pickle``."""
 
@@ -98,7 +94,7 @@ def maybe_snapshot_memory(
         yield None
         return
     folder = os.path.join(dump_folder, config.save_memory_snapshot_folder)
-    memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    memory._record_memory_history(max_entries=100_000)  # torchtitan's: a few steps of a large model
     snapshots = MemorySnapshots(memory, folder, rank, config.profile_freq, last_step)
     try:
         yield snapshots

@@ -13,7 +13,6 @@ from config.errors import first_line
 from config.job_config import Validation
 from models.builder import BuiltModel
 from parallelisms.tensor_parallel import local_loss
-from trainer.data.loader import PackedTokenDataset
 from trainer.loss import Loss
 from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
@@ -35,7 +34,13 @@ class Validator:
         self.loss = loss
         if validation.enable:
             # Tokenized now: a corpus too short for one window is refused before training, not after a step.
-            _warn_of_repeated_windows(loader().dataset, validation.steps)
+            windows, steps = loader().dataset, validation.steps
+            if windows.num_windows < steps * windows.global_batch_size:
+                logger.warning(
+                    f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
+                    f"fewer than the {steps * windows.global_batch_size} that validation.steps {steps} x "
+                    f"{windows.global_batch_size} sequences read: each validation reads some windows more than once"
+                )
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
         """This rank's share of the global mean token loss after ``step``."""
@@ -69,14 +74,3 @@ class Validator:
         for part in model.parts:
             part.train()
         return total / (tokens * self.dp_degree)
-
-
-def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
-    """Warns when a validation reads some windows of a short held-out corpus more than once."""
-    wanted = steps * windows.global_batch_size
-    if windows.num_windows < wanted:
-        logger.warning(
-            f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
-            f"fewer than the {wanted} that validation.steps {steps} x {windows.global_batch_size} sequences read: "
-            "each validation reads some windows more than once"
-        )

@@ -181,9 +181,8 @@ def _corpus_files(path: str) -> list[Path]:
 
 
 def _files_under(root: Path) -> Iterator[Path]:
-    """Every file under ``root``, through symlinked folders too, each real folder once and none
-    holding ``root``; hidden ones (.git, .ipynb_checkpoints) left out with a warning: their copies
-    would train twice."""
+    """Every file under ``root``, through symlinked folders, each real folder once, none holding ``root``;
+    hidden ones (.git) left out with a warning: their copies would train twice."""
     real_root = os.path.realpath(root)
     seen: set[str] = set()
     hidden: list[str] = []
@@ -261,13 +260,16 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
         raise ValueError(f"{source}: {typed_first_line(error)}") from None
 
 
-def hub_revision(name: str) -> str:
-    """The commit of hub dataset ``name``: one request, no retries (no network: said at once)."""
+def pin_revision(corpus: Corpus) -> Corpus:
+    """``corpus`` with a hub dataset's current commit (one request, no retries: no network is said at once)."""
+    if not is_hub(corpus.dataset) or corpus.revision:
+        return corpus
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
+    name = corpus.dataset
     try:
-        return HfApi().dataset_info(name, timeout=_HUB_TIMEOUT_S).sha or ""
+        return dataclasses.replace(corpus, revision=HfApi().dataset_info(name, timeout=_HUB_TIMEOUT_S).sha or "")
     except RepositoryNotFoundError:
         raise ValueError(f"{name!r} is neither a local path nor a dataset on the Hugging Face hub") from None
     except Exception as error:  # the hub client raises its HTTP library's errors, which vary by version
@@ -275,13 +277,6 @@ def hub_revision(name: str) -> str:
             f"{name!r} is not a local path, and the Hugging Face hub cannot be reached to look it up "
             f"({typed_first_line(error)})"
         ) from None
-
-
-def pin_revision(corpus: Corpus) -> Corpus:
-    """``corpus`` with a hub dataset's current commit: its cache key and documents agree."""
-    if not is_hub(corpus.dataset) or corpus.revision:
-        return corpus
-    return dataclasses.replace(corpus, revision=hub_revision(corpus.dataset))
 
 
 def corpus_texts(corpus: Corpus) -> Iterator[str]:

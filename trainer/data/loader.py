@@ -69,9 +69,8 @@ def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class PackedTokenDataset(IterableDataset):
-    """This DP rank's share of the global stream of windows of ``seq_len + 1`` tokens, as int64
-    ``(window[:-1], window[1:])``; stateful (torchdata's protocol). Worker ``k`` of ``K`` reads every
-    ``K``-th chunk: the loader's round-robin batches come in the single-process order."""
+    """This DP rank's share of the global stream of ``(window[:-1], window[1:])``; stateful. Worker ``k``
+    of ``K`` reads every ``K``-th chunk: the loader's round-robin batches keep the single-process order."""
 
     def __init__(
         self,

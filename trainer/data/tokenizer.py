@@ -130,12 +130,9 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face folder (or its ``tokenizer.json``): ``tokenizer.json`` and an optional
-    ``tokenizer_config.json`` beside it. Vocabulary size and BOS/EOS ids are those of torchtitan's
-    ``HuggingFaceTokenizer``: the config's special tokens (``bos_token`` ... ``mask_token``, then
-    ``added_tokens_decoder``) are registered, new ones taking the next free ids (not the ids the
-    file writes), and counted; ids with gaps raise the size to the largest id + 1, so that every id
-    fits the embedding. Special-token text in documents is plain text."""
+    """A Hugging Face folder or its ``tokenizer.json``. Vocabulary size and BOS/EOS ids are torchtitan's: the
+    config's special tokens are registered, new ones taking the next free ids; ids with gaps raise the
+    size to the largest id + 1. Special-token text in documents is plain text."""
 
     def __init__(self, path: str) -> None:
         json_path, config_path = hf_tokenizer_files(path)
@@ -208,7 +205,6 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer of a config value: ``""`` for the default tokenizer, else ``load_tokenizer``'s."""
     if not path:
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
