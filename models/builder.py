@@ -1,6 +1,5 @@
-"""Building a model the way training does: on the meta device, split into this rank's pipeline
-stages, parallelized, then allocated and initialized (so a model of any size only ever exists
-sharded). The trainer, the tests and the benchmarks all build through ``build_model``."""
+"""Building a model as training does: on the meta device, split into this rank's pipeline stages,
+parallelized, then allocated and initialized (a model of any size only ever exists sharded)."""
 
 from __future__ import annotations
 
@@ -28,25 +27,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BuiltModel:
-    """A parallelized, initialized model: the whole model, or this rank's pipeline stages and the
-    schedule running them."""
+    """A parallelized, initialized model, or this rank's pipeline stages and their schedule."""
 
     parts: list[nn.Module]
     args: Any  # the family's hyper-parameters
     flops_per_token: float  # training FLOPs per token of the whole model, for MFU
     compute_dtype: torch.dtype  # of the matmuls (training.mixed_precision_param, decided)
+    # Forwards under torch.autocast (no wrapper casts the weights): activations stay in the weights' dtype.
     autocast: bool
-    """The forwards run under ``torch.autocast`` (no sharding wrapper casts the weights, which are
-    not in the compute dtype): the activations between blocks stay in the weights' dtype."""
     graph_passes: list[BucketingPass] = field(default_factory=list)  # SimpleFSDP's, per compiled part
     schedule: Schedule | None = None
     has_first_stage: bool = True
     has_last_stage: bool = True
 
     def run_pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
-        """Runs the schedule on one microbatch (split into pipeline microbatches), with backward
-        when ``train``. Returns the sum of the pipeline microbatches' losses on the rank holding
-        the last stage, zero on the others."""
+        """Runs the schedule: the sum of the microbatches' losses on the last stage's rank, zero elsewhere."""
         losses: list[torch.Tensor] = []
         stage_inputs = (inputs,) if self.has_first_stage else ()
         targets = labels if self.has_last_stage else None
@@ -65,9 +60,7 @@ def _describe(config: JobConfig, args: Any) -> str:
 
 
 def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
-    """``config`` with ``training.mixed_precision_param = "auto"`` decided for ``device_type``:
-    bfloat16 where the device multiplies it fast, else float32; the decision is logged. Weights
-    in bfloat16 (``training.dtype``) compute in bfloat16."""
+    """``config`` with ``mixed_precision_param = "auto"`` decided for ``device_type``."""
     training = config.training
     if training.dtype == "bfloat16":
         logger.info("training.dtype bfloat16: weights, gradients and optimizer state in bfloat16, no float32 copy")
@@ -83,9 +76,7 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
 
 
 def wrapper_casts_parameters(config: JobConfig, parallel_dims: ParallelDims) -> bool:
-    """Whether the data-parallel wrapper casts the parameters to training.mixed_precision_param:
-    sharding (FSDP2, HSDP) and SimpleFSDP do. Without data parallelism and under FSDP2's DDP
-    (replicas alone) autocast casts the forward's matmuls instead, as torchtitan does for both."""
+    """Whether the DP wrapper casts the parameters (sharding and SimpleFSDP do); else autocast casts."""
     if not parallel_dims.dp_enabled:
         return False
     return parallel_dims.fsdp_enabled or config.parallelism.data_parallel_impl == "simple_fsdp"
@@ -115,10 +106,8 @@ def build_model(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     fake_mode: FakeTensorMode | None = None,
 ) -> BuiltModel:
-    """Builds the model of ``args`` on ``parallel_dims.mesh``; ``loss_fn`` is what the last pipeline
-    stage computes. With ``fake_mode`` (a dry run) the weights are fake tensors: no memory.
-    The whole JobConfig: model, training, parallelism, compile, activation checkpointing and float8
-    all shape the build."""
+    """The model of ``args`` on ``parallel_dims.mesh``; ``loss_fn`` is what the last pipeline stage
+    computes. With ``fake_mode`` (a dry run) the weights are fake tensors: no memory."""
     config = resolve_precision(config, device.type)
     spec = get_model_spec(config.model.name)
     with torch.device("meta"):
@@ -140,8 +129,7 @@ def build_model(
         )
     model.configure_attention(upcast, query_chunk)
     _log_precision(config, parallel_dims)
-    # A sharding wrapper casts the parameters; without one, as in torchtitan, autocast casts the
-    # forward's matmuls (backward follows). Weights already in the compute dtype need neither.
+    # Without a casting wrapper autocast casts the matmuls; weights in the compute dtype need neither.
     casts = wrapper_casts_parameters(config, parallel_dims) or compute_dtype == getattr(torch, config.training.dtype)
     flops = spec.flops_per_token_fn(args, model, config.training.seq_len)
     built = BuiltModel([], args, flops, compute_dtype, autocast=not casts)

@@ -13,26 +13,22 @@ from config.errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the trainer needs to know about a model family."""
-
     name: str
     model_cls: type[nn.Module]
     flavors: dict[str, Any]
+    # (meta model, parallel dims, config) -> the compile graph pass it built, or None.
     parallelize_fn: Callable[..., Any]
-    """(model on the meta device, parallel dims, config) -> the compile graph pass it built or None."""
+    # (model, parallel dims, config, device, materialize, loss fn) -> (schedule, stages, has first
+    # stage, has last stage).
     pipelining_fn: Callable[..., Any]
-    """(model, parallel dims, config, device, materialize, loss fn) -> (schedule, stages, has first
-    stage, has last stage): this rank's pipeline stages and the schedule running them."""
+    # (model args, parallel dims, config): the ConfigError parallelizing would raise, without weights.
     check_layout_fn: Callable[..., None]
-    """(model args, parallel dims, config): raises the one-line ConfigError that parallelizing or
-    pipelining would raise, without building the model's weights."""
+    # (model args, model, seq_len) -> training FLOPs per token, for MFU.
     flops_per_token_fn: Callable[[Any, nn.Module, int], float]
-    """Training FLOPs per token of (model args, model, sequence length), for MFU."""
+    # (HF config.json, args giving what it lacks, its path) -> model args; ValueError naming the path.
     args_from_hf_fn: Callable[[dict, Any, str], Any]
-    """(Hugging Face config.json, model args giving what it lacks, its path) -> model args;
-    ValueError naming the path and every field the family cannot build."""
+    # (model part, parallel dims, config) -> compiled SimpleFSDP's BucketPlan, or None.
     bucket_plan_fn: Callable[..., Any]
-    """(model part, parallel dims, config) -> the BucketPlan compiled SimpleFSDP would use, or None."""
 
 
 def _llama3_spec() -> ModelSpec:

@@ -1,5 +1,4 @@
-"""A job's model sizes: the flavor's, a Hugging Face folder's ``config.json`` (``model.architecture``),
-then the [model] fields that are set."""
+"""A job's model sizes: the flavor's, a Hugging Face folder's ``config.json``, then [model]'s fields."""
 
 from __future__ import annotations
 
@@ -19,11 +18,8 @@ logger = logging.getLogger(__name__)
 def model_args(
     config: JobConfig, vocab_size: int | None = None, hf_config: dict | None = None, source: str = ""
 ) -> Any:
-    """The model's hyper-parameters for ``training.seq_len``: the flavor's, replaced by those of
-    ``hf_config`` (a Hugging Face ``config.json`` read from ``source``) when given, then by the
-    [model] fields that are set. The vocabulary is the tokenizer's (``vocab_size``) unless a
-    [model] field or the file gives one, which must then hold every token id. ValueError naming
-    ``source`` when the file describes a model the family cannot build."""
+    """The flavor's sizes, replaced by ``hf_config``'s, then by the [model] fields set. The vocabulary is the
+    tokenizer's unless a [model] field or the file gives one, which must then hold every token id."""
     spec = get_model_spec(config.model.name)
     args = get_flavor(spec, config.model.flavor)
     if hf_config is not None:
@@ -57,7 +53,6 @@ CONFIG_NAME = "config.json"
 
 
 def is_hf_folder(path: str) -> bool:
-    """A folder with a ``config.json`` and ``.safetensors`` files."""
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         return False
     return any(name.endswith(".safetensors") for name in os.listdir(path))
@@ -70,26 +65,21 @@ def missing(path: str) -> ValueError:
 def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
         raise missing(path) from None
-    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
+    except (OSError, ValueError) as exc:  # not JSON or not UTF-8
         raise ValueError(f"HF checkpoint: cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"HF checkpoint: {path} is not a JSON object")
-    return data
 
 
 def read_hf_config(folder: str) -> dict:
-    """The ``config.json`` of the HF folder ``folder``; ValueError naming what is missing."""
     if not os.path.isdir(folder):
         raise ValueError(f"HF checkpoint: {folder} does not exist or is not a folder")
     return read_json(os.path.join(folder, CONFIG_NAME))
 
 
 def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
-    """(option, folder) of the HF folder whose config.json gives the model's sizes
-    (``model.architecture``), or None when they are the flavor's."""
+    """(option, folder) of the HF folder giving the model's sizes, or None for the flavor's."""
     architecture = config.model.architecture
     if architecture == "flavor":
         return None
@@ -101,9 +91,7 @@ def architecture_folder(config: JobConfig) -> tuple[str, str] | None:
 
 
 def job_model_args(config: JobConfig, vocab_size: int | None = None) -> Any:
-    """The job's model args (``model_args``, from ``model.architecture``'s folder if any); ConfigError
-    naming the option when the folder cannot give them. The whole JobConfig: the model section,
-    training.seq_len and checkpoint.initial_load_path (``architecture = "auto"``) size the model."""
+    """``model_args`` of the job; ConfigError naming the option when its HF folder cannot give them."""
     found = architecture_folder(config)
     if found is None:
         return model_args(config, vocab_size)

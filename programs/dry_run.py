@@ -1,20 +1,5 @@
-"""Dry run at any world size: one process plays one rank of ``--world-size`` ranks.
-
-``python -m programs.dry_run --world-size N [config options]`` (``COMM_MODE=fake ./run_train.sh``)
-joins torch's fake process group (collectives return at once, moving nothing), builds the run's
-real mesh, model, optimizer and LR schedule with the weights as fake tensors (a 405B model costs
-no memory), runs two training steps on fake batches, takes the checkpoint's state dicts, and
-prints the rank's peak memory by what ``MemTracker`` says each storage holds: rank 0's, and under
-pipeline parallelism also the last stage's first rank's (the output layer, logits and loss). A
-config the real run would refuse exits 2 with the same one line.
-
-Pipeline parallelism: torch's schedules agree on a warm-up by values the other ranks send, which
-a fake group cannot deliver; the dry run replays the action list torch's schedule gives the rank
-(``pipeline_order``), with the boundaries' sends and receives on the fake group, so the
-microbatches in flight and their saved activations are the schedule's; FSDP's gradients
-accumulate unsharded until the closing reduce-scatter. A zero-bubble schedule's split backward
-runs as one full backward at the input-gradient action.
-"""
+"""Dry run at any world size: one process plays one rank on torch's fake process group, with fake
+weights, and prints its peak memory over two training steps (docs/dry-run-and-planner.md)."""
 
 from __future__ import annotations
 
@@ -57,8 +42,7 @@ CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp
 
 
 class _PeakTracker(MemTracker):
-    """MemTracker keeping only the whole rank's peak: its per-module peaks walk every module at
-    every operator (an 8B model's two steps took 500 s instead of 30 s)."""
+    """MemTracker keeping only the rank's peak: per-module peaks made 8B's two steps 500 s, not 30 s."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
@@ -67,13 +51,11 @@ class _PeakTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
-        # A parameter stepped in backward (optimizer.early_step_in_backward) has freed its
-        # gradient before MemTracker's own hook comes to count it.
+        # A parameter stepped in backward has freed its gradient before MemTracker's hook counts it.
         return set() if t is None else super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
-        # MemTracker refuses a root module's second forward (it keeps one call's stats per module):
-        # each microbatch through a model part or stage starts its stats afresh.
+        # MemTracker refuses a root module's second forward: each microbatch starts its stats afresh.
         parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
         if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
             del self.memory_tracking[module]
@@ -82,8 +64,6 @@ class _PeakTracker(MemTracker):
 
 @dataclass
 class DryRunReport:
-    """What a dry run found for the rank it played."""
-
     rank: int
     world_size: int
     mesh: dict[str, int]
@@ -94,10 +74,7 @@ class DryRunReport:
     after_forward: dict[str, int]  # by category at the end of the last forward: the saved activations
     state_dict_bytes: int  # this rank's checkpoint state dicts (model and optimizer)
     buckets: int | None  # compiled SimpleFSDP's buckets on this rank (None: no bucketing)
-    bucket_pair_bytes: int
-    """Analytical, compiled SimpleFSDP: the gathered weights of the two largest neighbouring
-    buckets, held at once (one computes while the next is gathered); the eager run measured
-    gathers one parameter at a time."""
+    bucket_pair_bytes: int  # analytical: the two largest neighbouring buckets, gathered at once
     seconds: float
 
     def summary(self) -> str:
@@ -127,19 +104,9 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _forward_backward(built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark) -> None:
-    logits = built.parts[0](inputs)
-    with loss.context():
-        value = loss(logits, labels)
-        mark()
-        value.backward()
-
-
 def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
-    """(stage, computation, microbatch) of each action the rank runs, in order: a multi-stage
-    schedule runs its ``pipeline_order``; GPipe and 1F1B run a loop of their own (torch 2.13's
-    ``pipeline_order`` numbers the last rank's 1F1B forwards from 1), here spelt out: ``warmup``
-    forwards, then a backward and a forward in turn, then the remaining backwards."""
+    """(stage, computation, microbatch) of the rank's actions in order; GPipe's and 1F1B's loop spelt out
+    (torch 2.13's ``pipeline_order`` numbers the last rank's 1F1B forwards from 1)."""
     if not isinstance(schedule, PipelineScheduleSingle):
         actions = (a for a in schedule.pipeline_order[pp_rank] if a is not None)
         return [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions]
@@ -154,10 +121,8 @@ def _rank_actions(schedule, pp_rank: int) -> list[tuple[int, str, int]]:
 
 
 class _Boundaries:
-    """The stage boundaries' transfers: over the fake group to a stage of another rank, in memory
-    to a stage of this one (V schedules, such as ZBVZeroBubble, put neighbouring stages on one
-    rank, which torch's stages hand over without a send). ``key`` names the receiving stage's
-    input: (what, stage, microbatch)."""
+    """The stage boundaries' transfers: over the fake group to another rank, in memory to a stage of
+    this one (V schedules put neighbours on one rank). ``key``: (what, stage, microbatch)."""
 
     def __init__(self, stage_ranks: dict[int, int], group: dist.ProcessGroup):
         self.stage_ranks, self.group = stage_ranks, group
@@ -183,8 +148,8 @@ class _Boundaries:
 def _pipeline_step(
     built: BuiltModel, loss: Loss, inputs: torch.Tensor, labels: torch.Tensor, mark, dims: ParallelDims
 ) -> None:
-    """This rank's share of one schedule step: its actions, in torch's order (see the module doc).
-    ``mark()`` is called before the first backward, when the most microbatches are in flight."""
+    """This rank's actions of one schedule step, sends and receives on the fake group (torch's warm-up needs
+    values it cannot deliver). ``mark()`` comes before the first backward: the most in flight."""
     schedule = built.schedule
     pipeline_stages = getattr(schedule, "_stages", None) or [schedule._stage]
     stages = {stage.stage_index: stage for stage in pipeline_stages}
@@ -194,8 +159,7 @@ def _pipeline_step(
     boundaries = _Boundaries({s: ranks[r] for s, r in stage_ranks.items()}, group)
     micro_inputs = inputs.tensor_split(schedule._n_microbatches)
     micro_labels = labels.tensor_split(schedule._n_microbatches)
-    # What a stage receives: the hidden state, a plain tensor (split on the sequence under tensor
-    # parallelism) in the compute dtype; autocast keeps it in the weights' float32.
+    # A stage receives the hidden state (split on the sequence under TP); autocast keeps it in float32.
     microbatch, seq_len = micro_inputs[0].shape
     dtype = torch.float32 if built.autocast else built.compute_dtype
     template = torch.empty(microbatch, seq_len // dims.tp, built.args.dim, dtype=dtype)
@@ -238,7 +202,11 @@ def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches,
     optimizer.zero_grad()
     for inputs, labels in batches:
         if built.schedule is None:
-            _forward_backward(built, loss, inputs, labels, mark)
+            logits = built.parts[0](inputs)
+            with loss.context():
+                value = loss(logits, labels)
+                mark()
+                value.backward()
         elif dist.get_backend() == "fake":
             _pipeline_step(built, loss, inputs, labels, mark, dims)
         else:  # real ranks (measuring a real run's peak) run torch's schedule itself
@@ -253,9 +221,7 @@ def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches,
 def measure_steps(
     built: BuiltModel, loss: Loss, optimizer, lr_scheduler, make_batch, accumulation: int, dims: ParallelDims
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Runs ``STEPS`` training steps of ``accumulation`` microbatches from ``make_batch()``; returns
-    the last step's peak and its end of forward, bytes by MemTracker category (and "Total").
-    Fake or real tensors alike: the dry run estimates with this, a real run measures with it."""
+    """The last of ``STEPS`` steps' peak and end of forward, bytes by MemTracker category (and "Total")."""
     device = next(built.parts[0].parameters()).device
     after_forward: dict[str, int] = {}
     tracker = _PeakTracker()
@@ -264,9 +230,7 @@ def measure_steps(
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
 
     for group in optimizer.param_groups:
-        # Per tensor: the fused step reads a scalar that fake tensors do not hold, and MemTracker
-        # counts foreach's in-place list operations as new optimizer state (100 GiB for 8B on 8 ranks).
-        # (Parameters stepping in backward take their optimizer's settings at each step.)
+        # Per tensor: fused reads a scalar fake tensors lack; MemTracker counts foreach's as new state.
         group.update(foreach=False, fused=False)
     for step in range(STEPS):
         batches = [make_batch() for _ in range(accumulation)]
@@ -290,8 +254,7 @@ def _bytes_of(value) -> int:
 
 
 def _buckets_planned(config: JobConfig) -> bool:
-    """Whether the real run compiles SimpleFSDP with bucketing; ConfigError for auto bucketing
-    without the figures it plans with (a dry run cannot time the GPUs it stands for)."""
+    """Whether the real run compiles SimpleFSDP with bucketing (auto needs given figures: no GPUs here)."""
     c = config.compile
     if not (c.compiles_model and config.parallelism.data_parallel_impl == "simple_fsdp" and c.bucketing != "none"):
         return False
@@ -304,7 +267,6 @@ def _buckets_planned(config: JobConfig) -> bool:
 
 
 def _eager(config: JobConfig, bucketed: bool) -> JobConfig:
-    """torch.compile does not trace under the fake tensors' dispatch mode: the dry run runs eagerly."""
     if not config.compile.enable:
         return config
     logger.warning(
@@ -374,8 +336,7 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
 
 
 def in_child(fn, *args):
-    """``fn(*args)`` in a forked child: torch keeps meshes and process-group names per process,
-    which a second fake world in the same process would find stale; a fork costs no imports."""
+    """``fn(*args)`` in a forked child: a second fake world in this process would find torch's state stale."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -403,15 +364,12 @@ USAGE = "usage: python -m programs.dry_run (--world-size N | --nnodes N --nproc-
 
 
 def measured_ranks(config: JobConfig, world_size: int) -> list[int]:
-    """The ranks a dry run plays: rank 0 and, under pipeline parallelism (the mesh's outermost
-    dimension), the last stage's first rank, which holds the output layer, the logits and the loss."""
+    """Rank 0 and, under pipelining, the last stage's first rank (the output layer, logits and loss)."""
     pp = config.parallelism.pipeline_parallel_degree
     return [0] if pp == 1 else [0, (pp - 1) * (world_size // pp)]
 
 
 def main(argv: list[str]) -> int:
-    """A dry run at the world size of the launch options, ranks per node ``auto`` counted as the
-    real launch counts them."""
     launch, argv = split_launch_options(argv)
     log_warnings_once()
     try:

@@ -1,18 +1,6 @@
-"""Layout planner: which layout of a model fits the devices, and which is fastest.
-
-``python -m programs.plan [config options] --plan.devices N ...`` enumerates layouts (FSDP2 or
-SimpleFSDP and their shard/replicate degrees, tensor-parallel degrees dividing the heads, pipeline
-degrees with 1F1B and interleaved 1F1B and microbatches of 1 or 2, activation checkpointing),
-ranks them by an estimated step time (FLOPs at ``plan.mfu`` of the peak, the pipeline bubble, the
-exposed communication of an alpha-beta model), and measures the per-rank peak of the fastest with
-the dry run until ``plan.top`` fit ``plan.device_memory_gib``; prints them and writes the best as
-a config file (``plan.output``).
-
-The dry run's peak grows linearly with a stage's blocks: each layout is measured on models cut to
-1 and 2 blocks per stage and extrapolated to the model's depth (plus compiled SimpleFSDP's two
-largest gathered buckets); measurements are cached by shape (HSDP's replicas change no rank's
-memory: measured with one).
-"""
+"""Layout planner: ranks the layouts of a model on ``plan.devices`` by an estimated step time,
+measures the fastest with the dry run until ``plan.top`` fit, and writes the best as a config file
+(docs/dry-run-and-planner.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +23,7 @@ from programs.dry_run import dry_run, in_child, measured_ranks
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-# Extra block FLOPs of each AC mode, of forward + backward's 6 per parameter and token: full
-# recomputes the forward (2 of 6), selective every second matmul (1 of 6).
+# Extra block FLOPs of each AC mode, of 6 per parameter and token: full 2 of 6, selective 1 of 6.
 RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
 
 
@@ -73,8 +60,7 @@ class ModelShape:
 
 
 def model_shape(config: JobConfig) -> ModelShape:
-    """Parameter counts of the job's model (the flavor's, or a Hugging Face folder's architecture),
-    from modules built on the meta device."""
+    """Parameter counts of the job's model, from modules built on the meta device."""
     args = job_model_args(config)
     found = architecture_folder(config)
     name = config.model.flavor if found is None else found[1]
@@ -96,8 +82,7 @@ def global_batch(config: JobConfig) -> int:
 
 
 def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
-    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline the planner
-    tries on ``pp`` ranks with ``per_rank`` sequences per data-parallel rank and step."""
+    """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline tried."""
     if pp == 1:
         yield from (("", 1, shape.n_layers, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
         return
@@ -145,9 +130,8 @@ def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
 
 
 def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float) -> float:
-    """A ring collective over ``group`` ranks that lie within ``span`` consecutive ranks moving
-    ``nbytes`` in ``collectives`` calls: each call pays (group - 1) hops of latency, and each rank
-    sends (group - 1) / group of the bytes at the link speed (intra-node when the span fits a node)."""
+    """A ring collective over ``group`` ranks within ``span`` consecutive ones moving ``nbytes`` in
+    ``collectives`` calls: (group - 1) hops of latency per call, (group - 1) / group of the bytes."""
     if group == 1:
         return 0.0
     gbps = plan.intra_node_gbps if span <= plan.devices_per_node else plan.inter_node_gbps
@@ -155,8 +139,7 @@ def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float
 
 
 def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
-    """The time model (README "Layout planner"): compute with the pipeline bubble, plus the
-    communication that is not hidden behind it."""
+    """The time model (README): compute with the pipeline bubble, plus the communication not hidden."""
     plan, seq, lay = config.plan, config.training.seq_len, layout
     tokens = global_batch(config) * seq
     block = (6 * shape.block_params + 12 * shape.dim * seq) * shape.n_layers * tokens
@@ -168,8 +151,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     microbatches = lay.local_batch // lay.microbatch
     if lay.pp > 1:
         compute *= 1 + (lay.pp - 1) / (lay.stages // lay.pp * microbatches)
-    # Data parallel: bf16 all-gathers (forward and backward; once per pipeline step, which keeps
-    # the gathered weights), fp32 reduce-scatters, the replicas' fp32 all-reduce; all overlappable.
+    # Data parallel: bf16 all-gathers (once per pipeline step), fp32 reduce-scatters and all-reduce; overlappable.
     rank_params = (shape.block_params * shape.n_layers + shape.other_params) / (lay.tp * lay.pp)
     gathers = 1 if lay.pp > 1 else 2
     embedding = shape.vocab * shape.dim
@@ -177,8 +159,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
         # One unit per block, and the root: embedding, final norm and output, gathered first.
         calls, first = shape.n_layers / lay.pp + 1, shape.other_params
     else:
-        # The written config's buckets (compile.bucketing manual, no list): one per block, the
-        # embedding (gathered first), and final norm with output.
+        # Manual buckets: one per block, the embedding (gathered first), and final norm with output.
         calls, first = shape.n_layers / lay.pp + 2, embedding
     if lay.pp > 1:
         first = min(first, embedding)  # rank 0's first stage holds the embedding, not the output
@@ -189,8 +170,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     dp_comm = passes * (gathers * ag + rs) + ar
     # Each forward pass waits for its first gather; the rest overlaps compute.
     exposed = max(0.0, dp_comm - compute) + passes * _ring_seconds(plan, lay.shard, span, first / lay.tp * 2, 1)
-    # Tensor parallel (sequence parallel): an all-gather and a reduce-scatter of the activations
-    # around attention and MLP, forward and backward: 8 per block and microbatch, all exposed.
+    # Sequence parallel: 8 exposed activation all-gathers and reduce-scatters per block and microbatch.
     activation = lay.microbatch * seq * shape.dim * 2
     blocks = shape.n_layers / lay.pp
     tp = _ring_seconds(
@@ -204,8 +184,7 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
 
 
 def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
-    """``config`` laid out as ``layout``, with bf16 compute weights (fp32 master weights, gradients,
-    optimizer state and reductions) as on GPUs."""
+    """``config`` laid out as ``layout``, computing in bf16 as on GPUs."""
     parallelism = dataclasses.replace(
         config.parallelism,
         data_parallel_impl=layout.impl,
@@ -236,8 +215,7 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
             mode=layout.ac,
             selective_ac_option="op" if layout.ac == "selective" else config.activation_checkpoint.selective_ac_option,
         ),
-        # Per-block compile for FSDP2 (the GPU default) and whole-model compile for SimpleFSDP,
-        # whose bucketing (which the time model counts on) is a compiler pass.
+        # Compiled: SimpleFSDP's bucketing, which the time model counts on, is a compiler pass.
         compile=dataclasses.replace(
             config.compile, enable=True, components=["model", "loss"], bucketing="manual", manual_buckets=[]
         ),
@@ -252,8 +230,8 @@ def _peak_of(config: JobConfig, world_size: int, rank: int) -> tuple[int, int]:
 
 
 class PeakEstimator:
-    """Per-rank peak bytes of layouts by the dry run, measured on 1 and 2 blocks per stage and
-    extrapolated linearly to the model's blocks per stage; cached by shape."""
+    """Per-rank peak bytes by the dry run on 1 and 2 blocks per stage, extrapolated linearly to the
+    model's; cached by shape (HSDP's replicas change no rank's memory: measured with one)."""
 
     def __init__(self, config: JobConfig, shape: ModelShape):
         self.config, self.shape = config, shape
@@ -291,8 +269,7 @@ class PeakEstimator:
 
 
 def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:
-    """A lower bound of the per-rank peak: fp32 master weights, gradients and two Adam moments of
-    the rank's shard, 16 bytes per parameter."""
+    """A lower bound of the peak: fp32 weights, gradients and Adam moments, 16 bytes per parameter."""
     params = shape.block_params * shape.n_layers + shape.other_params
     return 16 * params / (layout.shard * layout.tp * layout.pp)
 
@@ -305,16 +282,14 @@ class Planned:
 
 
 def _needs_more(layout: Layout, than: Layout) -> bool:
-    """Whether ``layout`` needs at least the memory of ``than``: the same but for more sequences
-    per microbatch or fewer activations recomputed."""
+    """Whether ``layout`` is ``than`` with more sequences per microbatch or less recomputation."""
     same = dataclasses.replace(layout, microbatch=than.microbatch, local_batch=than.local_batch, ac=than.ac) == than
     more = layout.microbatch >= than.microbatch and AC_MODES.index(layout.ac) <= AC_MODES.index(than.ac)
     return same and more
 
 
 def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator) -> tuple[list[Planned], int]:
-    """The fastest ``plan.top`` layouts that fit, fastest first, and the number of layouts tried.
-    ConfigError naming the smallest peak when none fits."""
+    """The fastest ``plan.top`` layouts that fit and the number tried; ConfigError when none fits."""
     plan = config.plan
     limit = plan.device_memory_gib * GiB
     layouts = enumerate_layouts(config, shape)
@@ -325,7 +300,6 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
     frugal = max(plan.activation_checkpoint_modes, key=AC_MODES.index)
 
     def fits(layout: Layout) -> int | None:
-        """The layout's peak when it fits; None when it does not, cannot be built, or is not measured."""
         if state_bytes_floor(shape, layout) > limit or any(
             _needs_more(layout, lay) for peak, lay in measured if peak > limit
         ):

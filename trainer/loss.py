@@ -1,9 +1,5 @@
-"""The training loss and its one rule for loss parallel.
-
-A microbatch's loss is its cross-entropy summed over its tokens, in fp32, divided by the token
-count of the whole global batch: gradients summed over microbatches and data-parallel ranks then
-equal the gradient of the global-batch mean, whatever the layout.
-"""
+"""The training loss: a microbatch's fp32 cross-entropy summed over its tokens, divided by the
+global batch's token count, so that gradients summed over microbatches and ranks are the mean's."""
 
 from __future__ import annotations
 
@@ -19,13 +15,11 @@ from parallelisms.parallel_dims import ParallelDims
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the tokens, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
 class Loss:
-    """``loss(logits, labels)``: what backward starts from, per microbatch (and per pipeline
-    microbatch on the last stage). Compute it, and its backward, inside ``context()``."""
+    """``loss(logits, labels)`` per microbatch; compute it, and its backward, inside ``context()``."""
 
     def __init__(self, tokens_per_step: int, parallel_dims: ParallelDims, compile: Compile, enable_loss_parallel: bool):
         self.tokens_per_step = tokens_per_step

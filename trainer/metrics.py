@@ -24,16 +24,13 @@ from trainer.folders import free_path
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1024**3
-
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory in GiB since the last reset: CUDA max allocated, CPU peak RSS of this process."""
-    return peak_memory_bytes(device) / _GIB
+    return peak_memory_bytes(device) / 2**30
 
 
 def log_peak(peak: PeakFlops | None) -> float | None:
-    """Says what MFU is measured against (or that there is no MFU); returns the peak FLOP/s."""
     if peak is None:
         logger.info("no MFU: the peak FLOP/s of this device is unknown (metrics.peak_flops sets one)")
         return None
@@ -42,8 +39,7 @@ def log_peak(peak: PeakFlops | None) -> float | None:
 
 
 class ThroughputTracker:
-    """Tokens this rank processed, data-loading time and wall time between two logs: the rates
-    are per rank. ``clock`` returns seconds (tests inject a fake one)."""
+    """Tokens, data-loading time and wall time of this rank between two logs."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
@@ -57,21 +53,16 @@ class ThroughputTracker:
     def add_tokens(self, num_tokens: int) -> None:
         self.tokens += num_tokens
 
-    def add_data_loading_time(self, seconds: float) -> None:
-        self.data_loading_seconds += seconds
-
     @contextlib.contextmanager
     def data_loading(self) -> Iterator[None]:
-        """Times the enclosed block as data loading."""
         start = self._clock()
         try:
             yield
         finally:
-            self.add_data_loading_time(self._clock() - start)
+            self.data_loading_seconds += self._clock() - start
 
     def summarize(self, num_flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
-        """Per-rank rates over the window, which starts anew: ``tps``, ``tflops``, ``mfu`` (percent
-        of ``peak_flops``; NaN when unknown) and ``data_loading_pct`` (zero for an empty window)."""
+        """Per-rank rates over the window, which starts anew; ``mfu`` is NaN when the peak is unknown."""
         elapsed = self._clock() - self.window_start
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
         achieved_flops = num_flops_per_token * tps
@@ -86,15 +77,12 @@ class ThroughputTracker:
 
 
 def tokens_of_this_rank(microbatches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> int:
-    """This rank's share of the step's tokens, so that tokens/s and TFLOP/s stay per rank: the
-    ranks of a pipeline, and of a tensor-parallel group, all see their data-parallel rank's batch
-    (torchtitan divides by the same degrees)."""
+    """This rank's share: a TP group's and a pipeline's ranks all see their DP rank's batch (as torchtitan counts)."""
     return sum(x.numel() for x, _ in microbatches) // (dims.pp * dims.tp)
 
 
 def format_duration(seconds: float) -> str:
-    """A duration as people read it: ``45s``, ``4m10s``, then (rounded to the minute) ``30m``,
-    ``1h02m``, then ``2d03h``; ``?`` when unknown (negative or not finite)."""
+    """``45s``, ``4m10s``, ``30m``, ``1h02m``, ``2d03h``; ``?`` when unknown."""
     if not (math.isfinite(seconds) and seconds >= 0):
         return "?"
     if round(seconds) < 60:
@@ -112,24 +100,22 @@ def format_duration(seconds: float) -> str:
 
 
 class RunProgress:
-    """Where a run stands: wall time since training started, the recent step rate (for the ETA),
-    the steps run and the losses seen. ``clock`` returns seconds; tests inject a fake one."""
+    """Where a run stands: wall time, the recent step rate (for the ETA), the steps run and the losses seen."""
 
     def __init__(self, total_steps: int | None, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.total_steps = total_steps
         self._clock = clock
         self.start(0)
 
-    def start(self, step: int, rate_window: int = 50) -> None:
-        """Training starts (again) after ``step``: 0 for a fresh run, the step resumed from otherwise.
-        The ETA uses the rate of the last ``rate_window`` steps, never the first step of the run
-        (which pays for warm-up and compilation)."""
+    def start(self, step: int) -> None:
+        """Training starts (again) after ``step``: 0 for a fresh run, the step resumed from otherwise."""
         self.start_time = self._clock()
         self.start_step = step
         self.steps_run = 0
         self.last: tuple[int, float] | None = None  # (step, loss)
         self.best: tuple[int, float] | None = None
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=rate_window + 1)
+        # The ETA's rate: the last 50 steps', never the first step's (warm-up and compilation).
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=51)
 
     def step_done(self, step: int, loss: float) -> None:
         if self._recent and step <= self._recent[-1][1]:
@@ -144,35 +130,37 @@ class RunProgress:
         return self._clock() - self.start_time
 
     def eta(self) -> float | None:
-        """Seconds left at the recent step rate; None before two steps are done, without a total, or
-        once the last step is done."""
+        """Seconds left at the recent step rate; None before two steps, without a total, or at the end."""
         if self.total_steps is None or len(self._recent) < 2 or self._recent[-1][1] >= self.total_steps:
             return None
         (first_time, first_step), (last_time, last_step) = self._recent[0], self._recent[-1]
         return (last_time - first_time) / (last_step - first_step) * (self.total_steps - last_step)
 
 
+# Each metrics.jsonl line's keys after "step", in order (then "elapsed_s"): TensorBoard tag, console field.
+_METRICS = {
+    "loss": ("loss/global_avg", "loss {:.4f}"),
+    "grad_norm": ("grad_norm", "grad_norm {:.4f}"),
+    "lr": ("lr", "lr {:.3e}"),
+    "tps": ("throughput/tps", "tps/rank {:,.0f}"),
+    "tflops": ("throughput/tflops", "tflops/rank {:.3g}"),
+    "mfu": ("throughput/mfu_pct", "mfu {:.1f}%"),
+    "memory_gib": ("memory/peak_gib", "memory {:.2f} GiB"),
+    "data_loading_pct": ("time/data_loading_pct", "data {:.1f}%"),
+}
+
+
 def format_step_line(
     step: int, total_steps: int | None, values: dict[str, float], elapsed: float, eta: float | None
 ) -> str:
-    """The console line of a logged step; ``mfu`` is left out when not finite (peak unknown), the
-    ETA when unknown."""
-    progress = f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"
-    fields = [
-        progress,
-        f"loss {values['loss']:.4f}",
-        f"grad_norm {values['grad_norm']:.4f}",
-        f"lr {values['lr']:.3e}",
-        f"tps/rank {values['tps']:,.0f}",
-        f"tflops/rank {values['tflops']:.0f}" if values["tflops"] >= 100 else f"tflops/rank {values['tflops']:.3g}",
-    ]
-    if math.isfinite(values["mfu"]):
-        fields.append(f"mfu {values['mfu']:.1f}%")
-    fields += [
-        f"memory {values['memory_gib']:.2f} GiB",
-        f"data {values['data_loading_pct']:.1f}%",
-        f"elapsed {format_duration(elapsed)}",
-    ]
+    """The console line of a logged step, without an unknown MFU (NaN) or ETA."""
+    fields = [f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"]
+    for key, (_, field) in _METRICS.items():
+        if key == "tflops" and values[key] >= 100:
+            field = "tflops/rank {:.0f}"
+        if key != "mfu" or math.isfinite(values[key]):
+            fields.append(field.format(values[key]))
+    fields.append(f"elapsed {format_duration(elapsed)}")
     if eta is not None:
         fields.append(f"eta {format_duration(eta)}")
     return " | ".join(fields)
@@ -197,23 +185,8 @@ def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[st
     return "\n".join(lines)
 
 
-# Keys of every metrics.jsonl line after "step", in order (then "elapsed_s"), and their TensorBoard tags.
-_TENSORBOARD_TAGS = {
-    "loss": "loss/global_avg",
-    "grad_norm": "grad_norm",
-    "lr": "lr",
-    "tps": "throughput/tps",
-    "tflops": "throughput/tflops",
-    "mfu": "throughput/mfu_pct",
-    "memory_gib": "memory/peak_gib",
-    "data_loading_pct": "time/data_loading_pct",
-}
-
-
 def check_wandb() -> None:
-    """ConfigError naming metrics.enable_wandb when this host cannot start W&B runs: no wandb
-    package, a WANDB_* variable W&B does not take (WANDB_MODE=ofline), or no API key where runs go
-    to W&B's servers (WANDB_MODE neither offline nor disabled)."""
+    """ConfigError when this host cannot start W&B runs: no package, refused WANDB_* settings, no API key."""
     try:
         import wandb
     except ImportError:
@@ -239,8 +212,7 @@ def check_wandb() -> None:
 
 
 def _settings_problems(error: ValueError) -> str:
-    """Each refused setting of a pydantic ValidationError on one line: ``mode='ofline': Input should
-    be ...``; other errors' first line."""
+    """Each refused setting of a pydantic ValidationError: ``mode='ofline': Input should be ...``."""
     if not hasattr(error, "errors"):
         return first_line(error)
     return "; ".join(
@@ -249,8 +221,7 @@ def _settings_problems(error: ValueError) -> str:
 
 
 def _start_wandb(folder: str, settings: dict[str, Any]) -> Any:
-    """A W&B run with its files under ``folder``/wandb; None, with a warning, when W&B's side
-    (network, server, account) keeps it from starting: the other logs go on."""
+    """A W&B run under ``folder``; None, with a warning, when W&B's side keeps it from starting."""
     import wandb
 
     os.makedirs(folder, exist_ok=True)
@@ -285,8 +256,7 @@ def _name_aside(stem: str, last_write: float, extension: str = "") -> str:
 
 
 def _move_aside(path: str) -> None:
-    """Renames the records of an earlier run at ``path`` (a run from step 0 in the same folder,
-    whose steps would interleave with this one's) after the time of their last write."""
+    """Renames an earlier run's records at ``path``, whose steps would interleave with this one's."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     stem, extension = os.path.splitext(path)
@@ -295,14 +265,8 @@ def _move_aside(path: str) -> None:
     logger.warning("%s holds an earlier run's records; moved to %s (this run starts from step 0)", path, moved)
 
 
-def _event_files(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(folder), "events.out.tfevents.*")))
-
-
 def _move_events_aside(folder: str, events: list[str]) -> None:
-    """Moves an earlier run's TensorBoard event files out of ``folder`` (the same ``job.run_name``,
-    from step 0: both runs' curves would be drawn as one) into a folder beside it, named after
-    their last write, which TensorBoard lists as a run of its own."""
+    """Moves an earlier run's TensorBoard events (drawn as one curve with this one's) beside ``folder``."""
     moved = _name_aside(folder.rstrip(os.sep), max(os.path.getmtime(path) for path in events))
     os.makedirs(moved)
     for path in events:
@@ -311,13 +275,8 @@ def _move_events_aside(folder: str, events: list[str]) -> None:
 
 
 class MetricsLogger:
-    """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary.
-
-    Built on every rank: ``enable`` on the logging rank (console, JSON lines, summary),
-    ``enable_tensorboard`` on the ranks writing TensorBoard, ``wandb_run`` (``wandb.init``'s
-    settings) where W&B gets the TensorBoard scalars; the others do nothing. ``log`` takes the keys
-    of ``_TENSORBOARD_TAGS``; ``total_steps`` and the global ``tokens_per_step`` feed the ETA and
-    summary. ``start`` comes before the first ``log``."""
+    """Per-step metrics to the console, ``metrics.jsonl``, TensorBoard and W&B, and the run's summary;
+    built on every rank, each writing what it is enabled for. ``start`` comes before ``log``."""
 
     def __init__(
         self,
@@ -337,7 +296,8 @@ class MetricsLogger:
         self.tensorboard_dir = tensorboard_dir if enable_tensorboard else None
         self._jsonl = None
         self._tensorboard: Any = None  # SummaryWriter; imported lazily, it pulls in tensorboard
-        self._earlier_events = _event_files(tensorboard_dir) if enable_tensorboard else []
+        events = os.path.join(glob.escape(tensorboard_dir), "events.out.tfevents.*")
+        self._earlier_events = sorted(glob.glob(events)) if enable_tensorboard else []
         if enable:
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(dump_folder, METRICS_FILE)
@@ -345,17 +305,15 @@ class MetricsLogger:
         self._wandb = _start_wandb(dump_folder, wandb_run) if wandb_run is not None else None
 
     def start(self, step: int, new_run: bool = False) -> None:
-        """Training starts after ``step`` (0, or the step resumed from): the clock of ``elapsed``.
-        A ``new_run`` (launched from step 0, not restarted) first moves an earlier run's records
-        (JSON lines, TensorBoard events) in its folders aside; a restart of the same launch appends, as a resumed run does."""
+        """Training starts after ``step``. A ``new_run`` (from step 0, not restarted) first moves an
+        earlier run's records in its folders aside; a restart or a resumed run appends."""
         self.progress.start(step)
         if self._earlier_events and new_run:
             _move_events_aside(self.tensorboard_dir, self._earlier_events)
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resume's first event hides the earlier attempts' events from its first step on
-            # (TensorBoard's purge), which it logs again: one point per step.
+            # A resume purges the earlier attempts' events from its first step on: one point per step.
             self._tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=step + 1 if step else None)
             logger.info("TensorBoard logs in %s", self.tensorboard_dir)
         if self._jsonl is not None and new_run:
@@ -371,10 +329,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
-        missing = [key for key in _TENSORBOARD_TAGS if key not in metrics]
-        if missing:
-            raise KeyError(f"MetricsLogger.log: missing metrics {missing}")
-        values = {key: float(metrics[key]) for key in _TENSORBOARD_TAGS}
+        values = {key: float(metrics[key]) for key in _METRICS}
         if self.enabled:
             elapsed = self.progress.elapsed()
             line = format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta())
@@ -384,9 +339,7 @@ class MetricsLogger:
             self._jsonl.flush()  # a crash must not lose the lines before it
 
         # No MFU point when the peak is unknown.
-        scalars = {
-            tag: values[key] for key, tag in _TENSORBOARD_TAGS.items() if math.isfinite(values[key]) or key != "mfu"
-        }
+        scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, step)
@@ -416,7 +369,6 @@ class MetricsLogger:
             self._wandb.log({"validation/loss": loss}, step=step)
 
     def close(self) -> None:
-        """Closes the files; further calls log nothing."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -1,5 +1,4 @@
-"""Optimizer, learning-rate schedule and gradient clipping, for plain tensors and the DTensors
-of every parallelism alike: the trainer need not know how a model was parallelized."""
+"""Optimizer, learning-rate schedule and gradient clipping, for plain tensors and DTensors alike."""
 
 from __future__ import annotations
 
@@ -26,38 +25,20 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _trainable_parameters(model_parts: list[nn.Module]) -> list[nn.Parameter]:
-    """Parameters requiring grad over all parts, each once (parts may share tied weights)."""
-    return list({id(p): p for part in model_parts for p in part.parameters() if p.requires_grad}.values())
-
-
-def _supports_fused(params: list[nn.Parameter]) -> bool:
-    # torch's rule at the first step(), checked before training starts. A DTensor's `.device` is
-    # its local shard's, which the kernel sees.
-    supported_devices = _get_fused_kernels_supported_devices()
-    return all(p.device.type in supported_devices and torch.is_floating_point(p) for p in params)
-
-
 class OptimizerInBackward(torch.optim.Optimizer):
-    """Steps each parameter as soon as backward has finished its gradient, and frees that gradient:
-    the whole model's gradients are never held at once. One optimizer per parameter updates it;
-    this one holds the shared settings (the LR schedule sets its ``lr``). Nothing is clipped (the
-    norm is known only once every parameter has stepped); the norm is measured for the log.
-    ``stepping`` False lets gradients accumulate (microbatches before a step's last)."""
+    """Steps and frees each parameter's gradient as soon as backward completes it; nothing is clipped (the
+    norm is known only once all have stepped). ``stepping`` False lets gradients accumulate."""
 
     def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **settings):
         super().__init__(params, settings)
         self.per_parameter = {p: optimizer_class([p], **settings) for p in params}
         self.stepping = True
-        # This rank's part of the squared gradient norm, by the mesh and placements its reduction
-        # takes (DTensor gradients) or None (plain ones).
+        # This rank's part of the squared norm, by the (mesh, placements) reducing it; None: plain tensors.
         self._squares: dict[tuple | None, torch.Tensor] = {}
         for param in params:
             param.register_post_accumulate_grad_hook(self._step_parameter)
         for optimizer in self.per_parameter.values():
-            # The LR schedule sets this optimizer's settings (lr, initial_lr): each per-parameter
-            # one saved carries them, and a loaded one brings them back, so that a checkpoint holds
-            # what one optimizer's would.
+            # Each saved one carries the schedule's settings: a checkpoint holds what one optimizer's would.
             optimizer.register_state_dict_pre_hook(self._lend_settings)
             optimizer.register_load_state_dict_post_hook(self._take_settings)
 
@@ -70,8 +51,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _step_parameter(self, param: nn.Parameter) -> None:
         if not self.stepping:
             return
-        # One tensor's norm: a DTensor's stays partial here (get_total_norm's stack of norms would
-        # all-reduce for every parameter).
+        # A DTensor's norm stays partial here: get_total_norm would all-reduce for every parameter.
         norm = torch.linalg.vector_norm(param.grad)
         key = (norm.device_mesh, norm.placements) if isinstance(norm, DTensor) else None
         local = norm.to_local() if isinstance(norm, DTensor) else norm
@@ -101,8 +81,7 @@ def _settings(param_group: dict) -> dict:
 
 
 def optimizers_holding_state(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose state a checkpoint saves: those of each parameter when they step in
-    backward (their state under the parameters' names is the same as one optimizer's)."""
+    """The optimizers a checkpoint saves: each parameter's when they step in backward."""
     if isinstance(optimizer, OptimizerInBackward):
         return list(optimizer.per_parameter.values())
     return [optimizer]
@@ -119,9 +98,7 @@ def build_optimizer(
     implementation: str = "fused",
     early_step_in_backward: bool = False,
 ) -> torch.optim.Optimizer:
-    """One optimizer over the trainable parameters of all model parts, or with
-    ``early_step_in_backward`` an ``OptimizerInBackward``. ``fused`` falls back to ``foreach``, with a
-    warning, where the parameters' device or dtype has no fused kernel. ValueError names a bad value."""
+    """One optimizer over the parts' parameters; ``fused`` falls back to ``foreach`` where torch has no kernel."""
     if not lr > 0:
         raise ValueError(f"optimizer.lr must be > 0, got {lr}")
     if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
@@ -131,12 +108,12 @@ def build_optimizer(
     if not weight_decay >= 0:
         raise ValueError(f"optimizer.weight_decay must be >= 0, got {weight_decay}")
 
-    params = _trainable_parameters(model_parts)
-    if not params:
-        raise ValueError("build_optimizer: the model parts have no parameters that require grad")
-
+    # Each once: parts may share tied weights.
+    params = list({id(p): p for part in model_parts for p in part.parameters() if p.requires_grad}.values())
+    # torch's rule at the first step(), checked before training (a DTensor's device is its shard's).
+    fused_devices = _get_fused_kernels_supported_devices()
     use_fused = implementation == "fused"
-    if use_fused and not _supports_fused(params):
+    if use_fused and not all(p.device.type in fused_devices and torch.is_floating_point(p) for p in params):
         logger.warning(
             "optimizer.implementation='fused' is not supported for these parameters "
             "(devices %s, dtypes %s); using 'foreach' instead",
@@ -159,11 +136,8 @@ def build_optimizer(
 
 
 class WarmupStableDecay:
-    """LR multiplier after ``s`` optimizer steps, as torchtitan's schedule gives it: warmup
-    ``(s + 1) / warmup_steps`` (never 0); 1 up to ``decay_start``; then ``min + (1 - min) *
-    shape(p)``, ``p = (s - decay_start) / decay_steps``, which ends one step past the run (its last
-    step still learns with ``min_lr_factor`` 0) and holds after. An object, not a closure:
-    ``LambdaLR.state_dict`` saves a callable object's ``__dict__``, so it round-trips a checkpoint."""
+    """torchtitan's LR multiplier after ``step`` optimizer steps; the decay ends one step past the run
+    (its last step still learns). An object, not a closure: ``LambdaLR.state_dict`` saves its ``__dict__``."""
 
     def __init__(self, warmup_steps: int, decay_start: int, decay_steps: int, decay_type: str, min_lr_factor: float):
         self.warmup_steps = warmup_steps
@@ -198,16 +172,9 @@ def build_lr_scheduler(
     decay_ratio: float | None = None,
     min_lr_factor: float = 0.0,
 ) -> LambdaLR:
-    """Linear warmup, an optional stable phase, then a linear, cosine or sqrt decay towards
-    ``min_lr_factor`` x the optimizer's ``lr`` (torchtitan's schedule, step for step).
-    ``decay_ratio``: the fraction of ``total_steps`` spent decaying (WSD); None decays over all
-    steps after warmup. A run shorter than its warmup and decay gets them cut to fit, with a
-    warning, as torchtitan does. ValueError names a bad value (``total_steps_option`` gave
-    ``total_steps``)."""
+    """torchtitan's warmup, stable and decay phases towards ``min_lr_factor`` x ``lr``; cut to fit a short run."""
     if total_steps < 1:
         raise ValueError(f"{total_steps_option} must be >= 1, got {total_steps}")
-    if warmup_steps < 0:
-        raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {warmup_steps}")
     if warmup_steps > total_steps:
         logger.warning(
             f"lr_scheduler.warmup_steps {warmup_steps} exceeds {total_steps_option} {total_steps}: warming up over "
@@ -229,8 +196,6 @@ def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int,
     """``decay_ratio`` of ``total_steps``; at most (and for None) those after warmup."""
     if decay_ratio is None:
         return total_steps - warmup_steps
-    if not 0.0 <= decay_ratio <= 1.0:
-        raise ValueError(f"lr_scheduler.decay_ratio must be in [0, 1] or None, got {decay_ratio}")
     decay_steps = round(decay_ratio * total_steps)
     if decay_ratio > 0 and decay_steps == 0:
         logger.warning(
@@ -248,21 +213,11 @@ def _decay_steps(decay_ratio: float | None, warmup_steps: int, total_steps: int,
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
-    max_norm: float,
-    norm_type: float = 2.0,
-    *,
-    pp_mesh: DeviceMesh | None = None,
+    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
-    """Clips the gradients in place by their global norm and returns it as a float32 scalar (not
-    finite is returned, not raised: checking would sync every step). Each mesh's gradients get
-    their own norm, reduced over it (torch's one DTensor op over all fails across meshes), and the
-    norms are combined, over ``pp_mesh``'s stages too, where every rank must call."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    """Clips the gradients by their global 2-norm, returned (not raised when not finite: that would sync).
+    Each mesh's gradients get their own norm, then combined, over ``pp_mesh``'s stages too."""
     params = [p for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-
     params_by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
     for p in params:
         mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
@@ -270,7 +225,7 @@ def clip_grad_norm_(
 
     group_norms = []
     for group in params_by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         # full_tensor() performs the reduction over this mesh for sharded grads.
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -278,19 +233,16 @@ def clip_grad_norm_(
 
     if group_norms:
         device = group_norms[0].device
-        total_norm = torch.linalg.vector_norm(torch.stack([norm.to(device) for norm in group_norms]), norm_type)
+        total_norm = torch.linalg.vector_norm(torch.stack([norm.to(device) for norm in group_norms]))
     else:
         # A stage without gradients still has to join the pp all-reduce below.
         device = torch.device(pp_mesh.device_type) if pp_mesh is not None else torch.device("cpu")
         total_norm = torch.zeros((), dtype=torch.float32, device=device)
 
     if pp_mesh is not None:
-        if math.isinf(norm_type):
-            dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
-        else:
-            total_norm = total_norm**norm_type
-            dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
-            total_norm = total_norm ** (1.0 / norm_type)
+        total_norm = total_norm**2.0
+        dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        total_norm = total_norm**0.5
 
     # Scaling is pointwise, but DTensor still rejects one op spanning two meshes.
     for group in params_by_mesh.values():
@@ -301,8 +253,7 @@ def clip_grad_norm_(
 def build_optimizer_and_schedule(
     optim: Optimizer, schedule: LRScheduler, training: Training, model_parts: list[nn.Module]
 ) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """The configured optimizer over the parts' parameters and its LR schedule (``training`` gives
-    max_norm and steps); a one-line ConfigError naming the option for a bad value."""
+    """The configured optimizer and LR schedule; a one-line ConfigError naming a bad option."""
     if optim.early_step_in_backward and training.max_norm > 0:
         logger.warning(
             "optimizer.early_step_in_backward: gradients are not clipped (training.max_norm %g does not apply); "

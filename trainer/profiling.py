@@ -1,5 +1,4 @@
-"""torch.profiler traces and GPU memory snapshots every few steps, written under the dump folder, and
-the tensors reference cycles hold, found by a collection."""
+"""torch.profiler traces and GPU memory snapshots every few steps, and the tensors cycles hold."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ logger = logging.getLogger(__name__)
 def maybe_profile(
     config: Profiling, dump_folder: str, rank: int, last_step: int
 ) -> Iterator[torch.profiler.profile | None]:
-    """Yields a profiler whose ``step()`` the loop calls once per step, or None when disabled;
-    its windows and trace names count the run's steps from ``last_step`` (a resume's)."""
+    """A profiler the loop steps once per step (None when off), counting from ``last_step``."""
     if not config.enable_profiling:
         yield None
         return
@@ -32,8 +30,7 @@ def maybe_profile(
     ending = False
 
     def save_trace(prof: torch.profiler.profile) -> None:
-        # The profiler's exit saves the window it is in. One whose recording begins with the step
-        # after the last holds no step (and its name may be the last window's, which it replaced).
+        # The profiler's exit saves its window; one whose recording begins after the last step holds none.
         freq = config.profile_freq
         if ending and prof.step_num % freq == (freq - config.profiler_active) % freq:
             return
@@ -53,16 +50,11 @@ def maybe_profile(
     wait = config.profile_freq - config.profiler_active - warmup
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=config.profiler_active)
     prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace)
-    # Counted from the resumed step, as torchtitan does: counted from 0, a resumed run's traces
-    # replaced the earlier run's of the same name.
+    # Counted from the resumed step, as torchtitan does: a resumed run's traces keep the earlier's.
     prof.step_num = last_step
     with prof:
         yield prof
         ending = True
-
-
-# Allocator events kept in the history (torchtitan's number): a few steps of a large model.
-MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class MemorySnapshots:
@@ -89,9 +81,7 @@ class MemorySnapshots:
 def maybe_snapshot_memory(
     config: Profiling, dump_folder: str, rank: int, device: torch.device, last_step: int
 ) -> Iterator[MemorySnapshots | None]:
-    """Yields the memory snapshots the loop reports each step to (``step_done``), or None when
-    disabled or on a device whose allocator keeps no history; a step that runs out of memory
-    saves one more, named after the last step done (``last_step`` at the start)."""
+    """The snapshots the loop reports steps to (None when off); a step out of memory saves one more."""
     if not config.enable_memory_snapshot:
         yield None
         return
@@ -104,7 +94,7 @@ def maybe_snapshot_memory(
         yield None
         return
     folder = os.path.join(dump_folder, config.save_memory_snapshot_folder)
-    memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    memory._record_memory_history(max_entries=100_000)  # torchtitan's: a few steps of a large model
     snapshots = MemorySnapshots(memory, folder, rank, config.profile_freq, last_step)
     try:
         yield snapshots
@@ -116,8 +106,7 @@ def maybe_snapshot_memory(
 
 
 def collect_garbage_held_by_cycles() -> None:
-    """A full collection that warns of the tensors reference cycles held (debug.gc_debug): their
-    memory waited for this collection to be freed."""
+    """A full collection warning of the tensors reference cycles held (debug.gc_debug)."""
     gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds unreachable is kept in gc.garbage
     try:
         gc.collect()

@@ -98,8 +98,7 @@ class Trainer:
         self.checkpointer = self._build_checkpointer()
 
     def _build_metrics(self, tokens_per_step: int) -> MetricsLogger:
-        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) runs of
-        its own, grouped under the run's name."""
+        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) of its own."""
         job, metrics, rank = self.config.job, self.config.metrics, self.rank
         run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
         every_rank = metrics.save_for_all_ranks
@@ -152,9 +151,7 @@ class Trainer:
         )
 
     def _start_data(self, resumed: str | None):
-        """The training batches, from the position the checkpoint ``resumed`` from saved. A position
-        that does not fit this job's data (another corpus, tokenizer, sequence length, global batch
-        or seed) is a mistake in the job: one line saying how to go on, not a restart to fail again."""
+        """The batches from the saved position; one that does not fit the job is a one-line mistake, not a restart."""
         try:
             return iter(self.dataloader)  # the loader checks a restored position here
         except ValueError as e:
@@ -169,8 +166,7 @@ class Trainer:
             ) from None
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one microbatch; returns its loss (this rank's share of the
-        global-batch mean)."""
+        """Forward and backward of one microbatch; returns this rank's share of the global-batch mean."""
         if self.model.schedule is not None:
             # The schedule computes the loss and its backward inside its step.
             with self.loss.context():
@@ -182,9 +178,7 @@ class Trainer:
         return local_loss(loss.detach())
 
     def train_step(self, microbatches: Microbatches) -> dict[str, float]:
-        """Forward/backward over the step's microbatches, clip, update; returns loss, grad norm, lr.
-        A non-finite loss or gradient norm leaves the model and optimizer untouched, unless the
-        parameters stepped in backward (optimizer.early_step_in_backward)."""
+        """Forward/backward, clip, update; a non-finite loss or norm leaves the model untouched (but in backward)."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
         if isinstance(self.optimizer, OptimizerInBackward):
@@ -204,8 +198,7 @@ class Trainer:
         return step_metrics
 
     def _train_step_updating_in_backward(self, microbatches: Microbatches, lr: float) -> dict[str, float]:
-        """train_step with optimizer.early_step_in_backward: the last microbatch's backward updates
-        each parameter as its gradient completes; nothing is clipped or skipped."""
+        """The last microbatch's backward updates each parameter; nothing is clipped or skipped."""
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # the updates start in this step's backward
         losses = []
@@ -218,8 +211,7 @@ class Trainer:
         return {"loss": self._sum_over_ranks(sum(losses)).item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Completes a per-rank share of a global mean: sums it over the data-parallel ranks, and
-        over the pipeline ranks (only the last stage has a loss; the others add zeros)."""
+        """Sums a per-rank share of a global mean over the data-parallel and pipeline ranks."""
         for mesh in (self.parallel_dims.pp_mesh, self.parallel_dims.dp_mesh):
             if mesh is not None:
                 dist.all_reduce(value, group=mesh.get_group())
@@ -275,15 +267,12 @@ class Trainer:
         self._finish()
 
     def _refresh_float8_scales(self) -> None:
-        """Computes the scales of the weights FSDP2 gathers in float8, for all at once, which their
-        next gathers use (float8.precompute_float8_dynamic_scale_for_fsdp): after every change of
-        the weights."""
+        """float8.precompute_float8_dynamic_scale_for_fsdp: after every change of the weights."""
         if self._precompute_float8:
             precompute_float8_scales(self.model.parts)
 
     def _collect_garbage(self, step: int) -> None:
-        """Python's collector runs between steps, when debug.gc_freq or gc_debug says (automatic
-        collection is then off), not in the middle of one."""
+        """Python's collector runs between steps, when debug.gc_freq or gc_debug says."""
         debug = self.config.debug
         if debug.gc_debug:
             collect_garbage_held_by_cycles()
@@ -330,8 +319,7 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Waits for the checkpoint in flight, then until every rank has finished, so that none
-        leaves while a peer still talks to it."""
+        """Waits for the checkpoint in flight, then for every rank: none leaves while a peer talks to it."""
         if self.checkpointer is not None:
             self.checkpointer.close()
         if dist.is_initialized():

@@ -13,7 +13,6 @@ from config.errors import first_line
 from config.job_config import Validation
 from models.builder import BuiltModel
 from parallelisms.tensor_parallel import local_loss
-from trainer.data.loader import PackedTokenDataset
 from trainer.loss import Loss
 from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
@@ -21,14 +20,12 @@ logger = logging.getLogger(__name__)
 
 
 def validation_due(step: int, freq: int) -> bool:
-    """Whether training step ``step`` (1-based) is followed by a validation: every ``freq`` steps
-    and after step 1, as torchtitan's validation.freq (the loss before training has moved far)."""
+    """Whether a validation follows step ``step``: after step 1 and every ``freq``, as torchtitan's."""
     return step == 1 or step % freq == 0
 
 
 class Validator:
-    """Evaluates ``validation.steps`` batches of the loaders ``loader()`` gives, each at the start
-    of the same held-out windows."""
+    """Evaluates ``validation.steps`` batches of a fresh ``loader()``: the same windows each time."""
 
     def __init__(self, validation: Validation, loader: Callable[[], StatefulDataLoader], dp_degree: int, loss: Loss):
         self.steps = validation.steps
@@ -36,13 +33,17 @@ class Validator:
         self.dp_degree = dp_degree
         self.loss = loss
         if validation.enable:
-            # Tokenized and counted now: a held-out corpus too short for one window would otherwise
-            # be refused at the first validation, after the first step of training.
-            _warn_of_repeated_windows(loader().dataset, validation.steps)
+            # Tokenized now: a corpus too short for one window is refused before training, not after a step.
+            windows, steps = loader().dataset, validation.steps
+            if windows.num_windows < steps * windows.global_batch_size:
+                logger.warning(
+                    f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
+                    f"fewer than the {steps * windows.global_batch_size} that validation.steps {steps} x "
+                    f"{windows.global_batch_size} sequences read: each validation reads some windows more than once"
+                )
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
-        """The mean token loss after ``step``, over all data-parallel ranks (a global value, the same
-        on every rank)."""
+        """This rank's share of the global mean token loss after ``step``."""
         try:
             return self._mean_loss(model, device)
         except RuntimeError as e:
@@ -73,15 +74,3 @@ class Validator:
         for part in model.parts:
             part.train()
         return total / (tokens * self.dp_degree)
-
-
-def _warn_of_repeated_windows(windows: PackedTokenDataset, steps: int) -> None:
-    """A held-out corpus of fewer windows than a validation reads is read round again within it:
-    its loss weighs some windows twice or more, which the user would not guess from the option."""
-    wanted = steps * windows.global_batch_size
-    if windows.num_windows < wanted:
-        logger.warning(
-            f"validation.dataset: {windows.num_windows} windows of seq_len + 1 = {windows.seq_len + 1} tokens, "
-            f"fewer than the {wanted} that validation.steps {steps} x {windows.global_batch_size} sequences read: "
-            "each validation reads some windows more than once"
-        )

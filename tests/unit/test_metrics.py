@@ -237,7 +237,8 @@ def test_throughput_summary_matches_hand_computation() -> None:
     with tracker.data_loading():
         clock.now += 0.5
     tracker.add_tokens(4096)
-    tracker.add_data_loading_time(0.25)
+    with tracker.data_loading():
+        clock.now += 0.25
     clock.now = 104.0
 
     summary = tracker.summarize(num_flops_per_token=6e9, peak_flops=1e15)
@@ -555,13 +556,13 @@ def test_run_progress_eta_uses_the_recent_rate_without_the_first_step() -> None:
     assert progress.elapsed() == 48.0
     assert progress.eta() == pytest.approx(90 * 2.0)  # 2 s/step, not (48 s / 10 steps)
 
-    # Only the last rate_window steps count: the run slows down to 4 s/step.
-    progress = RunProgress(100, clock=clock)
-    progress.start(0, rate_window=5)
-    for step in range(1, 21):
-        clock.now += 2.0 if step <= 10 else 4.0
+    # Only the last 50 steps count: the run slows down to 4 s/step.
+    progress = RunProgress(200, clock=clock)
+    progress.start(0)
+    for step in range(1, 101):
+        clock.now += 2.0 if step <= 50 else 4.0
         progress.step_done(step, 5.0)
-    assert progress.eta() == pytest.approx(80 * 4.0)
+    assert progress.eta() == pytest.approx(100 * 4.0)
 
 
 def test_run_progress_restarts_the_rate_after_a_rollback_and_has_no_eta_at_the_end() -> None:

@@ -1,7 +1,5 @@
-"""Text corpora: the default one (the running interpreter's own documentation, so training
-works on any machine without downloads), local ``.txt``/``.jsonl`` files, local Parquet/Arrow/JSON
-shards and Hugging Face hub datasets (both read through the ``datasets`` library), and the file
-cache that tokenizers and token streams are built into once."""
+"""Text corpora: the default one (the interpreter's own documentation: no download needed), local
+files, Hugging Face hub datasets; and the file cache tokenizers and token streams are built into."""
 
 from __future__ import annotations
 
@@ -28,15 +26,13 @@ from trainer.folders import write_whole
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATASET = "python_docs"
-# Formats read through `datasets`, by the name of its builder for them (it decompresses .gz, the
-# form C4's and many hub datasets' JSON shards are kept in).
+# Formats read through `datasets`, by its builder's name (it decompresses .gz, as C4's shards are kept).
 DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".json.gz": "json", ".jsonl.gz": "json"}
 CORPUS_SUFFIXES = (".txt", ".jsonl", *DATASETS_BUILDERS)
 _SUFFIX_NAMES = ", ".join(CORPUS_SUFFIXES)
 # Files `Dataset.save_to_disk` writes next to its .arrow shards: metadata, not records.
 _SAVE_TO_DISK_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
-# torchtitan's dataset names: 'c4' and 'c4_validation' stream from the hub; 'c4_test' is a folder
-# of JSON lines in torchtitan's repository, found from the working folder as torchtitan finds it.
+# torchtitan's dataset names; 'c4_test' is a folder of torchtitan's repository, found from the working folder.
 TORCHTITAN_DATASETS = {
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
@@ -50,17 +46,14 @@ _DOCUMENTED_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctio
 
 
 def default_corpus_texts() -> Iterator[str]:
-    """Documents of the default corpus, available wherever Python is installed: the interpreter's
-    help topics (``pydoc_data.topics``, by name), then each standard-library module's docstrings
-    in source order (folders in sorted order; parsed with ``ast``, never imported: some imports
-    have side effects)."""
+    """The interpreter's help topics by name, then each standard-library module's docstrings in
+    source order (parsed with ``ast``, never imported: some imports have side effects)."""
     return iter(_default_corpus_documents())
 
 
 @functools.cache
 def _default_corpus_documents() -> tuple[str, ...]:
-    # Parsing the stdlib takes seconds, and the default tokenizer and the token stream both need
-    # it on first use; the text is a few MB.
+    # Parsing takes seconds, and the default tokenizer and the token stream both need the few MB.
     try:
         topics: dict[str, str] = importlib.import_module("pydoc_data.topics").topics
     except ImportError:  # some distributions package pydoc_data separately
@@ -110,8 +103,7 @@ class Corpus:
 
 
 def corpus_of(section: Training | Validation) -> Corpus:
-    """The corpus of a section's dataset fields; torchtitan's dataset names mapped to what they
-    stand for."""
+    """The corpus of a section's dataset fields, torchtitan's dataset names mapped."""
     corpus = Corpus(section.dataset, section.dataset_config, section.dataset_split, section.dataset_text_field)
     if corpus.dataset in TORCHTITAN_DATASETS:
         name, config_name, split = TORCHTITAN_DATASETS[corpus.dataset]
@@ -138,8 +130,7 @@ def corpus_suffix(path: Path) -> str:
 
 
 def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
-    """Documents of a local corpus: one per ``.txt`` file, per ``.jsonl`` line (its ``text_field``),
-    or per record of Parquet/Arrow/JSON shards (read through ``datasets``)."""
+    """Documents of a local corpus: one per ``.txt`` file, ``.jsonl`` line or ``datasets`` record."""
     files = local_corpus_files(path)
     if corpus_suffix(files[0]) in DATASETS_BUILDERS:
         builder = DATASETS_BUILDERS[corpus_suffix(files[0])]
@@ -154,8 +145,7 @@ def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
 
 
 def local_corpus_files(path: str) -> list[Path]:
-    """The files of the local corpus at ``path``: a file, a folder (its corpus files, recursively,
-    sorted) or a comma-separated list of them; all .txt/.jsonl, or all of one ``datasets`` format."""
+    """The files of a file, folder or comma-separated list of them; of one format."""
     files = [file for part in path.split(",") if part for file in _corpus_files(part)]
     if not files:
         raise ValueError(f"dataset {path!r} names no files")
@@ -191,10 +181,8 @@ def _corpus_files(path: str) -> list[Path]:
 
 
 def _files_under(root: Path) -> Iterator[Path]:
-    """Every file in ``root`` and its subfolders, symlinked ones too (a corpus folder of links to
-    shards kept elsewhere; rglob left them out without a word), each real folder once, and none
-    that holds ``root`` (a link back up would read the folders around the corpus). Hidden ones
-    (.ipynb_checkpoints, .git) are left out, with a warning: their copies would train twice."""
+    """Every file under ``root``, through symlinked folders, each real folder once, none holding ``root``;
+    hidden ones (.git) left out with a warning: their copies would train twice."""
     real_root = os.path.realpath(root)
     seen: set[str] = set()
     hidden: list[str] = []
@@ -230,8 +218,7 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    # JSON Lines ends a record at '\n' alone: str.splitlines would also cut the U+2028, U+2029 and
-    # U+0085 that JSON strings may hold unescaped (web text does; json.dumps(ensure_ascii=False) keeps them).
+    # A record ends at '\n' alone: splitlines would also cut the U+2028, U+2029, U+0085 JSON strings may hold.
     for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
@@ -239,8 +226,6 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{path}:{line_number}: invalid JSON (nested too deeply)") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise ValueError(f"{path}:{line_number}: expected an object with a string {text_field!r} field")
         yield record[text_field]
@@ -259,8 +244,7 @@ def _record_texts(records: Iterable[dict[str, Any]], source: str, text_field: st
 
 
 def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[str, Any]]:
-    """Records of ``datasets.load_dataset(path, **options)``, streamed (read once, never copied
-    into the library's cache); the library's errors as one-line ValueErrors naming ``source``."""
+    """``datasets.load_dataset``'s records, streamed; its errors as one-line ValueErrors naming ``source``."""
     # Imported on use: it takes a second, and most runs read other corpora.
     import datasets
     import pyarrow
@@ -276,14 +260,16 @@ def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[s
         raise ValueError(f"{source}: {typed_first_line(error)}") from None
 
 
-def hub_revision(name: str) -> str:
-    """The commit of hub dataset ``name``: one request with a timeout, no retries, so that a
-    machine without a network hears it at once."""
+def pin_revision(corpus: Corpus) -> Corpus:
+    """``corpus`` with a hub dataset's current commit (one request, no retries: no network is said at once)."""
+    if not is_hub(corpus.dataset) or corpus.revision:
+        return corpus
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
+    name = corpus.dataset
     try:
-        return HfApi().dataset_info(name, timeout=_HUB_TIMEOUT_S).sha or ""
+        return dataclasses.replace(corpus, revision=HfApi().dataset_info(name, timeout=_HUB_TIMEOUT_S).sha or "")
     except RepositoryNotFoundError:
         raise ValueError(f"{name!r} is neither a local path nor a dataset on the Hugging Face hub") from None
     except Exception as error:  # the hub client raises its HTTP library's errors, which vary by version
@@ -293,28 +279,16 @@ def hub_revision(name: str) -> str:
         ) from None
 
 
-def pin_revision(corpus: Corpus) -> Corpus:
-    """``corpus`` with a hub dataset's current commit, so that what its cache key says and the
-    documents read are the same version (other corpora as they are)."""
-    if not is_hub(corpus.dataset) or corpus.revision:
-        return corpus
-    return dataclasses.replace(corpus, revision=hub_revision(corpus.dataset))
-
-
-def hub_corpus_texts(corpus: Corpus) -> Iterator[str]:
-    corpus = pin_revision(corpus)
-    records = _streamed_records(
-        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
-    )
-    return _record_texts(records, f"{corpus.dataset} ({corpus.split})", corpus.text_field)
-
-
 def corpus_texts(corpus: Corpus) -> Iterator[str]:
     if corpus.dataset == DEFAULT_DATASET:
         return default_corpus_texts()
     if is_local(corpus.dataset):
         return local_corpus_texts(corpus.dataset, corpus.text_field)
-    return hub_corpus_texts(corpus)
+    corpus = pin_revision(corpus)
+    records = _streamed_records(
+        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
+    )
+    return _record_texts(records, f"{corpus.dataset} ({corpus.split})", corpus.text_field)
 
 
 def corpus_identity(corpus: Corpus) -> dict[str, Any]:
@@ -329,9 +303,7 @@ def corpus_identity(corpus: Corpus) -> dict[str, Any]:
 
 
 def check_corpus(corpus: Corpus) -> str | None:
-    """Cheap checks before launch: every path exists, every Parquet/Arrow shard's schema has the
-    text field as a string, the hub answers, and the first document reads; returns that document
-    (None for the default corpus, which takes seconds to extract)."""
+    """Cheap checks before launch; returns the first document (None for the slow default corpus)."""
     if corpus.dataset == DEFAULT_DATASET:
         return None
     if is_local(corpus.dataset):
@@ -379,14 +351,11 @@ def _arrow_schema(source: Any) -> Any:
 
 
 def create_file_once(path: str, write: Callable[[str], None]) -> None:
-    """Creates ``path`` with ``write(partial path)`` (``write_whole``) unless it exists. Safe for
-    concurrent processes: an exclusive lock on ``path + ".lock"`` lets one process build the file
-    while the others wait."""
+    """Creates ``path`` with ``write(partial path)`` unless it exists; concurrent processes wait for one."""
     if os.path.exists(path):
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # The lock file is never deleted: removing it would let two processes hold
-    # locks on different inodes.
+    # The lock file is never deleted: two processes could then hold locks on different inodes.
     with open(path + ".lock", "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if not os.path.exists(path):  # else built by another process while we waited

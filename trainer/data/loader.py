@@ -1,11 +1,8 @@
-"""Token streams, packing, and the sharded, resumable training data stream.
+"""Token streams and the sharded, resumable stream of packed windows.
 
-The packed windows of a corpus form one infinite *global stream*: epoch ``e`` is the permutation
-of all window indices seeded with ``seed + e``. The data-parallel group reads it in chunks of
-``dp_world_size * local_batch_size`` samples, DP rank ``r`` taking the ``r``-th slice of each. The
-state is a position in the global stream: a run resumes with another DP layout (same global
-batch) without losing or repeating samples.
-"""
+The windows form one infinite global stream (epoch ``e``: a permutation seeded with ``seed + e``),
+read in chunks of the global batch, DP rank ``r`` taking the ``r``-th slice of each. The state is a
+position in the global stream: a run resumes with another DP layout of the same global batch."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -30,18 +27,8 @@ from trainer.data.tokenizer import Tokenizer
 _TOKEN_CACHE_VERSION = 1
 
 
-def tokenize_corpus(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """One token stream: every document as ``[bos] + tokens + [eos]``, concatenated."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    documents = [np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
-    if not documents:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate(documents)
-
-
 def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
-    """Token stream of ``corpus``, tokenized once into ``cache_dir`` under the corpus identity and
-    the tokenizer's fingerprint; memory-mapped, read-only: each rank reads only its windows."""
+    """``corpus``'s tokens, cached under its identity and the tokenizer's fingerprint; memory-mapped."""
     corpus = pin_revision(corpus)  # one question to the hub, for both the key and the documents
     key = json.dumps(
         {
@@ -55,7 +42,11 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
     path = os.path.join(cache_dir, f"tokens-{digest}.npy")
 
     def write_tokens(tmp_path: str) -> None:
-        tokens = tokenize_corpus(corpus_texts(corpus), tokenizer)
+        # Every document as [bos] + tokens + [eos], concatenated.
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        texts = corpus_texts(corpus)
+        documents = [np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
+        tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=dtype)
         with open(tmp_path, "wb") as f:  # a file object: np.save(str) would append ".npy"
             np.save(f, tokens)
 
@@ -64,21 +55,12 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
         tokens = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:  # cut short or overwritten since it was written
         raise ValueError(f"its token cache {path} is damaged ({e}); delete the file and it is rebuilt") from None
-    if problem := _id_problem(tokens, tokenizer.vocab_size):
+    # An id past the vocabulary would fail every attempt's first step; one pass at memory speed finds it.
+    largest = int(tokens.max()) if len(tokens) else 0
+    if largest >= tokenizer.vocab_size:
+        problem = f"it holds id {largest}, past the tokenizer's {tokenizer.vocab_size} ids"
         raise ValueError(f"its token cache {path} is damaged ({problem}); delete the file and it is rebuilt")
     return tokens
-
-
-def _id_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
-    """Why ``tokens`` cannot be a stream of a tokenizer of ``vocab_size`` ids, else None. An id past
-    the model's vocabulary fails every attempt's first step (an IndexError on a CPU); one pass over
-    the file at memory speed (~20 GB/s) finds it first."""
-    if tokens.dtype.kind != "u":  # the cache is written as uint16 or uint32
-        return f"its ids are {tokens.dtype}, not unsigned integers"
-    largest = int(tokens.max()) if len(tokens) else 0
-    if largest >= vocab_size:
-        return f"it holds id {largest}, past the tokenizer's {vocab_size} ids"
-    return None
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
@@ -87,10 +69,8 @@ def epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class PackedTokenDataset(IterableDataset):
-    """This DP rank's share of the infinite global stream of packed windows of ``seq_len + 1``
-    tokens; a sample is ``(window[:-1], window[1:])`` as int64 tensors. Stateful (torchdata's
-    protocol). Worker ``k`` of ``K`` reads every ``K``-th chunk: the loader's round-robin batches
-    (of ``local_batch_size``) come in the single-process order."""
+    """This DP rank's share of the global stream of ``(window[:-1], window[1:])``; stateful. Worker ``k``
+    of ``K`` reads every ``K``-th chunk: the loader's round-robin batches keep the single-process order."""
 
     def __init__(
         self,
@@ -102,15 +82,6 @@ class PackedTokenDataset(IterableDataset):
         dp_world_size: int,
         seed: int,
     ) -> None:
-        for name, value in (
-            ("seq_len", seq_len),
-            ("local_batch_size", local_batch_size),
-            ("dp_world_size", dp_world_size),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_world_size={dp_world_size})")
         window_len = seq_len + 1
         self.num_windows = len(tokens) // window_len
         if self.num_windows == 0:
@@ -122,8 +93,7 @@ class PackedTokenDataset(IterableDataset):
         self.dp_world_size = dp_world_size
         self.global_batch_size = local_batch_size * dp_world_size
         self.seed = seed
-        # Position: where the current chunk starts in the global stream, samples of this rank's
-        # slice of it yielded, and the distance to the next chunk (K for a worker's stream, else 1).
+        # Position: the chunk's start, samples of this rank's slice yielded, the stride to the next chunk.
         self._chunk_start = 0
         self._index_in_slice = 0
         self._chunk_stride = 1
@@ -180,9 +150,7 @@ class PackedTokenDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume from ``state_dict``; the DP layout may differ if the state is at a batch
-        boundary of both: a step's end is one for any layout of the step's global batch, whatever
-        its gradient accumulation."""
+        """Resume; the DP layout may differ at a batch boundary of both (a step's end is one)."""
         missing = sorted(self.state_dict().keys() - state_dict.keys())
         if missing:
             raise ValueError(f"data state lacks {', '.join(missing)}: not saved by PackedTokenDataset")
@@ -202,10 +170,7 @@ class PackedTokenDataset(IterableDataset):
                 f"{saved_round}, where no batch of this loader's {self.global_batch_size} "
                 "(dp_world_size * local_batch_size) begins"
             )
-        same_layout = (state_dict["local_batch_size"], state_dict["dp_world_size"]) == (
-            self.local_batch_size,
-            self.dp_world_size,
-        )
+        same_layout = saved_round == self.global_batch_size and state_dict["dp_world_size"] == self.dp_world_size
         if state_dict["index_in_slice"] != 0 and not same_layout:
             raise ValueError("data state is inside a batch; it can only resume with the same dp_world_size")
         self._chunk_start = state_dict["chunk_start"]
@@ -232,9 +197,7 @@ def config_dataloader(
     seed: int,
     cache_dir: str,
 ) -> StatefulDataLoader:
-    """This data-parallel rank's loader of ``(inputs, labels)`` batches of the corpus ``section``
-    describes (``option``: ``training.dataset`` or ``validation.dataset``, named in a one-line
-    ConfigError for a bad corpus); a validation batch takes training's shape where it sets none."""
+    """This DP rank's loader of ``section``'s corpus; validation takes training's shape where it sets none."""
     with user_input(option):
         dataset = build_dataset(
             corpus_of(section),
@@ -251,8 +214,6 @@ def config_dataloader(
 
 def packed_dataloader(packed: PackedTokenDataset, *, num_workers: int = 0) -> StatefulDataLoader:
     """Resumable loader of int64 ``[local_batch_size, seq_len]`` inputs and labels."""
-    if num_workers < 0:
-        raise ValueError(f"num_workers={num_workers} must be >= 0")
     with warnings.catch_warnings():
         # torchdata 0.11 calls an API that this torch version deprecates.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

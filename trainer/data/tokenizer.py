@@ -1,6 +1,5 @@
-"""Tokenizers: sentencepiece and tiktoken (Llama 3) model files, Hugging Face tokenizer folders
-(``tokenizer.json`` + ``tokenizer_config.json``), and a default sentencepiece BPE model trained on
-the running interpreter's Python documentation, so that training works on any machine offline."""
+"""Tokenizers: sentencepiece and tiktoken (Llama 3) files, Hugging Face tokenizer folders, and a
+default sentencepiece BPE trained on the interpreter's own documentation (no download needed)."""
 
 from __future__ import annotations
 
@@ -8,18 +7,20 @@ import base64
 import binascii
 import hashlib
 import io
+import itertools
 import json
 import os
-import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 import tiktoken
 import tokenizers
 
+from config.errors import first_line
 from trainer.data.corpus import create_file_once, default_corpus_texts
 
 # Pre-tokenizer regex of the Llama 3 tokenizer.
@@ -27,27 +28,21 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-LLAMA3_NUM_SPECIAL_TOKENS = 256
-# Named Llama 3 special tokens in id order; the remaining ids up to 256 are
-# `<|reserved_special_token_{5..250}|>`.
-_LLAMA3_NAMED_SPECIAL_TOKENS = (
-    "<|begin_of_text|> <|end_of_text|> <|reserved_special_token_0|> <|reserved_special_token_1|> "
-    "<|reserved_special_token_2|> <|reserved_special_token_3|> <|start_header_id|> <|end_header_id|> "
-    "<|reserved_special_token_4|> <|eot_id|>"
-).split()
-
-# Some tiktoken versions backtrack or recurse deeply on very long runs of (non-)whitespace; bounded
-# pieces (Llama 3's reference code's two bounds) keep encoding fast on all of them.
-_TIKTOKEN_MAX_RUN_CHARS = 25_000
-_TIKTOKEN_MAX_CHUNK_CHARS = 400_000
-_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS},}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS},}}")
+# The 256 Llama 3 special tokens in id order (their ids follow the base vocabulary).
+_LLAMA3_SPECIAL_TOKENS = [
+    *(
+        "<|begin_of_text|> <|end_of_text|> <|reserved_special_token_0|> <|reserved_special_token_1|> "
+        "<|reserved_special_token_2|> <|reserved_special_token_3|> <|start_header_id|> <|end_header_id|> "
+        "<|reserved_special_token_4|> <|eot_id|>"
+    ).split(),
+    *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
+]
 
 # Hugging Face tokenizer folders (torchtitan's `model.hf_assets_path`).
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
 MODEL_FILE = "tokenizer.model"  # Hugging Face's name for a sentencepiece or tiktoken file
-# tokenizer_config.json keys whose tokens are registered as special, in torchtitan's order (which
-# decides the ids of new tokens).
+# tokenizer_config.json keys registered as special tokens, in torchtitan's order (it decides new ids).
 _HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 # Tried in order when tokenizer_config.json does not name a BOS/EOS token.
 _HF_FALLBACK_TOKENS = {"bos_token": ("<|begin_of_text|>", "<s>"), "eos_token": ("<|end_of_text|>", "</s>")}
@@ -61,8 +56,7 @@ _DEFAULT_MAX_LINE_CHARS = 1_000
 
 
 class Tokenizer(ABC):
-    """Maps text to token ids in ``[0, vocab_size)`` and back. ``fingerprint`` changes whenever
-    the text-to-ids mapping does: the cache key of tokenized corpora."""
+    """Text to ids in ``[0, vocab_size)`` and back; ``fingerprint`` keys the tokenized corpora."""
 
     def __init__(self, *, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
         self.vocab_size = vocab_size
@@ -88,7 +82,7 @@ class Tokenizer(ABC):
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str) -> None:
-        model_bytes = _read_model_file(path)
+        model_bytes = Path(path).read_bytes()
         self._processor = _load_sentencepiece(model_bytes, path)
         bos_id, eos_id = self._processor.bos_id(), self._processor.eos_id()
         if bos_id < 0 or eos_id < 0:
@@ -108,14 +102,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class TiktokenTokenizer(Tokenizer):
-    """A tiktoken BPE file in the Llama 3 ``tokenizer.model`` format (``base64(token_bytes) rank``
-    lines); the 256 Llama 3 special tokens get the ids right after the base vocabulary."""
+    """A Llama 3 ``tokenizer.model`` (tiktoken); the 256 special tokens follow the base vocabulary."""
 
     def __init__(self, path: str) -> None:
-        model_bytes = _read_model_file(path)
+        model_bytes = Path(path).read_bytes()
         ranks = _parse_tiktoken_ranks(model_bytes, path)
         num_base_tokens = len(ranks)
-        special_tokens = {name: num_base_tokens + offset for offset, name in enumerate(llama3_special_tokens())}
+        special_tokens = {name: num_base_tokens + offset for offset, name in enumerate(_LLAMA3_SPECIAL_TOKENS)}
         self._encoding = tiktoken.Encoding(
             name=f"tessera:{os.path.basename(path)}",
             pat_str=LLAMA3_PATTERN,
@@ -123,39 +116,32 @@ class TiktokenTokenizer(Tokenizer):
             special_tokens=special_tokens,
         )
         super().__init__(
-            vocab_size=num_base_tokens + LLAMA3_NUM_SPECIAL_TOKENS,
+            vocab_size=num_base_tokens + len(_LLAMA3_SPECIAL_TOKENS),
             bos_id=special_tokens["<|begin_of_text|>"],
             eos_id=special_tokens["<|end_of_text|>"],
             fingerprint=hashlib.sha256(model_bytes).hexdigest(),
         )
 
     def _encode_text(self, text: str) -> list[int]:
-        # encode_ordinary: special-token text in documents is plain text.
-        ids: list[int] = []
-        for piece in _split_for_tiktoken(text):
-            ids.extend(self._encoding.encode_ordinary(piece))
-        return ids
+        return self._encoding.encode_ordinary(text)  # special-token text in documents is plain text
 
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)  # invalid UTF-8 becomes U+FFFD
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face folder (or its ``tokenizer.json``): ``tokenizer.json`` and an optional
-    ``tokenizer_config.json`` beside it. Vocabulary size and BOS/EOS ids are those of torchtitan's
-    ``HuggingFaceTokenizer``: the config's special tokens (``bos_token`` ... ``mask_token``, then
-    ``added_tokens_decoder``) are registered, new ones taking the next free ids (not the ids the
-    file writes), and counted; ids with gaps raise the size to the largest id + 1, so that every id
-    fits the embedding. Special-token text in documents is plain text."""
+    """A Hugging Face folder or its ``tokenizer.json``. Vocabulary size and BOS/EOS ids are torchtitan's: the
+    config's special tokens are registered, new ones taking the next free ids; ids with gaps raise the
+    size to the largest id + 1. Special-token text in documents is plain text."""
 
     def __init__(self, path: str) -> None:
         json_path, config_path = hf_tokenizer_files(path)
         self._json_path = json_path
-        json_bytes = _read_model_file(json_path)
-        config_bytes = _read_model_file(config_path) if os.path.isfile(config_path) else b""
+        json_bytes = Path(json_path).read_bytes()
+        config_bytes = Path(config_path).read_bytes() if os.path.isfile(config_path) else b""
         config = _parse_hf_config(config_bytes, config_path)
         self._tokenizer = _parse_hf_tokenizer(json_bytes, json_path)
-        _register_hf_special_tokens(self._tokenizer, config, config_path)
+        _register_hf_special_tokens(self._tokenizer, config)
         self._tokenizer.encode_special_tokens = True
         folder = os.path.dirname(json_path)
         largest_id = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
@@ -164,8 +150,8 @@ class HuggingFaceTokenizer(Tokenizer):
             digest.update(hashlib.sha256(content).digest())
         super().__init__(
             vocab_size=max(self._tokenizer.get_vocab_size(with_added_tokens=True), largest_id + 1),
-            bos_id=_hf_special_token_id(self._tokenizer, config, "bos_token", folder, config_path),
-            eos_id=_hf_special_token_id(self._tokenizer, config, "eos_token", folder, config_path),
+            bos_id=_hf_special_token_id(self._tokenizer, config, "bos_token", folder),
+            eos_id=_hf_special_token_id(self._tokenizer, config, "eos_token", folder),
             fingerprint=digest.hexdigest(),
         )
 
@@ -173,24 +159,14 @@ class HuggingFaceTokenizer(Tokenizer):
         try:
             return self._tokenizer.encode(text, add_special_tokens=False).ids
         except Exception as error:  # the library raises a bare Exception (a WordLevel model without [UNK], say)
-            reason = (str(error).strip().splitlines() or ["no reason given"])[0]
-            raise ValueError(f"tokenizer {self._json_path} cannot encode its text: {reason}") from None
+            raise ValueError(f"tokenizer {self._json_path} cannot encode its text: {first_line(error)}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def llama3_special_tokens() -> list[str]:
-    """The 256 Llama 3 special tokens in id order (offsets after the base vocab)."""
-    num_reserved_left = LLAMA3_NUM_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIAL_TOKENS)
-    first_unnamed = 5  # reserved tokens 0..4 are interleaved with the named ones
-    reserved = [f"<|reserved_special_token_{i}|>" for i in range(first_unnamed, first_unnamed + num_reserved_left)]
-    return [*_LLAMA3_NAMED_SPECIAL_TOKENS, *reserved]
-
-
 def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer of the format found: a Hugging Face folder or ``*.json`` file, else a
-    sentencepiece or tiktoken file (a folder's ``tokenizer.model`` when it has no ``tokenizer.json``)."""
+    """A tokenizer of the format found (a folder with only ``tokenizer.model`` loads that file)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     model_file = os.path.join(path, MODEL_FILE)
@@ -198,7 +174,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         path = model_file  # a folder of that file alone: an export of the default tokenizer, Llama 2's
     if os.path.isdir(path) or path.endswith(".json"):
         return HuggingFaceTokenizer(path)
-    model_bytes = _read_model_file(path)
+    model_bytes = Path(path).read_bytes()
     if _looks_like_tiktoken(model_bytes):
         return TiktokenTokenizer(path)
     try:
@@ -212,8 +188,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def default_tokenizer(cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Sentencepiece BPE tokenizer trained on the Python docs corpus, on first use, into
-    ``cache_dir``; concurrent callers (torchrun's ranks) wait for one to train it."""
+    """Sentencepiece BPE trained on the default corpus on first use; concurrent ranks wait for one."""
     path = default_tokenizer_path(cache_dir, vocab_size)
     create_file_once(path, lambda tmp_path: _train_default_model(tmp_path, vocab_size))
     try:
@@ -230,7 +205,6 @@ def default_tokenizer_path(cache_dir: str, vocab_size: int) -> str:
 
 
 def build_tokenizer(path: str, cache_dir: str, vocab_size: int = 2048) -> Tokenizer:
-    """Tokenizer of a config value: ``""`` for the default tokenizer, else ``load_tokenizer``'s."""
     if not path:
         return default_tokenizer(cache_dir, vocab_size)
     return load_tokenizer(path)
@@ -253,46 +227,31 @@ def _parse_hf_tokenizer(json_bytes: bytes, path: str) -> tokenizers.Tokenizer:
     try:
         return tokenizers.Tokenizer.from_buffer(json_bytes)
     except Exception as error:  # the library raises a bare Exception
-        reason = (str(error).strip().splitlines() or ["not a tokenizers JSON file"])[0]
-        reason = reason.removeprefix("Cannot instantiate Tokenizer from buffer: ")
+        reason = first_line(error).removeprefix("Cannot instantiate Tokenizer from buffer: ")
         raise ValueError(f"cannot parse Hugging Face tokenizer file {path}: {reason}") from None
 
 
 def _parse_hf_config(config_bytes: bytes, path: str) -> dict[str, Any]:
-    if not config_bytes:
-        return {}
     try:
-        config = json.loads(config_bytes)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        return json.loads(config_bytes) if config_bytes else {}
+    except ValueError as error:  # UnicodeDecodeError is one too
         raise ValueError(f"cannot parse {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"cannot parse {path}: expected a JSON object")
-    return config
 
 
-def _hf_config_token(config: dict[str, Any], key: str, config_path: str) -> str | None:
+def _hf_config_token(config: dict[str, Any], key: str) -> str | None:
     """Token named by ``config[key]``: a string or a ``{"content": ...}`` object."""
     value = config.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-        if not isinstance(value, str):
-            raise ValueError(f"{config_path}: {key} has no string 'content'")
-    elif value is not None and not isinstance(value, str):
-        raise ValueError(f"{config_path}: {key} must be a string or an object with 'content'")
-    return value
+    return value.get("content") if isinstance(value, dict) else value
 
 
-def _register_hf_special_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], config_path: str) -> None:
+def _register_hf_special_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any]) -> None:
     """As torchtitan does: the named keys, then ``added_tokens_decoder`` in file order, in one call."""
     added: list[tokenizers.AddedToken] = []
     for key in _HF_SPECIAL_TOKEN_KEYS:
-        content = _hf_config_token(config, key, config_path)
+        content = _hf_config_token(config, key)
         if content is not None:
             added.append(_hf_added_token(content, config[key]))
-    decoder = config.get("added_tokens_decoder") or {}
-    if not isinstance(decoder, dict):
-        raise ValueError(f"{config_path}: added_tokens_decoder must be an object")
-    for entry in decoder.values():
+    for entry in (config.get("added_tokens_decoder") or {}).values():
         if isinstance(entry, dict) and isinstance(entry.get("content"), str):
             added.append(_hf_added_token(entry["content"], entry))
     if added:
@@ -312,11 +271,9 @@ def _hf_added_token(content: str, entry: Any) -> tokenizers.AddedToken:
     )
 
 
-def _hf_special_token_id(
-    tokenizer: tokenizers.Tokenizer, config: dict[str, Any], key: str, folder: str, config_path: str
-) -> int:
+def _hf_special_token_id(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], key: str, folder: str) -> int:
     """Id of the BOS/EOS token (``key``): the config's, else a well-known one."""
-    named = _hf_config_token(config, key, config_path)
+    named = _hf_config_token(config, key)
     candidates = (named,) if named is not None else _HF_FALLBACK_TOKENS[key]
     for content in candidates:
         token_id = tokenizer.token_to_id(content)
@@ -327,15 +284,6 @@ def _hf_special_token_id(
         f"tokenizer {folder or '.'}: cannot find its {kind} token "
         f"({HF_CONFIG_FILE} names none and the vocabulary has none of {', '.join(candidates)})"
     )
-
-
-def _read_model_file(path: str) -> bytes:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer file not found: {path}")
-    if not os.path.isfile(path):
-        raise ValueError(f"tokenizer path is not a file: {path}")
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _load_sentencepiece(model_bytes: bytes, path: str) -> spm.SentencePieceProcessor:
@@ -372,9 +320,7 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
             token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
         except (ValueError, binascii.Error):
             raise ValueError(f"{path}:{line_number}: expected 'base64-token rank'") from None
-        if token in ranks:
-            raise ValueError(f"{path}:{line_number}: duplicate token")
-        ranks[token] = rank
+        ranks[token] = rank  # a duplicate leaves a gap in the ranks
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"tiktoken file {path}: ranks must be exactly 0..{len(ranks) - 1}")
     missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
@@ -384,30 +330,7 @@ def _parse_tiktoken_ranks(model_bytes: bytes, path: str) -> dict[bytes, int]:
     return ranks
 
 
-def _split_for_tiktoken(text: str) -> Iterator[str]:
-    """Runs of (non-)whitespace of at most 25k chars and chunks of at most 400k cut before a space."""
-    start = 0
-    for run in _LONG_RUN.finditer(text):
-        yield from _bounded_chunks(text[start : run.start()])
-        for run_start in range(run.start(), run.end(), _TIKTOKEN_MAX_RUN_CHARS):
-            yield text[run_start : min(run_start + _TIKTOKEN_MAX_RUN_CHARS, run.end())]
-        start = run.end()
-    yield from _bounded_chunks(text[start:])
-
-
-def _bounded_chunks(text: str) -> Iterator[str]:
-    while len(text) > _TIKTOKEN_MAX_CHUNK_CHARS:
-        # Cutting before whitespace keeps " word" pre-tokens intact; the text has
-        # no run longer than 25k chars, so whitespace exists in the window.
-        cut = max(text.rfind(space, 1, _TIKTOKEN_MAX_CHUNK_CHARS) for space in " \n\t")
-        if cut <= 0:
-            cut = _TIKTOKEN_MAX_CHUNK_CHARS
-        yield text[:cut]
-        text = text[cut:]
-    if text:
-        yield text
-
-
+# An export's tokenizer_config.json: with it, transformers' AutoTokenizer gives BOS, then these ids.
 DEFAULT_TOKENIZER_HF_CONFIG = {
     "tokenizer_class": "LlamaTokenizer",
     "add_bos_token": True,  # as training frames each document
@@ -419,8 +342,6 @@ DEFAULT_TOKENIZER_HF_CONFIG = {
     "legacy": False,
     "add_prefix_space": False,  # no dummy prefix
 }
-"""The tokenizer_config.json an export of the default tokenizer holds: with it, transformers'
-AutoTokenizer gives BOS and then the ids this tokenizer gives (without it, no BOS)."""
 
 
 def _train_default_model(output_path: str, vocab_size: int) -> None:
@@ -459,12 +380,5 @@ def _train_default_model(output_path: str, vocab_size: int) -> None:
 
 def _training_lines(texts: Iterable[str]) -> Iterator[str]:
     """Non-blank lines of ``texts``, truncated, at most the training line budget."""
-    count = 0
-    for text in texts:
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
-            yield line[:_DEFAULT_MAX_LINE_CHARS]
-            count += 1
-            if count == _DEFAULT_MAX_TRAINING_LINES:
-                return
+    lines = (line[:_DEFAULT_MAX_LINE_CHARS] for text in texts for line in text.split("\n") if line.strip())
+    return itertools.islice(lines, _DEFAULT_MAX_TRAINING_LINES)
