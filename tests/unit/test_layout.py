@@ -5,7 +5,10 @@
   bench/, scripts/). A module imports only project modules on its own floor or below, so nothing
   the ranks run imports a program;
 - no import cycle among the project's modules;
-- trainer/trainer.py stays under 350 lines, and no function is longer than 60 lines.
+- trainer/trainer.py stays under 350 lines, no product file (outside tests/, bench/, scripts/) is
+  longer than 500 lines, and no function is longer than 60 lines;
+- no config option is named under parallelisms/ (the techniques speak in their own parameters);
+- no error message is written in two places.
 
 Every import statement counts: at module level, inside functions, under ``if TYPE_CHECKING``.
 The checkers take the repository root, so the tests at the bottom run them on small synthetic
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,6 +246,84 @@ def line_count(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
+MAX_FILE_LINES = 500
+PRODUCT_EXCLUDED = {"bench", "scripts"}  # with tests/: measured, not shipped
+
+
+def long_files(root: Path, limit: int = MAX_FILE_LINES) -> list[str]:
+    """Product files (outside tests/, bench/, scripts/) longer than ``limit`` lines."""
+    return [
+        f"{module.path} ({count} lines)"
+        for module in sorted(load_modules(root).values(), key=lambda m: m.path)
+        if module.top not in PRODUCT_EXCLUDED and (count := line_count(root / module.path)) > limit
+    ]
+
+
+def config_option_names(root: Path) -> set[str]:
+    """Every ``section.field`` of the config schema (config/job_config.py, read with ``ast``)."""
+    tree = ast.parse((root / "config" / "job_config.py").read_text(encoding="utf-8"))
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def fields(cls: ast.ClassDef) -> list[tuple[str, str]]:
+        return [
+            (node.target.id, ast.unparse(node.annotation))
+            for node in cls.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        ]
+
+    return {
+        f"{section}.{name}"
+        for section, type_name in fields(classes["JobConfig"])
+        if type_name in classes
+        for name, _ in fields(classes[type_name])
+    }
+
+
+def option_names_in(root: Path, folder: str) -> list[str]:
+    """``path:line option`` for each config option named anywhere in ``folder``'s files (code,
+    strings, comments): the techniques there speak in their own parameters."""
+    options = config_option_names(root)
+    pattern = re.compile(r"\b[a-z0-9_]+\.[a-z0-9_]+\b")
+    found = []
+    for module in sorted(load_modules(root).values(), key=lambda m: m.path):
+        if module.top != folder:
+            continue
+        lines = (root / module.path).read_text(encoding="utf-8").splitlines()
+        for number, line in enumerate(lines, 1):
+            found += [f"{module.path}:{number} {name}" for name in pattern.findall(line) if name in options]
+    return found
+
+
+def _message_text(node: ast.expr) -> str | None:
+    """The literal text of an error message: a string, or an f-string with ``{}`` for its values."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _message_text(node.left), _message_text(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def repeated_messages(root: Path, shortest: int = 30) -> list[str]:
+    """Error messages (the first argument of an exception raised or built) of at least ``shortest``
+    characters of literal text that are written in more than one place of the product code."""
+    places: dict[str, list[str]] = {}
+    for module in load_modules(root).values():
+        if module.top in PRODUCT_EXCLUDED:
+            continue
+        for node in ast.walk(module.tree):
+            if not (isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Name)):
+                continue
+            if not (node.func.id.endswith("Error") or node.func.id.endswith("Exception")):
+                continue
+            text = _message_text(node.args[0])
+            if text is not None and len(text.replace("{}", "")) >= shortest:
+                places.setdefault(text, []).append(f"{module.path}:{node.lineno}")
+    return sorted(f"{text!r} at {', '.join(sorted(where))}" for text, where in places.items() if len(where) > 1)
+
+
 # --- the repository -----------------------------------------------------------
 
 
@@ -264,6 +346,23 @@ def test_trainer_module_is_short():
 def test_no_long_functions():
     offenders = long_functions(REPO)
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+
+
+def test_no_long_files():
+    offenders = long_files(REPO)
+    assert not offenders, f"product files over {MAX_FILE_LINES} lines:\n" + "\n".join(offenders)
+
+
+def test_no_option_names_under_parallelisms():
+    found = option_names_in(REPO, "parallelisms")
+    assert not found, "config options named under parallelisms/ (map the technique's errors in models/):\n" + "\n".join(
+        found
+    )
+
+
+def test_no_error_message_is_written_twice():
+    repeated = repeated_messages(REPO)
+    assert not repeated, "error messages written in more than one place:\n" + "\n".join(repeated)
 
 
 # --- the checkers fail where they should --------------------------------------
@@ -395,3 +494,64 @@ def test_line_count(tmp_path):
     path = tmp_path / "t.py"
     path.write_text("a = 1\n" * MAX_TRAINER_LINES)
     assert line_count(path) == MAX_TRAINER_LINES
+
+
+def test_long_files_are_reported_outside_tests_bench_and_scripts(tmp_path):
+    long = "x = 1\n" * (MAX_FILE_LINES + 1)
+    root = write_tree(
+        tmp_path,
+        {
+            "trainer/__init__.py": "",
+            "trainer/fits.py": "x = 1\n" * MAX_FILE_LINES,
+            "trainer/long.py": long,
+            "bench/long.py": long,
+            "scripts/long.py": long,
+            "tests/test_long.py": long,
+        },
+    )
+    assert long_files(root) == [f"trainer/long.py ({MAX_FILE_LINES + 1} lines)"]
+
+
+SCHEMA = """
+class Training:
+    seq_len: int = 8
+
+class Comm:
+    alpha_us: float = 0.0
+
+class JobConfig:
+    training: Training
+    comm: Comm
+"""
+
+
+def test_option_names_are_found_in_code_strings_and_comments(tmp_path):
+    root = write_tree(
+        tmp_path,
+        {
+            "config/job_config.py": SCHEMA,
+            "parallelisms/tp.py": 'x = "training.seq_len"\n# comm.alpha_us\ny = seq_len.size  # os.path, training.steps\n',
+            "models/m.py": 'z = "training.seq_len"\n',
+        },
+    )
+    assert config_option_names(root) == {"training.seq_len", "comm.alpha_us"}
+    assert option_names_in(root, "parallelisms") == [
+        "parallelisms/tp.py:1 training.seq_len",
+        "parallelisms/tp.py:2 comm.alpha_us",
+    ]
+
+
+def test_an_error_message_written_twice_is_reported(tmp_path):
+    message = "checkpoint.folder: {path} is not a folder of checkpoints"
+    root = write_tree(
+        tmp_path,
+        {
+            "programs/check.py": f'def f(path):\n    raise ConfigError(f"{message}")\n',
+            "trainer/manager.py": f'def g(path):\n    error = ValueError(f"{message}")\n    raise error\n',
+            "trainer/other.py": 'def h():\n    raise ValueError("short")\n\n\ndef i():\n    raise ValueError("short")\n',
+            "bench/b.py": f'raise ValueError(f"{message}")\n',
+        },
+    )
+    assert repeated_messages(root) == [
+        "'checkpoint.folder: {} is not a folder of checkpoints' at programs/check.py:2, trainer/manager.py:2"
+    ]

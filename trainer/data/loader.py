@@ -53,13 +53,12 @@ def load_token_stream(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str) -> n
     create_file_once(path, write_tokens)
     try:
         tokens = np.load(path, mmap_mode="r")
+        # An id past the vocabulary would fail every attempt's first step; one pass at memory speed finds it.
+        largest = int(tokens.max()) if len(tokens) else 0
+        if largest >= tokenizer.vocab_size:
+            raise ValueError(f"it holds id {largest}, past the tokenizer's {tokenizer.vocab_size} ids")
     except (ValueError, OSError) as e:  # cut short or overwritten since it was written
         raise ValueError(f"its token cache {path} is damaged ({e}); delete the file and it is rebuilt") from None
-    # An id past the vocabulary would fail every attempt's first step; one pass at memory speed finds it.
-    largest = int(tokens.max()) if len(tokens) else 0
-    if largest >= tokenizer.vocab_size:
-        problem = f"it holds id {largest}, past the tokenizer's {tokenizer.vocab_size} ids"
-        raise ValueError(f"its token cache {path} is damaged ({problem}); delete the file and it is rebuilt")
     return tokens
 
 
