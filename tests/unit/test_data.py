@@ -142,8 +142,8 @@ def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, ch
 
 @pytest.mark.parametrize(("freq", "steps"), [(4, [1, 4, 8]), (1, list(range(1, 11))), (20, [1])])
 def test_validation_follows_step_one_and_every_freq_steps(freq: int, steps: list[int]) -> None:
-    """torchtitan's validation.freq: a validation after step 1 and after every freq-th step (until
-    2026-11-29 none after step 1, so a run's first validation loss came freq steps later)."""
+    """torchtitan's validation.freq: a validation after step 1 and after every freq-th step, so a
+    run's first validation loss does not wait freq steps."""
     assert [step for step in range(1, 11) if validation_due(step, freq)] == steps
 
 
@@ -170,8 +170,8 @@ def validator(argv: list[str], tokenizer: CharTokenizer) -> Validator:
 def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     tmp_path: Path, char_tokenizer: CharTokenizer
 ) -> None:
-    """Found when the validator is built, as the run starts; until 2026-11-29 at the first
-    validation, after validation.freq steps of training."""
+    """Found when the validator is built, as the run starts, not at the first validation after
+    validation.freq steps of training."""
     corpus = write_corpus(tmp_path, {"held_out.txt": "abc"})
     options = ["--training.seq_len", "8", "--job.cache_dir", str(tmp_path / "cache")]
     options += ["--validation.dataset", str(corpus / "held_out.txt")]
@@ -184,8 +184,8 @@ def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
 def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warning(
     tmp_path: Path, char_tokenizer: CharTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """28 tokens are 3 windows of 9; 2 steps of 2 sequences read 4, one of them twice (without a
-    word until 2026-11-29)."""
+    """28 tokens are 3 windows of 9; 2 steps of 2 sequences read 4, one of them twice: a warning
+    says so."""
     corpus = write_corpus(tmp_path, {"held_out.txt": "abcdefghijklmnopqrstuvwxyz"})
     options = ["--training.seq_len", "8", "--training.local_batch_size", "2", "--job.cache_dir", str(tmp_path)]
     options += ["--validation.enable", "--validation.dataset", str(corpus / "held_out.txt")]
@@ -360,8 +360,7 @@ def test_jsonl_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
 
 
 def test_a_corpus_folder_reads_its_symlinked_folders_once_and_no_folder_around_it(tmp_path: Path) -> None:
-    """A folder of links to shards kept elsewhere: until 2026-11-29 the linked folders were left out
-    without a word (linked files were read)."""
+    """A folder of links to shards kept elsewhere: the linked folders are read, as linked files are."""
     corpus = write_corpus(tmp_path / "corpus", {"own/a.txt": "own"})
     write_corpus(tmp_path / "elsewhere", {"b.txt": "linked folder", "single/c.txt": "linked file"})
     (corpus / "linked").symlink_to(tmp_path / "elsewhere")

@@ -191,11 +191,10 @@ PP2_1F1B = [
         # measured 2026-11-23, 0.89% under (12.9% under before gradients accumulated unsharded
         # until the closing reduce-scatter, as there).
         (4, ["--training.mixed_precision_param", "bfloat16", *PP2_1F1B], 0.02, 0),
-        # The last stage's first rank: the output layer, the logits and the loss (until 2026-11-28
-        # the dry run played rank 0 alone).
+        # The last stage's first rank: the output layer, the logits and the loss.
         (4, ["--training.mixed_precision_param", "bfloat16", *PP2_1F1B], 0.02, 2),
         # Pure bf16 without data parallelism: no autocast, the stages hand on bf16 hidden states
-        # (the dry run received float32 ones until 2026-11-28).
+        # (not float32 ones).
         (2, ["--training.dtype", "bfloat16", *PP2_1F1B], 0.02, 1),
         # Parameters stepped in backward: their gradients freed there, their optimizers' state.
         (1, ["--optimizer.early_step_in_backward", *FLOAT32], 0, 0),
@@ -279,7 +278,7 @@ def test_8b_on_8_ranks_at_real_size():
 def test_a_v_schedule_hands_a_ranks_neighbouring_stages_on_in_memory():
     """ZBVZeroBubble on 2 fake ranks puts four stages in a V: rank 1 holds stages 1 and 2 (two
     blocks each), whose hidden state and gradient pass in memory, as torch's stages pass them
-    (the dry run sent them to itself until 2026-11-29: a traceback). Its real peak cannot be
+    (not sent by the rank to itself). Its real peak cannot be
     compared here: torch's memory tracker does not run under the schedule's split backward."""
     pipeline = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
     report = _dry_run(2, *pipeline, "ZBVZeroBubble", "--training.local_batch_size", "4", rank=1)

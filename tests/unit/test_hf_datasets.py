@@ -129,9 +129,8 @@ def test_a_split_or_config_for_local_files_is_a_warning(shards: Path, caplog: py
 def test_validation_left_on_the_default_corpus_while_training_reads_another_is_a_warning(
     shards: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its loss would be of the Python documentation, without a word until 2026-11-29. Validation
-    on training's own corpus (the default for both) scores windows training reads: a warning too
-    since 2026-11-30 (the README had said the seed plus one gives other windows)."""
+    """Its loss would be of the Python documentation: a warning says so. Validation on training's
+    own corpus (the default for both) scores windows training reads: a warning too."""
     with caplog.at_level("WARNING"):
         assert preflight.main(["--world-size", "1", "--validation.enable"]) == 0
         assert preflight.main(["--world-size", "1", "--training.dataset", str(shards), "--validation.enable"]) == 0

@@ -257,8 +257,8 @@ def test_throughput_summary_matches_hand_computation() -> None:
 @pytest.mark.parametrize("tp, pp, share", [(1, 1, 512), (2, 1, 256), (1, 2, 256), (2, 2, 128)])
 def test_a_rank_counts_its_share_of_the_tokens_its_tensor_and_pipeline_peers_see(tp, pp, share) -> None:
     """Every rank of a tensor-parallel group (and of a pipeline) sees its data-parallel rank's
-    whole batch, two microbatches of 2 x 128 here: tokens/s per rank count 1/(tp x pp) of it (until
-    2026-11-30 a TP rank counted all, and its tokens/s and MFU read tp times too high)."""
+    whole batch, two microbatches of 2 x 128 here: tokens/s per rank count 1/(tp x pp) of it, or
+    a TP rank's tokens/s and MFU would read tp times too high."""
     batch = [(torch.zeros(2, 128, dtype=torch.long), torch.zeros(2, 128, dtype=torch.long))] * 2
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=tp, pp=pp, world_size=2 * tp * pp)
     assert tokens_of_this_rank(batch, dims) == share
@@ -439,7 +439,7 @@ def test_a_run_from_step_0_moves_an_earlier_runs_tensorboard_events_aside(tmp_pa
         earlier.name,
     ]
     # Restarted after step 3 again: step 4 is logged anew, and the earlier attempt's step 4 is
-    # purged (until 2026-11-30 both stayed, and the curve ran back from 4 to 4).
+    # purged, so the curve does not run back from 4 to 4.
     run(3, [4, 5], new_run=False)
     assert steps_in(tensorboard_dir) == [1, 3, 4, 5]
 

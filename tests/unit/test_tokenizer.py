@@ -99,8 +99,8 @@ def test_an_export_of_the_default_tokenizer_frames_text_as_training_does_in_tran
     tmp_path: Path, default_tokenizer_cache: str, session_default_tokenizer: Tokenizer
 ) -> None:
     """The export's tokenizer.model and tokenizer_config.json: transformers' AutoTokenizer gives
-    BOS and then this tokenizer's ids, spaces, tabs and non-ASCII included (until 2026-11-30 the
-    export had no tokenizer_config.json, and AutoTokenizer gave no BOS)."""
+    BOS and then this tokenizer's ids, spaces, tabs and non-ASCII included (without the
+    tokenizer_config.json, AutoTokenizer gives no BOS)."""
     transformers = pytest.importorskip("transformers")
     options = [
         "--job.cache_dir",
