@@ -25,15 +25,24 @@ from functorch.compile import make_boxed_func, min_cut_rematerialization_partiti
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
-from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._functorch.partitioners import is_sym_node
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._library.fake_class_registry import FakeScriptObject
+from torch._library.opaque_object import is_opaque_value
 from torch.func import functional_call
 
 from parallelisms.bucketing import BucketingPass, is_view_op
 from parallelisms.simple_fsdp import mark_gathers_for_partitioner
+from parallelisms.torch_release import partitioner_options
 
 logger = logging.getLogger(__name__)
+
+
+def _is_opaque_node(node: Any) -> bool:
+    """Whether a graph node holds an object that is not a tensor or a number (a ``DeviceMesh``, a
+    process group), as torch's partitioner tells them apart."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return is_opaque_value(val) or isinstance(val, (torch.ScriptObject, FakeScriptObject))
 
 
 def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> bool:
@@ -50,7 +59,7 @@ def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, nu
     values = saved[: len(saved) - n_sym]
     if any(is_sym_node(node) for node in values):
         return False
-    opaque = [is_opaque_node(node) for node in values]
+    opaque = [_is_opaque_node(node) for node in values]
     order = [i for i, o in enumerate(opaque) if not o] + [i for i, o in enumerate(opaque) if o]
     if order == list(range(len(values))):
         return False
@@ -58,7 +67,7 @@ def _order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule, nu
     # Backward inputs: saved symints, then the saved values in forward-output order, then tangents.
     placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
     bw_values = placeholders[n_sym : n_sym + len(values)]
-    if len(bw_values) != len(values) or any(is_opaque_node(b) != o for b, o in zip(bw_values, opaque)):
+    if len(bw_values) != len(values) or any(_is_opaque_node(b) != o for b, o in zip(bw_values, opaque)):
         logger.warning("compile: unexpected backward inputs, saved values left in torch's order")
         return False
 
@@ -114,10 +123,7 @@ class MinCutPartitioner(CustomPartitionerFn):
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         mark_gathers_for_partitioner(gm)
         _read_region_inputs_outside(gm)
-        # Under a budget the partitioner sizes every saved value; the graphs' script objects are the
-        # process groups and meshes of DTensor parameters, which hold no activations.
-        budget = {"activation_memory_budget": self.memory_budget, "unsafe_treat_script_objects_as_zero_size": True}
-        with functorch_config.patch(budget):
+        with functorch_config.patch(partitioner_options(self.memory_budget)):
             fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         _order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         return fw_module, bw_module

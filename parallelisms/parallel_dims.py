@@ -8,21 +8,17 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallelisms.torch_release import stable_mesh_hash
+
 logger = logging.getLogger(__name__)
-
-
-def _stable_mesh_hash(mesh: DeviceMesh) -> int:
-    if not getattr(mesh, "_hash", None):
-        mesh._hash = int(mesh._stable_hash()[:15], 16)
-    return mesh._hash
 
 
 def _hash_meshes_stably() -> None:
     """Before Python 3.12 ``hash(None)`` is an address, and a DeviceMesh's hash covers a None field,
     so it differs between processes; torch.compile's cache keys pickle it, and SimpleFSDP's graphs
-    missed the caches at every start. torch's stable hash instead, before any mesh is hashed."""
+    would miss the caches at every start. A stable hash instead, before any mesh is hashed."""
     if sys.version_info < (3, 12):
-        DeviceMesh.__hash__ = _stable_mesh_hash
+        DeviceMesh.__hash__ = stable_mesh_hash
 
 
 @dataclass

@@ -7,13 +7,31 @@ extras="${1:-}"
 modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenizers matplotlib datasets pyarrow"
 [ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest xdist ruff transformers wandb torchao"
 
+# The torch releases pyproject.toml accepts, e.g. torch>=2.11,<2.14: any installed one is kept.
+torch_range=$(grep -o '"torch>=[0-9.]*,<[0-9.]*"' pyproject.toml | tr -d '"')
+# What is installed when no torch in that range is: the newest release tested.
+torch_default=2.13.0
+
+torch_in_range() {
+  "$1" - "$torch_range" <<'PY' >/dev/null 2>&1
+import importlib.metadata, re, sys
+def release(version):
+    return tuple(int(part) for part in re.match(r"\d+(\.\d+)*", version)[0].split("."))
+low, high = re.fullmatch(r"torch>=([\d.]+),<([\d.]+)", sys.argv[1]).groups()
+assert release(low) <= release(importlib.metadata.version("torch")) < release(high)
+PY
+}
+
 has_deps() {
   # Finds the modules without importing them: this runs before every launch.
-  "$1" - "$modules" <<'PY' >/dev/null 2>&1
-import importlib.metadata, importlib.util, sys
+  torch_in_range "$1" && "$1" - "$modules" <<'PY' >/dev/null 2>&1
+import importlib.util, sys
 assert all(importlib.util.find_spec(name) for name in sys.argv[1].split())
-assert importlib.metadata.version("torch").startswith("2.13.0")
 PY
+}
+
+torch_version() {
+  "$1" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null
 }
 
 if [ -n "${PYTHON:-}" ]; then
@@ -29,8 +47,21 @@ else
 fi
 
 if ! has_deps "$py"; then
-  echo "installing dependencies into $("$py" -c 'import sys; print(sys.prefix)') (torch pinned to 2.13.0)" >&2
+  installed=$(torch_version "$py") || true
+  if [ -n "$installed" ] && ! torch_in_range "$py"; then
+    # Another program's torch is not ours to replace; ./.venv's is.
+    [ -z "${PYTHON:-}" ] ||
+      { echo "error: PYTHON: $py has torch $installed; Tessera needs $torch_range (or leave PYTHON unset for ./.venv)" >&2; exit 2; }
+    installed=
+  fi
+  prefix=$("$py" -c 'import sys; print(sys.prefix)')
   "$py" -m pip install --quiet --upgrade pip >&2 || true
+  if [ -n "$installed" ]; then
+    echo "installing dependencies into $prefix (keeping its torch $installed)" >&2
+  else
+    echo "installing dependencies into $prefix (torch $torch_default)" >&2
+    "$py" -m pip install --quiet "torch==$torch_default" >&2
+  fi
   spec="."
   [ -n "$extras" ] && spec=".[$extras]"
   "$py" -m pip install --quiet -e "$spec" >&2

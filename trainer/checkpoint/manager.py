@@ -34,6 +34,7 @@ from config.errors import ConfigError, typed_first_line, user_input
 from config.job_config import CHECKPOINT_PARTS, RESOLVED_CONFIG_FILE, Checkpoint
 from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
+from parallelisms.torch_release import reusable_checkpoint_stager
 from trainer.checkpoint import integrity, rules
 from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights
 from trainer.checkpoint.integrity import CheckpointError, ChecksummedWriter, complete_checkpoints
@@ -154,6 +155,9 @@ class CheckpointManager:
             if self._stager is None:
                 dcp.save(state, storage_writer=writer, process_group=self.group)
             else:
+                if not reusable_checkpoint_stager():
+                    self._stager.close()
+                    self._stager = self._build_stager()
                 response = dcp.async_save(
                     state, storage_writer=writer, process_group=self.group, async_stager=self._stager
                 )
