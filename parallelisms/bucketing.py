@@ -127,6 +127,28 @@ class GraphReport:
     data_parallel: collections.Counter = field(default_factory=collections.Counter)
 
 
+def _copy_in_before_gathering(graph: fx.Graph, new_nodes: list[fx.Node]) -> list[fx.Node]:
+    """Makes a merged all-gather read its shards' copy. torch before 2.13 copies them into the rank's
+    slot of the bucket with a ``_foreach_copy_`` into views of it, which no edge orders before the
+    gather (a sort or a reorder moved the gather first, and it sent garbage); one ``copy_`` of their
+    concatenation, whose result the gather takes, is ordered. Returns the bucket's nodes."""
+    for node in [n for n in new_nodes if n.target is aten._foreach_copy_.default]:
+        views, shards = node.args
+        split = views[0].args[0]  # getitem(split_with_sizes(slot, sizes), i)
+        slot = split.args[0]
+        gather = next(user for user in slot.users if collective_kind(user) == "all_gather")
+        with graph.inserting_before(node):
+            flat = graph.call_function(aten.cat.default, (list(shards),))
+            copied = graph.call_function(aten.copy_.default, (slot, flat))
+        flat.meta = {**node.meta, "val": torch.cat([shard.meta["val"] for shard in shards])}
+        copied.meta = {**node.meta, "val": slot.meta["val"]}
+        gather.replace_input_with(slot, copied)
+        for dead in (node, *views, split):
+            graph.erase_node(dead)
+        new_nodes = [n for n in new_nodes if n not in (node, *views, split)] + [flat, copied]
+    return new_nodes
+
+
 class BucketingPass(CustomGraphPass):
     """Buckets and reorders SimpleFSDP's collectives: Inductor's ``post_grad_custom_post_pass``, or
     called on AOT autograd graphs. ``buckets``: unit names per bucket in execution order, or None
@@ -200,6 +222,7 @@ class BucketingPass(CustomGraphPass):
             if kind == "all_gather":
                 # Shards are graph inputs (or casts of them): gather them all up front.
                 new_nodes, _ = merge_all_gather_bucket(graph, nodes, insert_before=nodes[0])
+                new_nodes = _copy_in_before_gathering(graph, new_nodes)
             elif kind == "reduce_scatter":
                 new_nodes, _ = merge_reduce_scatter_bucket(graph, nodes)
             else:

@@ -28,6 +28,13 @@ def reusable_checkpoint_stager() -> bool:
     return RELEASE >= (2, 13)
 
 
+def runs_v_schedules(device_type: str) -> bool:
+    """Whether a V-shaped pipeline schedule (two stages per rank, handing over on the same rank)
+    starts here: before 2.13 torch opens the stages with a message between every pair of neighbours,
+    a rank's own pair too, which gloo cannot send."""
+    return RELEASE >= (2, 13) or device_type != "cpu"
+
+
 def partitioner_options(memory_budget: float) -> dict[str, object]:
     """The min-cut partitioner's settings for an activation memory budget. Under a budget it sizes
     every saved value; from 2.13 it must be told that script objects (process groups, meshes) hold no

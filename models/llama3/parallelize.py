@@ -35,7 +35,7 @@ from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
 from .model import Transformer, TransformerBlock, TransformerModelArgs, check_args, precompute_rope_cache
-from .pipeline import as_options, pipeline_layout
+from .pipeline import as_options, check_schedule_runs_here, pipeline_layout
 
 logger = logging.getLogger(__name__)
 
@@ -337,6 +337,7 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
         _async_tp(config, device_type())
     if parallel_dims.pp_enabled:
         pipeline_layout(config, model_args.n_layers)
+        check_schedule_runs_here(config.parallelism.pipeline_parallel_schedule)
     ac = config.activation_checkpoint
     if (
         ac.mode == "selective"

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from config.errors import ConfigError, user_input
 from config.job_config import JobConfig
+from parallelisms.device import device_type
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import (
     V_SCHEDULES,
@@ -23,6 +24,7 @@ from parallelisms.pipeline import (
     plan_pipeline,
     split_stage,
 )
+from parallelisms.torch_release import runs_v_schedules
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,15 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
         )
 
 
+def check_schedule_runs_here(schedule: str) -> None:
+    """A ConfigError when this torch cannot run ``schedule`` on this machine's devices."""
+    if schedule in V_SCHEDULES and not runs_v_schedules(device_type()):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule: {schedule} needs torch 2.13 or newer on CPU ranks "
+            f"(torch {torch.__version__} cannot start a V-shaped pipeline over gloo); choose another schedule"
+        )
+
+
 def pipeline_llama(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -109,6 +120,7 @@ def pipeline_llama(
     """Splits ``model`` (meta device) into this rank's stages, each passed through ``materialize``,
     and builds the schedule; returns it, the stages, and whether they hold the first and last stage."""
     layout = pipeline_layout(config, model.args.n_layers)
+    check_schedule_runs_here(layout.schedule)
     logger.info("pipeline %s, %d microbatches per step:\n%s", layout.schedule, layout.n_microbatches, layout.describe())
     pp_rank = parallel_dims.pp_mesh.get_local_rank()
     stage_indices = layout.stage_indices(pp_rank)

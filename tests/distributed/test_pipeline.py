@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from config.errors import ConfigError
 from config.manager import load_config
-from models.llama3.pipeline import pipeline_layout
+from models.llama3.pipeline import check_schedule_runs_here, pipeline_layout
+from parallelisms import torch_release
 from parallelisms.pipeline import plan_pipeline
 from tests.launch import FOUR_BLOCKS, GRAD_NORM_RTOL, REPO, TINY_RUN, RunBatch, grad_norms, losses
 
@@ -75,10 +77,17 @@ def _validation_losses(folder: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+# torch before 2.13 cannot start a V-shaped schedule over gloo (test_v_schedules_name_the_torch_they_need).
+STARTS = {
+    name: torch_release.runs_v_schedules("cpu") or "ZBVZeroBubble" not in overrides
+    for name, (_, overrides) in LAYOUTS.items()
+}
+
+
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory) -> RunBatch:
-    """Every layout and the reference (one process), in one launch per world size."""
-    runs = {"reference": (1, [*LOCAL_8, *VALIDATION]), **LAYOUTS}
+    """Every layout this torch runs and the reference (one process), in one launch per world size."""
+    runs = {"reference": (1, [*LOCAL_8, *VALIDATION]), **{k: v for k, v in LAYOUTS.items() if STARTS[k]}}
     root = str(tmp_path_factory.mktemp("pp"))
     return RunBatch(
         root, {name: (nproc, [*overrides, *GLOBAL_BATCH, *FOUR_BLOCKS]) for name, (nproc, overrides) in runs.items()}
@@ -88,6 +97,8 @@ def batch(tmp_path_factory) -> RunBatch:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_match_single_process(layout, batch):
+    if not STARTS[layout]:
+        pytest.skip(f"torch {torch.__version__} cannot start a V-shaped pipeline over gloo")
     records = batch.records(layout)
     reference_records = batch.records("reference")
     got = losses(records)
@@ -231,6 +242,20 @@ def _layout_error(*overrides: str) -> str:
 )
 def test_impossible_layout_is_one_line_error(overrides, message):
     assert _layout_error(*overrides) == message
+
+
+@pytest.mark.parametrize("release", [(2, 11), (2, 13)])
+def test_v_schedules_name_the_torch_they_need(monkeypatch, release):
+    monkeypatch.setattr(torch_release, "RELEASE", release)
+    monkeypatch.setattr("models.llama3.pipeline.device_type", lambda: "cpu")
+    check_schedule_runs_here("Interleaved1F1B")
+    if release >= (2, 13):
+        check_schedule_runs_here("ZBVZeroBubble")
+        return
+    with pytest.raises(ConfigError, match=r"^parallelism.pipeline_parallel_schedule: ZBVZeroBubble needs torch 2.13"):
+        check_schedule_runs_here("ZBVZeroBubble")
+    monkeypatch.setattr("models.llama3.pipeline.device_type", lambda: "cuda")
+    check_schedule_runs_here("ZBVZeroBubble")
 
 
 def test_the_default_split_weights_the_first_and_last_stages_as_torchtitan():
