@@ -191,9 +191,9 @@ def test_every_row_is_written_as_it_comes_and_a_broken_step_fails_without_stoppi
         raise KeyError("tps")
 
     steps = [
-        Step("first", 1, lambda ctx: Row("", "pass", tps=1234.5, mfu=float("nan"), note="a | b")),
-        Step("second", 1, broken),
-        Step("third", 1, lambda ctx: Row("", "skip", note="why")),
+        Step("first", 30, lambda ctx: Row("", "pass", tps=1234.5, mfu=float("nan"), note="a | b")),
+        Step("second", 30, broken),
+        Step("third", 30, lambda ctx: Row("", "skip", note="why")),
     ]
     written = []
 
@@ -210,20 +210,27 @@ def test_every_row_is_written_as_it_comes_and_a_broken_step_fails_without_stoppi
     assert gc.exit_status(rows[::2]) == 0
 
 
-def test_each_step_gets_its_share_of_the_time_left_and_none_starts_below_the_minimum(tmp_path):
+def test_a_step_may_run_over_while_the_later_ones_keep_half_their_time(tmp_path):
     ctx = _context(tmp_path)
-    shares = []
+    limits = []
 
     def measure(ctx: Context) -> Row:
-        shares.append(ctx.step_deadline - time.monotonic())
+        limits.append(ctx.step_deadline - time.monotonic())
         return Row("", "pass")
 
-    gc.run_plan(ctx, [Step("a", 1, measure), Step("b", 3, measure)], 100, lambda rows: None)
-    # a: 1/4 of the budget; b: all that is left, a's unused time too
-    assert shares[0] == pytest.approx(25, abs=1) and shares[1] == pytest.approx(100, abs=1)
-    rows = gc.run_plan(ctx, [Step("a", 1, measure), Step("b", 1, measure)], 15, lambda rows: None)
-    # a's share, 7.5 s, is below the minimum: it does not start, and leaves its time to b
+    steps = [Step("a", 20, measure), Step("b", 60, measure), Step("c", 40, measure)]
+    gc.run_plan(ctx, steps, 100, lambda rows: None)
+    # a: twice its 20 s; b: 100 s left less half of c's 40; c: all that is left, capped at twice its own
+    assert limits == [pytest.approx(40, abs=1), pytest.approx(80, abs=1), pytest.approx(80, abs=1)]
+    assert gc.time_limit(steps, 2, 1000, scale=4) == 2 * 40 * 4  # a rehearsal's seconds
+    rows = gc.run_plan(ctx, [Step("a", 1, measure), Step("b", 20, measure)], 15, lambda rows: None)
+    # a would keep b from half its 20 s: it does not start, and b gets its time
     assert [r.status for r in rows] == ["skip", "pass"] and rows[0].note == "budget spent (15 s of --budget-s left)"
+
+
+def test_the_plan_expects_to_fit_the_default_budget():
+    assert sum(step.seconds for step in plan.STEPS) <= gc.DEFAULT_BUDGET_S
+    assert len({step.name for step in plan.STEPS}) == len(plan.STEPS)
 
 
 def test_a_launch_out_of_time_is_stopped_with_its_children_and_says_so(tmp_path):
@@ -286,6 +293,24 @@ def test_metrics_figures_loss_gaps_and_the_dry_runs_estimate():
     assert plan.dry_run_estimate("dry run: ...\n  peak memory per rank 41.25 GiB in step 2 (live tensors") == 41.25
     assert plan.dry_run_estimate("  peak memory per rank 512.0 MiB in step 2") == 0.5
     assert plan.dry_run_estimate("error: model.flavor: unknown") is None
+
+
+def test_losses_off_the_eager_reference_by_more_than_the_tolerance_fail(tmp_path):
+    ctx = _context(tmp_path)
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": loss}) + "\n" for s, loss in [(1, 8.0), (2, 7.0007)])
+    )
+    assert (
+        plan._compare(Row("", "pass", note="run"), ctx, str(dump), 1e-3).note
+        == "run; losses not compared (train_eager did not pass)"
+    )
+    ctx.results["train_eager"] = {1: 8.0, 2: 7.0}
+    within = plan._compare(Row("", "pass", note="run"), ctx, str(dump), 1e-3)
+    assert (within.status, within.note) == ("pass", "run; max loss gap to train_eager 1.0e-04 (tolerance 1e-03)")
+    assert plan._compare(Row("", "pass", note="run"), ctx, str(dump), 1e-5).status == "fail"
+    assert plan._compare(Row("", "fail", note="crashed"), ctx, str(dump), 1e-3).note == "crashed"
 
 
 def test_torchtitans_step_lines():
