@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -145,7 +146,7 @@ def _pip_install(python: str, target: str, *requirements: str, find_links: str |
     """pip without an index into ``target``, no dependencies; None, or pip's last error line."""
     links = ["--find-links", find_links] if find_links else []
     argv = [python, "-m", "pip", "install", "--quiet", "--no-index", *links, "--no-deps", "--target", target]
-    result = subprocess.run([*argv, *requirements], capture_output=True, text=True)
+    result = subprocess.run([*argv, *requirements], capture_output=True, text=True, timeout=600)
     if result.returncode == 0:
         return None
     lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
@@ -180,7 +181,10 @@ def child_env(sites: list[str], rehearse: bool) -> dict[str, str]:
 
 
 def probe(python: str, env: dict[str, str]) -> dict[str, Any]:
-    result = subprocess.run([python, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True)
+    try:
+        result = subprocess.run([python, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the machine probe took over 300 s (torch's import or CUDA's start hangs)") from None
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines() or ["no output"]
         raise RuntimeError(f"the machine probe failed: {lines[-1]}")
@@ -203,9 +207,9 @@ def missing_line(missing: list[str]) -> str:
 
 def machine_info(machine: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    except OSError:  # no git on the machine
+        commit = None
     gpus = machine.get("gpus", [])
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -214,7 +218,7 @@ def machine_info(machine: dict[str, Any], args: argparse.Namespace) -> dict[str,
         **machine,
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
-        "commit": commit or None,
+        "commit": commit.stdout.strip() or None if commit else None,
         "rehearsal": args.rehearse,
         "budget_s": args.budget_s,
     }
@@ -225,7 +229,11 @@ def prepare(args: argparse.Namespace) -> Context | int:
     if not args.rehearse and nvidia_devices() == 0:
         print(NO_GPU)
         return 0
-    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    except OSError as e:
+        print(f"gpu_check: error: --out: cannot create {args.out} ({e.strerror})", file=sys.stderr)
+        return 2
     site, installed = os.path.join(args.out, "site"), []
     if args.wheels:
         installed, failed = install_wheels(sys.executable, args.wheels, site)
@@ -296,6 +304,11 @@ def run_plan(
                 row = step.run(ctx)
             except Exception as e:  # noqa: BLE001 - a bug in one step's reading must not lose the others
                 row = Row(step.name, "fail", note=f"the check's own error: {type(e).__name__}: {e}")
+            except BaseException:  # Ctrl-C or SIGTERM: the step is recorded, nothing it started outlives it
+                for launch in list(ctx.running):
+                    launch.stop()
+                on_row([*rows, Row(step.name, "fail", time.monotonic() - began, note="interrupted")])
+                raise
         row.step, row.seconds = step.name, time.monotonic() - began
         rows.append(row)
         on_row(rows)
@@ -349,7 +362,12 @@ def main(argv: Sequence[str]) -> int:
         r = rows[-1]
         print(f"  {r.step}: {r.status} in {r.seconds:.0f} s{': ' + r.note if r.status != 'pass' else ''}", flush=True)
 
-    rows = run_plan(ctx, args.steps, args.budget_s, on_row, REHEARSAL_TIME_FACTOR if args.rehearse else 1)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stops the launches too
+    try:
+        rows = run_plan(ctx, args.steps, args.budget_s, on_row, REHEARSAL_TIME_FACTOR if args.rehearse else 1)
+    except KeyboardInterrupt:
+        print(f"gpu check: interrupted; what was measured is in {os.path.join(args.out, 'gpu_check.json')}")
+        return 130
     write_results(args.out, ctx.machine, rows)
     print(table(rows))
     print(f"results: {os.path.join(args.out, 'gpu_check.json')}; logs: {os.path.join(args.out, 'logs')}")

@@ -4,6 +4,7 @@ pytest, the dry run, bench/gpu_check_worker.py) and returns one Row; nothing her
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -101,6 +102,7 @@ class Context:
     titan_launcher: str | None = None  # rehearsal: torchtitan's CPU launcher
     step_deadline: float = math.inf  # time.monotonic() when the running step is out of time
     results: dict[str, Any] = field(default_factory=dict)  # what a step leaves for later ones
+    running: list[Launch] = field(default_factory=list)  # launches not waited for yet
 
     def dump(self, name: str) -> str:
         """A run's dump folder, emptied: Tessera appends to an existing metrics.jsonl."""
@@ -115,7 +117,7 @@ class Launch:
 
     def __init__(self, ctx: Context, log_name: str, argv: list[str], env: dict[str, str] | None = None):
         self.log_path = os.path.join(ctx.out, "logs", f"{log_name}.log")
-        self.deadline = ctx.step_deadline
+        self.deadline, self.running = ctx.step_deadline, ctx.running
         with open(self.log_path, "a") as log:
             log.write(f"$ {shlex.join(argv)}\n")
             log.flush()
@@ -123,6 +125,7 @@ class Launch:
             self.process = subprocess.Popen(
                 argv, cwd=REPO, env=env or ctx.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self.running.append(self)
         self.returncode: int | None = None
         self.timed_out = False
 
@@ -131,14 +134,21 @@ class Launch:
             self.returncode = self.process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.timed_out = True
-            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-                os.killpg(self.process.pid, sig)
-                try:
-                    self.returncode = self.process.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            self.stop()
+        except BaseException:  # the check itself is interrupted: what it started must not outlive it
+            self.stop()
+            raise
+        finally:
+            self.running.remove(self)
         return self
+
+    def stop(self) -> None:
+        """Ends the launch's whole session: SIGTERM, up to 10 s to end, then SIGKILL for what is left."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.returncode = self.process.wait(timeout=10)
 
     @property
     def ok(self) -> bool:
