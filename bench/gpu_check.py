@@ -64,7 +64,7 @@ TITAN_CPU_LAUNCHER = os.path.join(REPO, "..", "shared", "anchors", "torchtitan-v
 # What train.py and the dry run import beyond the standard library.
 REQUIRED_MODULES = ("torch", "numpy", "torchdata", "sentencepiece", "tiktoken", "tokenizers", "safetensors")
 PY310_MODULES = ("tomli",) if sys.version_info < (3, 11) else ()  # tomllib's stand-in
-NO_GPU = "gpu check: no NVIDIA GPU on this machine, nothing to check (--rehearse runs the plan on the CPU)"
+NO_GPU = "gpu_check: no NVIDIA GPU on this machine, nothing to check (--rehearse runs the plan on the CPU)"
 
 # Run in the interpreter under test: what the machine has, and whether Tessera's entry points import.
 PROBE = r"""
@@ -200,7 +200,7 @@ def missing_modules(machine: dict[str, Any], sites: list[str]) -> list[str]:
 
 def missing_line(missing: list[str]) -> str:
     return (
-        f"gpu check: missing Python modules: {', '.join(missing)} "
+        f"gpu_check: missing Python modules: {', '.join(missing)} "
         "(nothing is downloaded here: give their wheels with --wheels DIR)"
     )
 
@@ -238,45 +238,48 @@ def prepare(args: argparse.Namespace) -> Context | int:
     if args.wheels:
         installed, failed = install_wheels(sys.executable, args.wheels, site)
         if failed:
-            print(f"gpu check: warning: --wheels: not installed: {'; '.join(failed)}", file=sys.stderr)
+            print(f"gpu_check: warning: --wheels: not installed: {'; '.join(failed)}", file=sys.stderr)
     env = child_env([site], args.rehearse)
     try:
         machine = probe(sys.executable, env)
     except RuntimeError as e:
-        print(f"gpu check: error: {e}", file=sys.stderr)
+        print(f"gpu_check: error: {e}", file=sys.stderr)
         return 1
     if missing := missing_modules(machine, [site]):
         print(missing_line(missing))
         return 2
     if not args.rehearse and not machine["gpus"]:
-        print(f"gpu check: error: torch {machine['torch']} sees none of the {nvidia_devices()} NVIDIA devices here")
+        found = nvidia_devices()
+        print(
+            f"gpu_check: error: torch {machine['torch']} sees none of the {found} NVIDIA devices here", file=sys.stderr
+        )
         return 1
     machine.update(wheels_installed=installed, pytest=module_found("pytest", [site]))
     machine["torchao"] = module_found("torchao", [site])
-    ctx = Context(args.out, sys.executable, env, REHEARSAL_SIZES if args.rehearse else GPU_SIZES, {})
-    ctx.machine, ctx.rehearse = machine_info(machine, args), args.rehearse
+    sizes = REHEARSAL_SIZES if args.rehearse else GPU_SIZES
+    ctx = Context(args.out, sys.executable, env, sizes, machine_info(machine, args), rehearse=args.rehearse)
     prepare_torchtitan(ctx, args.torchtitan_wheel, site)
     return ctx
 
 
 def prepare_torchtitan(ctx: Context, wheel: str | None, site: str) -> None:
-    """Installs torchtitan for its step, or leaves the step's reason to skip in ``ctx.results``."""
+    """Installs torchtitan for its step, else says in ``ctx.titan_skip`` why the step skips."""
     if wheel is None:
         return
     if ctx.rehearse:
         if not os.path.exists(TITAN_CPU_LAUNCHER):
-            ctx.results["titan_missing"] = f"a rehearsal runs torchtitan through {TITAN_CPU_LAUNCHER}, missing here"
+            ctx.titan_skip = f"a rehearsal runs torchtitan through {TITAN_CPU_LAUNCHER}, missing here"
             return
         ctx.titan_launcher = os.path.abspath(TITAN_CPU_LAUNCHER)
     target = os.path.join(ctx.out, "torchtitan_site")
     error = _pip_install(ctx.python, target, wheel) if not module_found("torchtitan", [target]) else None
-    if error:
-        ctx.results["titan_missing"] = f"cannot install {wheel}: {error}"
-        return
-    ctx.titan_site = target
     missing = [m for m in (*TITAN_MODULES, *PY310_MODULES) if not module_found(m, [target, site])]
-    if missing:
-        ctx.results["titan_missing"] = f"torchtitan needs modules missing here: {', '.join(missing)} (--wheels)"
+    if error:
+        ctx.titan_skip = f"cannot install {wheel}: {error}"
+    elif missing:
+        ctx.titan_skip = f"torchtitan needs modules missing here: {', '.join(missing)} (--wheels)"
+    else:
+        ctx.titan_site, ctx.titan_skip = target, ""
 
 
 def time_limit(steps: Sequence[Step], i: int, left: float, scale: float) -> float:
@@ -355,7 +358,7 @@ def main(argv: Sequence[str]) -> int:
         return ctx
     m = ctx.machine
     where = f"{m['gpu_name']} x {m['gpu_count']}" if m["gpu_count"] else "CPU rehearsal"
-    print(f"gpu check: {where}, torch {m['torch']}, CUDA {m['cuda']}; budget {args.budget_s:.0f} s; {args.out}")
+    print(f"gpu_check: {where}, torch {m['torch']}, CUDA {m['cuda']}; budget {args.budget_s:.0f} s; {args.out}")
 
     def on_row(rows: list[Row]) -> None:
         write_results(args.out, ctx.machine, rows)
@@ -366,7 +369,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         rows = run_plan(ctx, args.steps, args.budget_s, on_row, REHEARSAL_TIME_FACTOR if args.rehearse else 1)
     except KeyboardInterrupt:
-        print(f"gpu check: interrupted; what was measured is in {os.path.join(args.out, 'gpu_check.json')}")
+        print(f"gpu_check: interrupted; what was measured is in {os.path.join(args.out, 'gpu_check.json')}")
         return 130
     write_results(args.out, ctx.machine, rows)
     print(table(rows))

@@ -100,6 +100,7 @@ class Context:
     rehearse: bool = False
     titan_site: str | None = None  # where torchtitan is installed
     titan_launcher: str | None = None  # rehearsal: torchtitan's CPU launcher
+    titan_skip: str = "no --torchtitan-wheel given"  # why the torchtitan step skips, or ""
     step_deadline: float = math.inf  # time.monotonic() when the running step is out of time
     results: dict[str, Any] = field(default_factory=dict)  # what a step leaves for later ones
     running: list[Launch] = field(default_factory=list)  # launches not waited for yet
@@ -427,7 +428,7 @@ def titan_options(ctx: Context, assets: str, dump: str) -> list[str]:
 
 def _titan_run(ctx: Context, assets: str) -> tuple[dict[str, Any] | None, str]:
     """torchtitan's launch: its figures, or None and why (a module it lacks makes the step a skip)."""
-    env = dict(ctx.env, PYTHONPATH=os.pathsep.join([ctx.titan_site or "", ctx.env["PYTHONPATH"]]))
+    env = dict(ctx.env, PYTHONPATH=os.pathsep.join([str(ctx.titan_site), ctx.env["PYTHONPATH"]]))
     torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     model = json.dumps(ctx.sizes.wide_model)
     dump = ctx.dump("torchtitan")
@@ -446,8 +447,8 @@ def _titan_run(ctx: Context, assets: str) -> tuple[dict[str, Any] | None, str]:
 
 def step_torchtitan(ctx: Context) -> Row:
     """The 8B-wide job through torchtitan v0.2.2, then through Tessera on the same tokenizer and documents."""
-    if ctx.titan_site is None or ctx.results.get("titan_missing"):
-        return Row("", "skip", note=ctx.results.get("titan_missing") or "no --torchtitan-wheel given")
+    if ctx.titan_skip:
+        return Row("", "skip", note=ctx.titan_skip)
     assets = os.path.join(ctx.out, "runs", "shared_assets")
     made = run(ctx, "torchtitan", [ctx.python, WORKER, "assets", assets])
     if not made.ok:

@@ -99,9 +99,10 @@ def test_the_probe_reports_this_cpu_and_a_gpu_torch_cannot_see_is_one_line_exit_
     monkeypatch.setattr(gc, "nvidia_devices", lambda: 2)
     monkeypatch.setattr(gc, "probe", lambda python, env: machine)
     assert gc.main(["--out", str(tmp_path)]) == 1
+    printed = capsys.readouterr()
     assert (
-        capsys.readouterr().out
-        == f"gpu check: error: torch {torch.__version__} sees none of the 2 NVIDIA devices here\n"
+        printed.out == ""
+        and printed.err == f"gpu_check: error: torch {torch.__version__} sees none of the 2 NVIDIA devices here\n"
     )
 
 
