@@ -1,8 +1,8 @@
 """bench/gpu_check.py without a GPU: its options, table and JSON, the runner of its plan, its one-line
 answers (no GPU, missing modules), the readers of what its launches print, and the CUDA path as far
 as a CPU goes: a probe that sees no GPU on a machine said to have some, the whole check on a faked
-GPU machine, and the GPU-sized command lines through Tessera's pre-launch check. The slow test
-rehearses part of the plan on the CPU (scripts/gpu_check.sh --rehearse)."""
+GPU machine, and the GPU-sized command lines through Tessera's pre-launch check and dry run. A slow
+test rehearses part of the plan on the CPU (scripts/gpu_check.sh --rehearse)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ def test_missing_modules_are_one_line_naming_them_and_exit_2(tmp_path, monkeypat
     assert gc.missing_line(["torchdata"]).count("\n") == 0 and "--wheels" in gc.missing_line(["x"])
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and the project
 def test_the_probe_reports_this_cpu_and_a_gpu_torch_cannot_see_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
     machine = gc.probe(sys.executable, gc.child_env([], rehearse=True))
     import torch
@@ -143,6 +144,7 @@ def test_the_gpu_sized_command_lines_pass_the_pre_launch_check(tmp_path):
     assert config.activation_checkpoint.mode == "full" and config.compile.enable
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and the project
 def test_the_gpu_sized_8b_job_fits_an_80_gib_card_by_the_dry_run(tmp_path):
     ctx = _context(tmp_path)
     argv = [sys.executable, "-m", "programs.dry_run", "--world-size", "1", *plan.wide_options(ctx, str(tmp_path))]
