@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import (
@@ -162,8 +163,10 @@ class BucketingPass(CustomGraphPass):
         self.reports: list[GraphReport] = []
 
     def uuid(self) -> str:
+        # The graphs it writes differ by rank (each copies its shard into its own slot): ranks
+        # sharing a compile cache must not share them.
         return get_hash_for_files((__file__, gloo_graph.__file__)).hex() + repr(
-            (self.buckets, self.dp_groups, self.reorder)
+            (self.buckets, self.dp_groups, self.reorder, dist.get_rank() if dist.is_initialized() else 0)
         )
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -3,6 +3,7 @@ the compiled graphs, and losses against eager (see compile_checks.py for each ch
 
 import pytest
 
+from parallelisms import torch_release
 from tests.launch import TRAIN_AND_REPORT, TWO_BLOCKS, compile_reports, launch_train, losses, read_metrics, run_worker
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
@@ -94,7 +95,9 @@ def test_a_restart_takes_its_graphs_from_the_compile_caches(name, tmp_path):
     for start in ("first", "second"):
         result = launch_train(str(tmp_path / start), nproc, *overrides, script=TRAIN_AND_REPORT, env=env)
         starts.append([(r["aot_graphs"], r["aot_cache_hits"]) for r in compile_reports(result.stdout)])
-    assert starts == [[(2, 0)] * nproc, [(2, 2)] * nproc]
+    # torch 2.11 takes one of the two graphs from its cache, from 2.13 both.
+    hits = 2 if torch_release.RELEASE >= (2, 13) else 1
+    assert starts == [[(2, 0)] * nproc, [(2, hits)] * nproc]
     # The graphs taken from the cache train as the compiled ones did.
     first, second = (losses(read_metrics(str(tmp_path / start))) for start in ("first", "second"))
     assert first == second
