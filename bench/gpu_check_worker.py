@@ -33,18 +33,6 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# The fields a torchtitan llama3 model shares with Tessera's (bench/vs_torchtitan.py sets the same).
-TITAN_MODEL_FIELDS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "vocab_size",
-    "multiple_of",
-    "ffn_dim_multiplier",
-    "norm_eps",
-    "rope_theta",
-)
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CORPUS = ("corpus", "data.json")  # in the assets folder
 TOKENIZER_VOCAB = 2048  # as Tessera's default tokenizer's
@@ -139,6 +127,7 @@ def run_torchtitan(name: str, model_json: str, launcher: str, options: list[str]
         runpy.run_path(launcher, run_name="titan_cpu")  # its patches, without its __main__ block
     from torchtitan.models.llama3 import llama3_args
 
+    from bench.vs_torchtitan import TITAN_MODEL_FIELDS
     from models.llama3 import llama3_flavors
 
     tessera = dataclasses.replace(llama3_flavors["8B"], **json.loads(model_json))
