@@ -131,8 +131,8 @@ class GraphReport:
 def _copy_in_before_gathering(graph: fx.Graph, new_nodes: list[fx.Node]) -> list[fx.Node]:
     """Makes a merged all-gather read its shards' copy. torch before 2.13 copies them into the rank's
     slot of the bucket with a ``_foreach_copy_`` into views of it, which no edge orders before the
-    gather (a sort or a reorder moved the gather first, and it sent garbage); one ``copy_`` of their
-    concatenation, whose result the gather takes, is ordered. Returns the bucket's nodes."""
+    gather (a sort or a reorder may move the gather first, which then sends garbage); one ``copy_``
+    of their concatenation, whose result the gather takes, is ordered. Returns the bucket's nodes."""
     for node in [n for n in new_nodes if n.target is aten._foreach_copy_.default]:
         views, shards = node.args
         split = views[0].args[0]  # getitem(split_with_sizes(slot, sizes), i)
