@@ -371,8 +371,7 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         print(f"gpu_check: interrupted; what was measured is in {os.path.join(args.out, 'gpu_check.json')}")
         return 130
-    write_results(args.out, ctx.machine, rows)
-    print(table(rows))
+    print(table(rows))  # on_row has written the results
     print(f"results: {os.path.join(args.out, 'gpu_check.json')}; logs: {os.path.join(args.out, 'logs')}")
     return exit_status(rows)
 

@@ -38,22 +38,6 @@ CORPUS = ("corpus", "data.json")  # in the assets folder
 TOKENIZER_VOCAB = 2048  # as Tessera's default tokenizer's
 
 
-def one_rank_data_parallel():
-    """ParallelDims that count a lone rank as a sharding data-parallel one."""
-    from parallelisms.parallel_dims import ParallelDims
-
-    class OneRankDataParallel(ParallelDims):
-        @property
-        def dp_enabled(self) -> bool:
-            return self.world_size == 1 or super().dp_enabled
-
-        @property
-        def fsdp_enabled(self) -> bool:
-            return self.world_size == 1 or super().fsdp_enabled
-
-    return OneRankDataParallel
-
-
 def _report(trainer) -> dict:
     model = trainer.model.parts[0]
     passes = trainer.model.graph_passes
@@ -71,15 +55,26 @@ def train_on_one_rank_mesh(argv: list[str]) -> int:
     """train.py's run with data parallelism over one rank; returns the exit status."""
     import trainer.trainer as trainer_module
     from config.manager import load_config
+    from parallelisms.parallel_dims import ParallelDims
+
+    class OneRankDataParallel(ParallelDims):
+        """Counts a lone rank as a sharding data-parallel one."""
+
+        @property
+        def dp_enabled(self) -> bool:
+            return self.world_size == 1 or super().dp_enabled
+
+        @property
+        def fsdp_enabled(self) -> bool:
+            return self.world_size == 1 or super().fsdp_enabled
 
     if not hasattr(trainer_module, "parallel_dims_from_config"):
         raise RuntimeError("trainer.trainer no longer builds its ParallelDims with parallel_dims_from_config")
     build = trainer_module.parallel_dims_from_config
-    wrapper = one_rank_data_parallel()
 
     def one_rank_dims(parallelism, world_size):
         dims = build(parallelism, world_size)
-        return wrapper(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.world_size)
+        return OneRankDataParallel(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.world_size)
 
     trainer_module.parallel_dims_from_config = one_rank_dims
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
