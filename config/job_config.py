@@ -119,6 +119,18 @@ class Training:
     """Split of a hub dataset; local files are read whole."""
     dataset_text_field: str = "text"
     """The record field holding a document's text (.jsonl, Parquet, Arrow, JSON, hub datasets)."""
+    datasets: list[str] = field(default_factory=list)
+    """Several corpora (each in the forms of `dataset`) mixed at `dataset_weights`; set, it replaces `dataset`."""
+    dataset_weights: list[float] = field(default_factory=list)
+    """Each of `datasets`' share of the samples, positive (normalised to sum 1); empty = equal shares."""
+    dataset_format: Literal["text", "chat"] = "text"
+    """text: documents in dataset_text_field; chat: conversations in a 'messages' field (role, content), rendered
+    with the tokenizer folder's chat_template, the loss on the assistant's tokens only."""
+    document_masking: Literal["auto", "on", "off"] = "auto"
+    """Packed documents attend only within themselves and their positions restart; auto = on for chat data and for
+    block-causal flavors (torchtitan's flex and varlen ones)."""
+    dataset_prepare_workers: int = 0
+    """Processes per node that tokenize a corpus into token shards on first use; 0 = one per core."""
     seq_len: int = 256
     """Tokens per training sequence."""
     local_batch_size: int = 8

@@ -38,7 +38,7 @@ RANGES = {
         parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree
         parallelism.pipeline_parallel_degree validation.freq validation.steps validation.local_batch_size
         validation.seq_len {_MODEL_SIZES}""",
-    ">= 0": """training.max_norm training.dataloader_num_workers profiling.profiler_warmup debug.gc_freq
+    ">= 0": """training.max_norm training.dataloader_num_workers training.dataset_prepare_workers profiling.profiler_warmup debug.gc_freq
         comm.trace_buf_size comm.alpha_us checkpoint.keep_latest_k lr_scheduler.warmup_steps
         parallelism.pipeline_parallel_first_stage_less_layers parallelism.pipeline_parallel_last_stage_less_layers""",
     "in [0, 1]": "lr_scheduler.decay_ratio activation_checkpoint.memory_budget",
@@ -73,6 +73,11 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
     (lambda c: None not in (lo := c.model.rope_low_freq_factor, hi := c.model.rope_high_freq_factor) and lo >= hi,
      "model.rope_low_freq_factor {c.model.rope_low_freq_factor} is not below model.rope_high_freq_factor "
      "{c.model.rope_high_freq_factor}"),
+    (lambda c: c.training.dataset_weights and len(c.training.dataset_weights) != len(c.training.datasets),
+     "training.dataset_weights: {c.training.dataset_weights} is not one weight per corpus of training.datasets "
+     "{c.training.datasets}"),
+    (lambda c: any(not w > 0 for w in c.training.dataset_weights),
+     "training.dataset_weights must be positive, got {c.training.dataset_weights}"),
     # ' ' would be a folder of that name in the working folder.
     (lambda c: not c.job.dump_folder.strip(), "job.dump_folder: no folder given ('.' is the working folder)"),
     (lambda c: (name := c.job.run_name) and (not name.strip() or name in (".", "..") or os.sep in name),

@@ -1,0 +1,27 @@
+"""What the loader hands the training step: one microbatch of packed windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+# Labels at this id take no loss (cross_entropy's default ignore_index): a chat's non-assistant tokens,
+# and under document masking the prediction of the next document's first token.
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    """``inputs`` and ``labels`` are int64 ``[batch, seq_len]``; ``positions`` (document masking only)
+    restart at 0 where a document starts; ``sources`` (int64 ``[batch]``) is each window's source index
+    in a mixture of corpora."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: t.to(device) if t is not None else None for name, t in moved.items()})
