@@ -158,3 +158,64 @@ def folder_args(folder: str, corpus: str, *extra: str) -> list[str]:
         str(SEQ_LEN),
         *extra,
     ]
+
+
+# Llama 3 Instruct's published chat template: each message in a header block ending with <|eot_id|>,
+# BOS before the first.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Llama 3's named special tokens, in its id order (here from 0, before the byte-level vocabulary).
+LLAMA3_CHAT_TOKENS = [
+    BOS,
+    EOS,
+    *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+]
+CHAT_TOKENIZER_VOCAB = 400
+
+
+def write_chat_tokenizer(folder: str, chat_template: str | None = LLAMA3_CHAT_TEMPLATE) -> str:
+    """Writes a Llama-3-style tokenizer folder: byte-level BPE behind Llama 3's split pattern, its special
+    tokens, BOS added by the post-processor (as Llama 3's tokenizer.json does), and tokenizer_config.json
+    with Llama 3 Instruct's BOS/EOS and ``chat_template`` (none when None); returns the folder."""
+    from tokenizers import Regex, processors
+
+    from trainer.data.tokenizer import LLAMA3_PATTERN
+
+    os.makedirs(folder, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CHAT_TOKENIZER_VOCAB,
+        special_tokens=LLAMA3_CHAT_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([corpus_text(1)], trainer)
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]),
+        ]
+    )
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": "<|eot_id|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return folder

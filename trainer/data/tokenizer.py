@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import itertools
@@ -163,6 +164,24 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode_rendered_chats(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Ids and character offsets of chats rendered by the folder's chat template: the special-token text the
+        template writes is recognised (as transformers' ``apply_chat_template`` does) and no BOS/EOS is added."""
+        try:
+            encodings = self._chat_tokenizer.encode_batch(texts, add_special_tokens=False)
+        except Exception as error:  # the library raises a bare Exception
+            raise ValueError(f"tokenizer {self._json_path} cannot encode a chat: {first_line(error)}") from None
+        return [(encoding.ids, encoding.offsets) for encoding in encodings]
+
+    @functools.cached_property
+    def _chat_tokenizer(self) -> tokenizers.Tokenizer:
+        chat_tokenizer = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+        chat_tokenizer.encode_special_tokens = False
+        # Without special tokens to add, a post-processor only trims offsets: untrimmed, a token's offsets
+        # cover every character it encodes, which the assistant mask relies on.
+        chat_tokenizer.post_processor = None
+        return chat_tokenizer
 
 
 def load_tokenizer(path: str) -> Tokenizer:
