@@ -178,7 +178,7 @@ BAD_RECORDS = {
     "null content": ([{"role": "user", "content": None}], "messages[0]'s 'content' is missing"),
     "content not text": (
         [_message("user", "a"), {"role": "assistant", "content": 3}],
-        "messages[1]'s 'content' is a int",
+        "messages[1]'s 'content' is an int",
     ),
     "unknown role": ([_message("robot", "beep")], "messages[0] has the role 'robot'"),
 }

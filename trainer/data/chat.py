@@ -157,7 +157,10 @@ def _checked_messages(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _described(value: Any) -> str:
-    return "an empty list" if value == [] else f"a {type(value).__name__}"
+    if value == []:
+        return "an empty list"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _mask_of_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
