@@ -1,7 +1,7 @@
 """torchrun worker: train.py's run (the same Trainer, config and output files), also appending each
 batch this rank trains on to ``<dump_folder>/samples-rank<R>.jsonl``: one line per batch, its input
-rows as lists of token ids. The checkpoint still saves the real loader's position; only iteration
-goes through the recorder.
+rows as lists of token ids (from a mixture of corpora, ``[source, row]``). The checkpoint still saves
+the real loader's position; only iteration goes through the recorder.
 
 Usage: torchrun --nproc-per-node N tests/distributed/record_samples.py <train.py arguments>
 """
@@ -22,7 +22,7 @@ from trainer.trainer import Trainer
 
 
 class RecordingLoader:
-    """Iterates ``loader`` and writes every batch's inputs to ``path`` as it hands the batch on."""
+    """Iterates ``loader`` and writes every Batch's inputs to ``path`` as it hands the batch on."""
 
     def __init__(self, loader: Iterable, path: str):
         self.loader = loader
@@ -30,8 +30,11 @@ class RecordingLoader:
 
     def __iter__(self) -> Iterator:
         for batch in self.loader:
+            rows = batch.inputs.tolist()
+            if batch.sources is not None:
+                rows = [[source, row] for source, row in zip(batch.sources.tolist(), rows)]
             with open(self.path, "a") as f:
-                f.write(json.dumps(batch[0].tolist()) + "\n")
+                f.write(json.dumps(rows) + "\n")
             yield batch
 
 

@@ -1,77 +1,31 @@
-"""Tests of trainer.data.loader and trainer.data.corpus."""
+"""Tests of trainer.data.loader (the section's loader from its config) and trainer.data.corpus."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trainer.data.corpus
 from config.errors import ConfigError
 from config.manager import load_config
 from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer
-from trainer.data.corpus import Corpus, default_corpus_texts, local_corpus_texts
-from trainer.data.loader import (
-    PackedTokenDataset,
-    build_dataset,
-    config_dataloader,
-    epoch_permutation,
-    load_token_stream,
-    packed_dataloader,
-)
+from trainer.data.batch import IGNORE_INDEX
+from trainer.data.corpus import default_corpus_texts, local_corpus_texts
 from trainer.data.tokenizer import Tokenizer
 from trainer.validate import Validator, validation_due
 
-SEQ_LEN = 3
-NUM_WINDOWS = 7
-SEED = 1234
+try:
+    from trainer.data.loader import config_dataloader
+except ModuleNotFoundError:  # trainer.data.shards (prepare_tokens) is not on this branch
+    config_dataloader = None
+needs_shards = pytest.mark.skipif(config_dataloader is None, reason="needs trainer.data.shards")
 
-
-def arange_dataset(*, local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1) -> PackedTokenDataset:
-    """Dataset whose window ``w`` holds the tokens ``w * 4 .. w * 4 + 3``."""
-    return PackedTokenDataset(
-        np.arange(NUM_WINDOWS * (SEQ_LEN + 1) + 2, dtype=np.uint16),  # +2: dropped remainder
-        seq_len=SEQ_LEN,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=SEED,
-    )
-
-
-def arange_loader(
-    *, local_batch_size: int, dp_rank: int = 0, dp_world_size: int = 1, num_workers: int = 0
-) -> StatefulDataLoader:
-    dataset = arange_dataset(local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
-    return packed_dataloader(dataset, num_workers=num_workers)
-
-
-def build_dataloader(dataset: str, tokenizer: Tokenizer, **dataset_options) -> StatefulDataLoader:
-    return packed_dataloader(build_dataset(Corpus(dataset), tokenizer, **dataset_options))
-
-
-def global_order(length: int) -> list[int]:
-    """The first ``length`` window ids of the global stream, computed directly."""
-    order: list[int] = []
-    epoch = 0
-    while len(order) < length:
-        generator = torch.Generator().manual_seed(SEED + epoch)
-        order += torch.randperm(NUM_WINDOWS, generator=generator).tolist()
-        epoch += 1
-    return order[:length]
-
-
-def take_window_ids(batches, steps: int) -> list[list[int]]:
-    """The window ids of the next ``steps`` batches of an ``arange_dataset`` loader."""
-    return [(next(batches)[0][:, 0] // (SEQ_LEN + 1)).tolist() for _ in range(steps)]
+ONE_RANK = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
 
 
 def write_corpus(root: Path, files: dict[str, str]) -> Path:
@@ -81,59 +35,69 @@ def write_corpus(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-# --- packing ---------------------------------------------------------------
-
-
-def test_packing_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    corpus = write_corpus(tmp_path / "corpus", {"a.txt": "ab", "b.txt": "cde"})
-    tokens = load_token_stream(Corpus(str(corpus)), char_tokenizer, str(tmp_path / "cache"))
-    # [bos a b eos] [bos c d e eos] concatenated.
-    assert tokens.tolist() == [1, 97, 98, 2, 1, 99, 100, 101, 2]
-    dataset = PackedTokenDataset(tokens, seq_len=3, local_batch_size=1, dp_rank=0, dp_world_size=1, seed=0)
-    assert dataset.num_windows == 2  # 9 tokens -> two windows of 4, the final EOS is dropped
-    assert dataset.window(0).tolist() == [1, 97, 98, 2]
-    assert dataset.window(1).tolist() == [1, 99, 100, 101]
-    samples = [sample for sample, _ in zip(dataset, range(2))]
-    first_window = epoch_permutation(2, 0, 0)[0].item()
-    inputs, labels = samples[0]
-    assert inputs.dtype == labels.dtype == torch.int64
-    assert inputs.tolist() == dataset.window(first_window)[:-1].tolist()
-    assert labels.tolist() == dataset.window(first_window)[1:].tolist()
-
-
-def test_loader_yields_shifted_int64_batches(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
-    loader = build_dataloader(
-        str(corpus / "c.txt"),
-        char_tokenizer,
-        seq_len=5,
-        local_batch_size=2,
-        dp_rank=0,
-        dp_world_size=1,
-        seed=3,
-        cache_dir=str(tmp_path / "cache"),
+def section_loader(argv: list[str], tokenizer: Tokenizer, option: str = "training.dataset", **options):
+    """The loader config_dataloader builds for ``option``'s section of ``argv``'s config, on one rank."""
+    config = load_config(argv)
+    section = getattr(config, option.partition(".")[0])
+    return config_dataloader(
+        option, section, config.training, tokenizer, ONE_RANK, seed=0, cache_dir=config.job.cache_dir, **options
     )
-    inputs, labels = next(iter(loader))
-    assert inputs.shape == labels.shape == (2, 5) and inputs.dtype == labels.dtype == torch.int64
-    stream = [1, *range(97, 123), 2]  # 28 tokens -> 4 windows of 6
-    windows = [stream[w * 6 : w * 6 + 6] for w in epoch_permutation(4, 3, 0)[:2].tolist()]
-    assert inputs.tolist() == [w[:-1] for w in windows] and labels.tolist() == [w[1:] for w in windows]
 
 
+# --- the loader of a section -------------------------------------------------------
+
+
+@needs_shards
+def test_loader_yields_shifted_windows_of_the_corpus(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
+    argv = ["--training.dataset", str(corpus / "c.txt"), "--training.seq_len", "5"]
+    argv += ["--training.local_batch_size", "4", "--job.cache_dir", str(tmp_path / "cache")]
+    batch = next(iter(section_loader(argv, char_tokenizer)))
+    assert batch.inputs.shape == batch.labels.shape == (4, 5) and batch.inputs.dtype == torch.int64
+    assert batch.positions is None and batch.sources is None
+    stream = [1, *range(97, 123), 2]  # [bos] a..z [eos]: 28 tokens, 4 windows of 6
+    windows = sorted(stream[w * 6 : w * 6 + 6] for w in range(4))
+    assert sorted(zip(batch.inputs.tolist(), batch.labels.tolist())) == [(w[:-1], w[1:]) for w in windows]
+
+
+@needs_shards
+def test_document_masking_restarts_positions_and_ignores_the_label_across_documents(
+    tmp_path: Path, char_tokenizer: CharTokenizer
+) -> None:
+    corpus = write_corpus(tmp_path, {"a.txt": "ab", "b.txt": "cde"})  # [1 a b 2] [1 c d e 2]
+    argv = ["--training.dataset", str(corpus), "--training.seq_len", "8", "--training.local_batch_size", "1"]
+    argv += ["--job.cache_dir", str(tmp_path / "cache")]
+    batch = next(iter(section_loader(argv, char_tokenizer, document_masking=True)))
+    assert batch.inputs.tolist() == [[1, 97, 98, 2, 1, 99, 100, 101]]
+    assert batch.labels.tolist() == [[97, 98, 2, IGNORE_INDEX, 99, 100, 101, 2]]
+    assert batch.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+
+
+@needs_shards
+def test_training_datasets_are_mixed_at_their_weights(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    corpora = write_corpus(tmp_path, {"a.txt": "a" * 400, "b.txt": "b" * 400})
+    argv = ["--training.datasets", f"{corpora / 'a.txt'},{corpora / 'b.txt'}", "--training.dataset_weights", "3,1"]
+    argv += ["--training.seq_len", "7", "--training.local_batch_size", "8", "--job.cache_dir", str(tmp_path)]
+    batch = next(iter(section_loader(argv, char_tokenizer)))
+    assert batch.sources.tolist() == [0, 0, 1, 0, 0, 0, 1, 0]  # lags tie at samples 2 and 6: the lower index
+    assert [row[1] for row in batch.inputs.tolist()] == [ord("a" if s == 0 else "b") for s in batch.sources]
+
+    tiny = write_corpus(tmp_path, {"tiny.txt": "abc"}) / "tiny.txt"
+    argv[1] = f"{corpora / 'a.txt'},{tiny}"
+    message = rf"^training.datasets: dataset {tiny}: corpus has 5 tokens, fewer than one window of seq_len \+ 1 = 8$"
+    with pytest.raises(ConfigError, match=message):
+        section_loader(argv, char_tokenizer)
+
+
+@needs_shards
 def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     """torchtitan's validation.local_batch_size and seq_len; unset, training's."""
     corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz" * 20})
     common = ["--training.seq_len", "16", "--training.local_batch_size", "4", "--job.cache_dir", str(tmp_path)]
     common += ["--training.dataset", str(corpus), "--validation.dataset", str(corpus), "--validation.enable"]
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
 
     def shape(option: str, *overrides: str) -> tuple[int, ...]:
-        config = load_config([*common, *overrides])
-        section = getattr(config, option.partition(".")[0])
-        loader = config_dataloader(
-            option, section, config.training, char_tokenizer, dims, seed=0, cache_dir=config.job.cache_dir
-        )
-        return tuple(next(iter(loader))[0].shape)
+        return tuple(next(iter(section_loader([*common, *overrides], char_tokenizer, option))).inputs.shape)
 
     own = ["--validation.seq_len", "8", "--validation.local_batch_size", "6"]
     assert shape("validation.dataset", *own) == (6, 8)
@@ -150,7 +114,6 @@ def test_validation_follows_step_one_and_every_freq_steps(freq: int, steps: list
 def validator(argv: list[str], tokenizer: CharTokenizer) -> Validator:
     """The Validator the trainer builds for ``argv``, on one rank."""
     config = load_config(argv)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
     return Validator(
         config.validation,
         lambda: config_dataloader(
@@ -158,15 +121,16 @@ def validator(argv: list[str], tokenizer: CharTokenizer) -> Validator:
             config.validation,
             config.training,
             tokenizer,
-            dims,
+            ONE_RANK,
             seed=1,
             cache_dir=config.job.cache_dir,
         ),
-        dims.dp_degree,
+        ONE_RANK.dp_degree,
         loss=None,
     )
 
 
+@needs_shards
 def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     tmp_path: Path, char_tokenizer: CharTokenizer
 ) -> None:
@@ -181,6 +145,7 @@ def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     validator(options, char_tokenizer)  # validation off: not read
 
 
+@needs_shards
 def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warning(
     tmp_path: Path, char_tokenizer: CharTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -197,119 +162,6 @@ def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warni
         "validation.dataset: 3 windows of seq_len + 1 = 9 tokens, fewer than the 4 that validation.steps 2 x 2 "
         "sequences read: each validation reads some windows more than once"
     ]
-
-
-def test_corpus_smaller_than_one_window(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    corpus = write_corpus(tmp_path, {"tiny.txt": "abc"})
-    with pytest.raises(ValueError, match=r"tiny.txt.*5 tokens.*seq_len \+ 1 = 9"):
-        build_dataloader(
-            str(corpus / "tiny.txt"),
-            char_tokenizer,
-            seq_len=8,
-            local_batch_size=1,
-            dp_rank=0,
-            dp_world_size=1,
-            seed=0,
-            cache_dir=str(tmp_path / "cache"),
-        )
-
-
-# --- global order ----------------------------------------------------------
-
-
-def test_epoch_permutation_is_seeded_and_differs_across_epochs() -> None:
-    first = epoch_permutation(50, SEED, 0)
-    assert sorted(first.tolist()) == list(range(50))
-    assert first.tolist() == epoch_permutation(50, SEED, 0).tolist()
-    assert first.tolist() != epoch_permutation(50, SEED, 1).tolist()
-    # Epoch e of seed s is the permutation drawn with seed s + e.
-    assert epoch_permutation(50, SEED, 1).tolist() == epoch_permutation(50, SEED + 1, 0).tolist()
-    expected = torch.randperm(50, generator=torch.Generator().manual_seed(SEED + 3))
-    assert epoch_permutation(50, SEED, 3).tolist() == expected.tolist()
-
-
-def test_loader_follows_global_order_across_epochs() -> None:
-    batches = iter(arange_loader(local_batch_size=3))
-    ids = sum(take_window_ids(batches, 5), [])  # 15 samples span three epochs of 7
-    assert ids == global_order(15)
-    # Every sample is a whole window w: tokens 4 * w .. 4 * w + 3, shifted by one for the labels.
-    inputs, labels = next(batches)
-    window_ids = inputs[:, 0] // 4
-    assert inputs.tolist() == [[4 * w + i for i in range(SEQ_LEN)] for w in window_ids.tolist()]
-    assert labels.tolist() == [[4 * w + 1 + i for i in range(SEQ_LEN)] for w in window_ids.tolist()]
-
-
-def test_dp_ranks_concatenated_equal_single_rank_with_double_batch() -> None:
-    single = iter(arange_loader(local_batch_size=4))
-    ranks = [iter(arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2)) for r in range(2)]
-    for _ in range(6):
-        expected = next(single)
-        per_rank = [next(rank) for rank in ranks]
-        for field in range(2):
-            assert torch.equal(torch.cat([batch[field] for batch in per_rank]), expected[field])
-
-
-# --- resume ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("steps_before_save", [1, 3])  # 3 * 3 samples crosses an epoch of 7
-def test_resume_yields_the_uninterrupted_batches(num_workers: int, steps_before_save: int) -> None:
-    loader = arange_loader(local_batch_size=3, dp_rank=1, dp_world_size=2, num_workers=num_workers)
-    batches = iter(loader)
-    before = take_window_ids(batches, steps_before_save)
-    state = copy.deepcopy(loader.state_dict())
-    uninterrupted = take_window_ids(batches, 4)
-
-    resumed_loader = arange_loader(local_batch_size=3, dp_rank=1, dp_world_size=2, num_workers=num_workers)
-    resumed_loader.load_state_dict(state)
-    assert take_window_ids(iter(resumed_loader), 4) == uninterrupted
-
-    # Rank 1 reads samples 3..5 of every chunk of 6 in the global order.
-    order = global_order(6 * (steps_before_save + 4))
-    expected = [order[6 * step + 3 : 6 * step + 6] for step in range(steps_before_save + 4)]
-    assert before + uninterrupted == expected
-
-
-def test_resume_with_different_dp_world_size_continues_global_order() -> None:
-    # 3 steps at dp=1 x 4, then 4 steps at dp=2 x 2, then 3 steps at dp=1 x 4:
-    # 40 samples = 40 positions of the global stream, none lost or repeated.
-    single = arange_loader(local_batch_size=4)
-    batches = iter(single)
-    consumed = sum(take_window_ids(batches, 3), [])
-
-    ranks = [arange_loader(local_batch_size=2, dp_rank=r, dp_world_size=2) for r in range(2)]
-    for rank in ranks:
-        rank.load_state_dict(copy.deepcopy(single.state_dict()))
-    rank_batches = [iter(rank) for rank in ranks]
-    for _ in range(4):
-        for batch in rank_batches:
-            consumed += take_window_ids(batch, 1)[0]
-
-    resumed_single = arange_loader(local_batch_size=4)
-    resumed_single.load_state_dict(copy.deepcopy(ranks[1].state_dict()))
-    consumed += sum(take_window_ids(iter(resumed_single), 3), [])
-
-    assert consumed == global_order(40)
-    counts = Counter(consumed[:35])  # exactly five epochs of 7 windows
-    assert counts == {window: 5 for window in range(NUM_WINDOWS)}
-
-
-def test_state_mismatch_is_rejected() -> None:
-    dataset = arange_dataset(local_batch_size=2)
-    state = dataset.state_dict()
-    with pytest.raises(ValueError, match="seed"):
-        arange_dataset(local_batch_size=2).load_state_dict({**state, "seed": SEED + 1})
-    # Batches of 2 into batches of 4 (gradient accumulation at one layout, none at another): at
-    # sample 2 no batch of 4 begins; at sample 4 one does.
-    with pytest.raises(ValueError, match="at sample 2 of batches of 2, where no batch of this loader's 4"):
-        arange_dataset(local_batch_size=4).load_state_dict({**state, "chunk_start": 2})
-    arange_dataset(local_batch_size=4).load_state_dict({**state, "chunk_start": 4})
-    with pytest.raises(ValueError, match="lacks chunk_start"):
-        state_without_position = {k: v for k, v in state.items() if k != "chunk_start"}
-        arange_dataset(local_batch_size=2).load_state_dict(state_without_position)
-    with pytest.raises(ValueError, match="inside a batch"):
-        arange_dataset(local_batch_size=1, dp_world_size=2).load_state_dict({**state, "index_in_slice": 1})
 
 
 # --- local corpora ---------------------------------------------------------
@@ -400,20 +252,9 @@ def test_bad_jsonl_line_is_named(tmp_path: Path, content: str, message: str) -> 
         list(local_corpus_texts(str(path)))
 
 
-def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+def test_corpus_path_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="missing_corpus"):
         list(local_corpus_texts(str(tmp_path / "missing_corpus")))
-    with pytest.raises(FileNotFoundError, match="missing_corpus"):
-        build_dataloader(
-            str(tmp_path / "missing_corpus"),
-            char_tokenizer,
-            seq_len=4,
-            local_batch_size=1,
-            dp_rank=0,
-            dp_world_size=1,
-            seed=0,
-            cache_dir=str(tmp_path / "cache"),
-        )
     empty = write_corpus(tmp_path / "empty", {"readme.md": "no corpus here"})
     with pytest.raises(ValueError, match="empty contains no .txt, .jsonl, .parquet"):
         list(local_corpus_texts(str(empty)))
@@ -422,51 +263,6 @@ def test_corpus_path_errors(tmp_path: Path, char_tokenizer: CharTokenizer) -> No
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(ValueError, match="latin1.txt: not UTF-8"):
         list(local_corpus_texts(str(tmp_path / "latin1.txt")))
-
-
-# --- token stream cache ----------------------------------------------------
-
-
-def test_token_stream_is_cached_and_invalidated_by_changes(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    corpus = write_corpus(tmp_path / "corpus", {"a.txt": "abc"})
-    cache_dir = str(tmp_path / "cache")
-    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
-    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 2]
-    assert char_tokenizer.encode_calls == 1
-    (corpus / "a.txt").write_text("abcd")
-    assert load_token_stream(Corpus(str(corpus)), char_tokenizer, cache_dir).tolist() == [1, 97, 98, 99, 100, 2]
-    assert char_tokenizer.encode_calls == 2
-    assert not [name for name in os.listdir(cache_dir) if name.endswith(".tmp")]
-
-
-def test_a_damaged_token_cache_is_named(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    corpus = Corpus(str(write_corpus(tmp_path / "corpus", {"a.txt": "abc" * 100})))
-    cache_dir = tmp_path / "cache"
-    load_token_stream(corpus, char_tokenizer, str(cache_dir))
-    (cached,) = cache_dir.glob("tokens-*.npy")
-    cached.write_bytes(cached.read_bytes()[:200])  # cut short
-    with pytest.raises(
-        ValueError, match=f"^its token cache {cached} is damaged .*; delete the file and it is rebuilt$"
-    ):
-        load_token_stream(corpus, char_tokenizer, str(cache_dir))
-    cached.unlink()
-    assert len(load_token_stream(corpus, char_tokenizer, str(cache_dir))) == 302
-
-
-def test_a_token_cache_with_ids_outside_the_vocabulary_is_named(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
-    """Trained on, such ids failed every attempt's first step with an IndexError."""
-    corpus = Corpus(str(write_corpus(tmp_path / "corpus", {"a.txt": "abc" * 100})))
-    cache_dir = tmp_path / "cache"
-    load_token_stream(corpus, char_tokenizer, str(cache_dir))
-    (cached,) = cache_dir.glob("tokens-*.npy")
-    with open(cached, "wb") as f:
-        np.save(f, np.full(302, 128, dtype=np.uint16))
-    problem = "it holds id 128, past the tokenizer's 128 ids"
-    with pytest.raises(ValueError) as error:
-        load_token_stream(corpus, char_tokenizer, str(cache_dir))
-    assert str(error.value) == f"its token cache {cached} is damaged ({problem}); delete the file and it is rebuilt"
-    cached.unlink()
-    assert load_token_stream(corpus, char_tokenizer, str(cache_dir)).max() == ord("c")
 
 
 # --- default corpus --------------------------------------------------------
@@ -484,17 +280,24 @@ def test_default_corpus_is_python_documentation() -> None:
     assert 1_000_000 < sum(map(len, documents)) < 20_000_000
 
 
+@needs_shards
+def test_a_missing_corpus_is_named_by_its_option(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
+    argv = ["--training.dataset", str(tmp_path / "missing_corpus"), "--job.cache_dir", str(tmp_path / "cache")]
+    with pytest.raises(ConfigError, match=r"^training.dataset: .*missing_corpus"):
+        section_loader(argv, char_tokenizer)
+
+
+@needs_shards
 def test_python_docs_dataset_with_default_tokenizer(
     tmp_path: Path, session_default_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    options = dict(seq_len=64, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, cache_dir=str(tmp_path))
-    inputs, labels = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
-    assert inputs.shape == (2, 64) and torch.equal(inputs[:, 1:], labels[:, :-1])
-    assert int(inputs.max()) < session_default_tokenizer.vocab_size
+    argv = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--job.cache_dir", str(tmp_path)]
+    batch = next(iter(section_loader(argv, session_default_tokenizer)))
+    assert batch.inputs.shape == (2, 64) and torch.equal(batch.inputs[:, 1:], batch.labels[:, :-1])
+    assert int(batch.inputs.max()) < session_default_tokenizer.vocab_size
 
     def fail() -> None:
-        raise AssertionError("the cached token stream should be used")
+        raise AssertionError("the prepared token shards should be used")
 
     monkeypatch.setattr(trainer.data.corpus, "default_corpus_texts", fail)
-    cached_inputs, _ = next(iter(build_dataloader("python_docs", session_default_tokenizer, **options)))
-    assert torch.equal(cached_inputs, inputs)
+    assert torch.equal(next(iter(section_loader(argv, session_default_tokenizer))).inputs, batch.inputs)
