@@ -109,7 +109,7 @@ class SourceTokens:
         """The counts by source name, summed over the DP ranks (a collective), then zero; None with one source."""
         if len(self.names) < 2:
             return None
-        counts = self.counts.to(device)
+        counts = self.counts.to(device, copy=True)  # the count starts anew below
         if self.dims.dp_mesh is not None:
             dist.all_reduce(counts, group=self.dims.dp_mesh.get_group())
         self.counts.zero_()

@@ -61,9 +61,14 @@ def window_batch(docs: list[torch.Tensor], masking: bool) -> Batch:
     return Batch(inputs[None], labels[None], positions[None])
 
 
-def stack(batches: list[Batch]) -> Batch:
+def stack(batches: list[Batch], sources: torch.Tensor | None = None) -> Batch:
     positions = None if batches[0].positions is None else torch.cat([b.positions for b in batches])
-    return Batch(torch.cat([b.inputs for b in batches]), torch.cat([b.labels for b in batches]), positions)
+    return Batch(torch.cat([b.inputs for b in batches]), torch.cat([b.labels for b in batches]), positions, sources)
+
+
+def window_sources(windows: range, num_sources: int) -> torch.Tensor | None:
+    """With several corpora, window w comes from source w mod their count."""
+    return torch.tensor([w % num_sources for w in windows]) if num_sources > 1 else None
 
 
 class PackedDocuments:
@@ -79,8 +84,9 @@ class PackedDocuments:
         while True:
             step += 1
             batch = global_batch(step, windows, self.training.seq_len, self.vocab_size)
-            mine = batch[self.dims.dp_rank * local : (self.dims.dp_rank + 1) * local]
-            yield stack([window_batch(docs, self.masking) for docs in mine])
+            mine = range(self.dims.dp_rank * local, (self.dims.dp_rank + 1) * local)
+            sources = window_sources(mine, len(self.training.datasets))
+            yield stack([window_batch(batch[w], self.masking) for w in mine], sources)
 
 
 def packed_dataloader(option, section, training, tokenizer, parallel_dims, *, seed, cache_dir, document_masking=False):
@@ -109,6 +115,13 @@ def write_reference(trainer: Trainer) -> None:
         whole = stack([window_batch(docs, masking=False) for docs in batch])
         plain = summed_cross_entropy(model(whole.inputs), whole.labels) / (windows * config.training.seq_len)
     reference = {"loss": loss.item(), "grad_norm": grad_norm.item(), "plain_loss": plain.item()}
+    sources = window_sources(range(windows), len(config.training.datasets))
+    if sources is not None:
+        per_window = [sum(len(doc) - 1 for doc in docs) for docs in batch]
+        counts = {name: 0 for name in config.training.datasets}
+        for window, source in enumerate(sources.tolist()):
+            counts[config.training.datasets[source]] += per_window[window]
+        reference["tokens_per_source"] = counts
     with open(os.path.join(config.job.dump_folder, "reference.json"), "w") as f:
         json.dump(reference, f)
 

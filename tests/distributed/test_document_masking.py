@@ -51,7 +51,8 @@ RUNS = {
             *COMPILED,
         ],
     ),
-    "fsdp2": (2, ["--training.local_batch_size", "2", *MASKING]),
+    # Two corpora: the windows' sources, whose tokens the metrics count on all DP ranks.
+    "fsdp2": (2, ["--training.local_batch_size", "2", *MASKING, "--training.datasets", "web,code"]),
     "fsdp2_compiled": (2, ["--training.local_batch_size", "2", *MASKING, *COMPILED]),
     "simple_fsdp": (2, ["--training.local_batch_size", "2", *MASKING, *SIMPLE_FSDP]),
     "simple_fsdp_compiled": (2, ["--training.local_batch_size", "2", *MASKING, *SIMPLE_FSDP, *COMPILED]),
@@ -106,3 +107,11 @@ def test_a_packed_windows_loss_is_the_token_weighted_mean_of_its_documents_alone
 def test_without_masking_the_loss_is_the_causal_models_bitwise(run_folder):
     record, reference = step_one(run_folder("one_process_off"))
     assert record["loss"] == reference["plain_loss"]
+
+
+def test_the_metrics_count_each_sources_trained_tokens_over_the_data_parallel_ranks(run_folder):
+    """Two corpora on 2 DP ranks, each rank holding windows of both: the logged counts are the
+    global batch's trained labels per source (its documents' tokens less their first)."""
+    record, reference = step_one(run_folder("fsdp2"))
+    assert record["tokens_per_source"] == reference["tokens_per_source"]
+    assert sum(reference["tokens_per_source"].values()) < 4 * 64  # ignored labels are not counted

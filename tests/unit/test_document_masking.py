@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from config.job_config import Compile, Training
-from models.builder import document_masking
+from config.job_config import Compile, Training, Validation
+from models.builder import BuiltModel, document_masking
 from models.llama3 import Transformer, TransformerModelArgs, llama3_flavors
 from models.llama3.model import Attention, apply_rotary_emb, attend, causal_attention, document_mask
 from parallelisms.device import document_kernel
 from parallelisms.parallel_dims import ParallelDims
-from trainer.data.batch import IGNORE_INDEX
-from trainer.loss import Loss, trained_labels
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.loss import Loss, summed_cross_entropy, trained_labels
+from trainer.validate import Validator
 
 ARGS = TransformerModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=48)
 DOC_LENGTHS = (17, 12, 19)  # one window of 48 tokens: three documents
@@ -286,3 +287,21 @@ def test_the_trainer_decides_masking(setting, dataset_format, flavor, expected, 
 )
 def test_torchtitans_block_causal_flavors_are_their_base_with_document_masking(masked, base):
     assert llama3_flavors[masked] == dataclasses.replace(llama3_flavors[base], attn_mask_type="block_causal")
+
+
+@pytest.mark.parametrize("ignores_labels", [True, False])
+def test_validation_averages_over_the_trained_labels(ignores_labels: bool):
+    """With labels that can be ignored, the mean over the trained ones; otherwise over every label,
+    as the division by the token count is written."""
+    net = model()
+    batches = [Batch(*packed(documents(seed))) for seed in (1, 2)]
+    if not ignores_labels:
+        batches = [Batch(b.inputs, b.inputs.roll(-1, dims=1)) for b in batches]
+    loss = Loss(1, ONE_RANK, Compile(), enable_loss_parallel=False, ignores_labels=ignores_labels)
+    validator = Validator(Validation(enable=False, steps=2), lambda: iter(batches), dp_degree=1, loss=loss)
+    built = BuiltModel([net], ARGS, 1.0, torch.float32, autocast=False)
+    with torch.no_grad():
+        summed = sum(summed_cross_entropy(net(b.inputs, positions=b.positions), b.labels) for b in batches)
+        expected = summed / sum(trained_labels(b.labels) if ignores_labels else b.labels.numel() for b in batches)
+        got = validator.validate(built, torch.device("cpu"), step=1)
+    assert torch.equal(got, expected) if not ignores_labels else torch.allclose(got, expected, rtol=1e-6)
