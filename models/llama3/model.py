@@ -7,7 +7,6 @@ model's parameter names; built on the meta device, ``init_weights`` fills it aft
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -189,11 +188,9 @@ def document_mask(positions: torch.Tensor, kernel: DocumentKernel) -> DocumentMa
     return create_block_mask(same_document_causal, batch, None, seqlen, seqlen, device=positions.device)
 
 
-@functools.cache
-def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    # Eager flex attention runs an unfused reference that holds every score; compiled, it is the
-    # fused kernel that skips the blocks the mask empties (inlined where the model is compiled).
-    return torch.compile(flex_attention)
+# Eager flex attention runs an unfused reference that holds every score; compiled, it is the fused
+# kernel that skips the blocks the mask empties.
+_compiled_flex_attention = torch.compile(flex_attention)
 
 
 def attend(
@@ -203,7 +200,9 @@ def attend(
     if mask is None:
         return causal_attention(q, k, v, query_chunk)
     if isinstance(mask, BlockMask):
-        return _compiled_flex_attention()(q, k, v, block_mask=mask)
+        # A compiled model traces flex attention into its own graph.
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
+        return flex(q, k, v, block_mask=mask)
     seqlen = q.shape[-2]
     if query_chunk is None or seqlen <= query_chunk:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
