@@ -156,7 +156,9 @@ class Attention(nn.Module):
         out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         if self.attention_dtype is None or self.attention_dtype == v.dtype:
             return attend(q, k, v, self.query_chunk, mask)
         dtype = self.attention_dtype
