@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config.job_config import JobConfig
+from config.job_config import JobConfig, Training
 from models.registry import get_flavor, get_model_spec
 from parallelisms.bucketing import BucketingPass
-from parallelisms.device import attention_dtype, causal_query_chunk, fast_bfloat16
+from parallelisms.device import attention_dtype, causal_query_chunk, document_kernel, fast_bfloat16
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import Schedule
 from parallelisms.tensor_parallel import local_loss
@@ -40,13 +40,18 @@ class BuiltModel:
     has_first_stage: bool = True
     has_last_stage: bool = True
 
-    def run_pipeline(self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool) -> torch.Tensor:
-        """Runs the schedule: the sum of the microbatches' losses on the last stage's rank, zero elsewhere."""
+    def run_pipeline(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Runs the schedule: the sum of the microbatches' losses on the last stage's rank, zero elsewhere.
+        ``positions`` (document masking) reach every stage's forward, split into microbatches as the inputs."""
         losses: list[torch.Tensor] = []
         stage_inputs = (inputs,) if self.has_first_stage else ()
         targets = labels if self.has_last_stage else None
         run = self.schedule.step if train else self.schedule.eval
-        run(*stage_inputs, target=targets, losses=losses, return_outputs=False)
+        # torch's schedules hand keyword arguments to every stage, not only the first.
+        keywords = {} if positions is None else {"positions": positions}
+        run(*stage_inputs, target=targets, losses=losses, return_outputs=False, **keywords)
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([local_loss(loss.detach()) for loss in losses]).sum()
@@ -98,6 +103,22 @@ def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
         logger.info("mixed precision: gradients reduced in %s", reduce)
 
 
+def document_masking(training: Training, args: Any) -> bool:
+    """Whether packed documents are kept apart: training.document_masking on, or auto with chat data
+    or a flavor whose attention is block-causal (torchtitan's flex and varlen ones)."""
+    block_causal = getattr(args, "attn_mask_type", "causal") == "block_causal"
+    if training.document_masking == "off" and block_causal:
+        logger.info(
+            "training.document_masking off: the flavor's block-causal attention is off, packed documents see each other"
+        )
+    masking = training.document_masking == "on" or (
+        training.document_masking == "auto" and (training.dataset_format == "chat" or block_causal)
+    )
+    if masking:
+        logger.info("document masking: packed documents attend within themselves, positions restart per document")
+    return masking
+
+
 def build_model(
     config: JobConfig,
     parallel_dims: ParallelDims,
@@ -127,7 +148,7 @@ def build_model(
             f"attention over queries in chunks of {query_chunk} at seq {config.training.seq_len}: faster than "
             f"{device.type}'s causal kernel, which masks keys it could skip"
         )
-    model.configure_attention(upcast, query_chunk)
+    model.configure_attention(upcast, query_chunk, document_kernel(device.type))
     _log_precision(config, parallel_dims)
     # Without a casting wrapper autocast casts the matmuls; weights in the compute dtype need neither.
     casts = wrapper_casts_parameters(config, parallel_dims) or compute_dtype == getattr(torch, config.training.dtype)

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -162,6 +163,16 @@ def causal_query_chunk(device_type: str, seq_len: int) -> int | None:
     if device_type == "cpu" and 128 < seq_len <= 512:
         return 128
     return None
+
+
+DocumentKernel = Literal["sdpa", "flex"]
+
+
+def document_kernel(device_type: str) -> DocumentKernel:
+    """How attention keeps packed documents apart on ``device_type``. On CUDA, flex attention with a
+    block mask, whose kernel skips the blocks between documents. Elsewhere, SDPA with a boolean
+    block-diagonal causal mask: torch 2.13's flex attention has no CPU backward."""
+    return "flex" if device_type == "cuda" else "sdpa"
 
 
 def pinned_memory_available() -> bool:

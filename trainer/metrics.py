@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from config.errors import ConfigError, first_line
 from config.job_config import METRICS_FILE, VALIDATION_FILE
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
+from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.folders import free_path
 
 logger = logging.getLogger(__name__)
@@ -76,9 +78,42 @@ class ThroughputTracker:
         return summary
 
 
-def tokens_of_this_rank(microbatches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> int:
-    """This rank's share: a TP group's and a pipeline's ranks all see their DP rank's batch (as torchtitan counts)."""
-    return sum(x.numel() for x, _ in microbatches) // (dims.pp * dims.tp)
+def tokens_of_this_rank(microbatches: list[Batch], dims: ParallelDims) -> int:
+    """This rank's share of the trained labels (those not ``IGNORE_INDEX``): a TP group's and a
+    pipeline's ranks all see their DP rank's batch (as torchtitan counts)."""
+    return sum(int((batch.labels != IGNORE_INDEX).sum()) for batch in microbatches) // (dims.pp * dims.tp)
+
+
+def tokens_per_source(microbatches: list[Batch], num_sources: int) -> torch.Tensor:
+    """This DP rank's trained labels of each source (int64 [num_sources]), from ``Batch.sources``."""
+    counts = torch.zeros(num_sources, dtype=torch.int64)
+    for batch in microbatches:
+        per_window = (batch.labels != IGNORE_INDEX).sum(dim=1).cpu()
+        counts.index_add_(0, batch.sources.cpu(), per_window)
+    return counts
+
+
+class SourceTokens:
+    """The trained labels of each source on all DP ranks since the last log, with several corpora."""
+
+    def __init__(self, names: list[str], dims: ParallelDims) -> None:
+        self.names = list(names)
+        self.dims = dims
+        self.counts = torch.zeros(len(self.names), dtype=torch.int64)
+
+    def add(self, microbatches: list[Batch]) -> None:
+        if microbatches[0].sources is not None:
+            self.counts += tokens_per_source(microbatches, len(self.names))
+
+    def take(self, device: torch.device) -> dict[str, int] | None:
+        """The counts by source name, summed over the DP ranks (a collective), then zero; None with one source."""
+        if len(self.names) < 2:
+            return None
+        counts = self.counts.to(device, copy=True)  # the count starts anew below
+        if self.dims.dp_mesh is not None:
+            dist.all_reduce(counts, group=self.dims.dp_mesh.get_group())
+        self.counts.zero_()
+        return dict(zip(self.names, counts.tolist()))
 
 
 def format_duration(seconds: float) -> str:
@@ -151,7 +186,12 @@ _METRICS = {
 
 
 def format_step_line(
-    step: int, total_steps: int | None, values: dict[str, float], elapsed: float, eta: float | None
+    step: int,
+    total_steps: int | None,
+    values: dict[str, float],
+    elapsed: float,
+    eta: float | None,
+    source_tokens: dict[str, int] | None = None,
 ) -> str:
     """The console line of a logged step, without an unknown MFU (NaN) or ETA."""
     fields = [f"step {step}/{total_steps} ({100 * step // total_steps}%)" if total_steps else f"step {step}"]
@@ -160,6 +200,8 @@ def format_step_line(
             field = "tflops/rank {:.0f}"
         if key != "mfu" or math.isfinite(values[key]):
             fields.append(field.format(values[key]))
+    if source_tokens:
+        fields.append("tokens " + ", ".join(f"{name} {count:,}" for name, count in source_tokens.items()))
     fields.append(f"elapsed {format_duration(elapsed)}")
     if eta is not None:
         fields.append(f"eta {format_duration(eta)}")
@@ -326,20 +368,24 @@ class MetricsLogger:
         """Every completed step, logged or not: the ETA and the summary."""
         self.progress.step_done(step, loss)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], source_tokens: dict[str, int] | None = None) -> None:
+        """``source_tokens``: the global trained labels of each source (by name) since the last log."""
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         values = {key: float(metrics[key]) for key in _METRICS}
         if self.enabled:
             elapsed = self.progress.elapsed()
-            line = format_step_line(step, self.progress.total_steps, values, elapsed, self.progress.eta())
-            logger.info("%s", line)
+            eta = self.progress.eta()
+            logger.info("%s", format_step_line(step, self.progress.total_steps, values, elapsed, eta, source_tokens))
             record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
+            if source_tokens:
+                record["tokens_per_source"] = source_tokens
             self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
             self._jsonl.flush()  # a crash must not lose the lines before it
 
         # No MFU point when the peak is unknown.
         scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
+        scalars.update({f"tokens_per_source/{name}": count for name, count in (source_tokens or {}).items()})
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, step)

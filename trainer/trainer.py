@@ -18,7 +18,7 @@ from config.errors import ConfigError, user_input
 from config.job_config import RESOLVED_CONFIG_FILE, RESOLVED_CONFIG_HEADER, JobConfig
 from config.manager import to_toml
 from config.rules import batch_layout
-from models.builder import build_model
+from models.builder import build_model, document_masking
 from models.sizes import job_model_args
 from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
@@ -26,20 +26,28 @@ from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint.hf import job_export_assets
 from trainer.checkpoint.manager import CheckpointManager, TrainState
+from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
 from trainer.loss import Loss
-from trainer.metrics import MetricsLogger, ThroughputTracker, log_peak, peak_memory_gib, tokens_of_this_rank
+from trainer.metrics import (
+    MetricsLogger,
+    SourceTokens,
+    ThroughputTracker,
+    log_peak,
+    peak_memory_gib,
+    tokens_of_this_rank,
+)
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.validate import Validator, validation_due
 
 logger = logging.getLogger(__name__)
 
-Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+Microbatches = list[Batch]
 
 
 class NonFiniteError(RuntimeError):
@@ -61,22 +69,30 @@ class Trainer:
         self.parallel_dims.build_mesh(self.device.type)
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.parallel_dims.dp_degree)
         tokens_per_step = self.global_batch_size * config.training.seq_len
-        self.loss = Loss(tokens_per_step, self.parallel_dims, config.compile, config.parallelism.enable_loss_parallel)
         self._write_resolved_config()
 
         with user_input("model.tokenizer_path"):
             self.tokenizer = build_tokenizer(
                 config.model.tokenizer_path, config.job.cache_dir, config.model.default_tokenizer_vocab_size
             )
+        args = job_model_args(config, self.tokenizer.vocab_size)
+        masking = document_masking(config.training, args)
+        # The model's attention follows the decision (a block-causal flavor with masking off is causal).
+        args = dataclasses.replace(args, attn_mask_type="block_causal" if masking else "causal")
+        ignores_labels = masking or config.training.dataset_format == "chat"
+        parallel = config.parallelism
+        self.loss = Loss(
+            tokens_per_step, self.parallel_dims, config.compile, parallel.enable_loss_parallel, ignores_labels
+        )
         data = functools.partial(
             config_dataloader,
             training=config.training,
             tokenizer=self.tokenizer,
             parallel_dims=self.parallel_dims,
             cache_dir=config.job.cache_dir,
+            document_masking=masking,
         )
         self.dataloader = data("training.dataset", config.training, seed=config.debug.seed)
-        args = job_model_args(config, self.tokenizer.vocab_size)
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
             config.optimizer, config.lr_scheduler, config.training, self.model.parts
@@ -90,6 +106,7 @@ class Trainer:
         self.metrics = self._build_metrics(tokens_per_step)
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
+        self.source_tokens = SourceTokens(config.training.datasets, self.parallel_dims)
         # Another seed than training's: other windows of the same corpus.
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
         self.validator = Validator(config.validation, validation_data, self.parallel_dims.dp_degree, self.loss)
@@ -165,15 +182,16 @@ class Trainer:
                 "over with --checkpoint.exclude_from_loading dataloader"
             ) from None
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one microbatch; returns this rank's share of the global-batch mean."""
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward of one microbatch (on the device); returns this rank's share of the
+        global-batch mean. ``loss.start_step`` comes first in the step."""
         if self.model.schedule is not None:
             # The schedule computes the loss and its backward inside its step.
             with self.loss.context():
-                return self.model.run_pipeline(inputs, labels, train=True)
-        logits = self.model.parts[0](inputs)
+                return self.model.run_pipeline(batch.inputs, batch.labels, train=True, positions=batch.positions)
+        logits = self.model.parts[0](batch.inputs, positions=batch.positions)
         with self.loss.context():
-            loss = self.loss(logits, labels)
+            loss = self.loss(logits, batch.labels)
             loss.backward()
         return local_loss(loss.detach())
 
@@ -181,9 +199,10 @@ class Trainer:
         """Forward/backward, clip, update; a non-finite loss or norm leaves the model untouched (but in backward)."""
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.zero_grad()
+        self.loss.start_step([batch.labels for batch in microbatches], self.device)
         if isinstance(self.optimizer, OptimizerInBackward):
             return self._train_step_updating_in_backward(microbatches, lr)
-        loss = sum(self.forward_backward(x.to(self.device), y.to(self.device)) for x, y in microbatches)
+        loss = sum(self.forward_backward(batch.to(self.device)) for batch in microbatches)
         params = [p for part in self.model.parts for p in part.parameters() if p.grad is not None]
         self.failures.poison(params)
         max_norm = self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf")
@@ -202,9 +221,9 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # the updates start in this step's backward
         losses = []
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, batch in enumerate(microbatches):
             self.optimizer.stepping = i == len(microbatches) - 1
-            losses.append(self.forward_backward(inputs.to(self.device), labels.to(self.device)))
+            losses.append(self.forward_backward(batch.to(self.device)))
         grad_norm = self.optimizer.grad_norm()
         self.optimizer.step()  # nothing left to update; the schedule counts it
         self.lr_scheduler.step()
@@ -292,10 +311,12 @@ class Trainer:
     def _after_step(self, step_metrics: dict[str, float], microbatches: Microbatches, log: bool) -> None:
         step, config = self.step, self.config
         self.throughput.add_tokens(tokens_of_this_rank(microbatches, self.parallel_dims))
+        self.source_tokens.add(microbatches)
         self.metrics.step_done(step, step_metrics["loss"])
         if log or step % config.metrics.log_freq == 0 or step == config.training.steps:
             summary = self.throughput.summarize(self.model.flops_per_token, self.peak_flops)
-            self.metrics.log(step, {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)})
+            values = {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)}
+            self.metrics.log(step, values, self.source_tokens.take(self.device))
         if self.checkpointer is not None:
             self.checkpointer.save(step, config.training.steps)
         if config.validation.enable and validation_due(step, config.validation.freq):

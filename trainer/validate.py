@@ -13,7 +13,7 @@ from config.errors import first_line
 from config.job_config import Validation
 from models.builder import BuiltModel
 from parallelisms.tensor_parallel import local_loss
-from trainer.loss import Loss
+from trainer.loss import Loss, trained_labels
 from trainer.out_of_memory import is_out_of_memory, out_of_memory_error
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class Validator:
                 )
 
     def validate(self, model: BuiltModel, device: torch.device, step: int) -> torch.Tensor:
-        """This rank's share of the global mean token loss after ``step``."""
+        """This rank's share of the global mean token loss after ``step`` (over the trained labels
+        where labels can be ignored)."""
         try:
             return self._mean_loss(model, device)
         except RuntimeError as e:
@@ -59,18 +60,25 @@ class Validator:
         for part in model.parts:
             part.eval()
         total = torch.zeros((), device=device)
-        tokens = 0
-        for _, (inputs, labels) in zip(range(self.steps), loader):
-            inputs, labels = inputs.to(device), labels.to(device)
+        tokens = trained = 0
+        for _, batch in zip(range(self.steps), loader):
+            batch = batch.to(device)
             if model.schedule is not None:
                 with self.loss.context():
-                    # The pipeline's loss is over the training batch's token count: back to a sum.
-                    total += model.run_pipeline(inputs, labels, train=False) * self.loss.tokens_per_step
+                    # The pipeline's loss is over the training step's divisor: back to a sum.
+                    pipeline_loss = model.run_pipeline(
+                        batch.inputs, batch.labels, train=False, positions=batch.positions
+                    )
+                    total += pipeline_loss * self.loss.divisor
             else:
-                logits = model.parts[0](inputs)
+                logits = model.parts[0](batch.inputs, positions=batch.positions)
                 with self.loss.context():
-                    total += local_loss(self.loss.summed(logits, labels))
-            tokens += labels.numel()
+                    total += local_loss(self.loss.summed(logits, batch.labels))
+            tokens += batch.labels.numel()
+            if self.loss.ignores_labels:
+                trained += trained_labels(batch.labels)
         for part in model.parts:
             part.train()
+        if self.loss.ignores_labels:
+            return total / max(1, self.loss.global_count(trained, device))
         return total / (tokens * self.dp_degree)

@@ -25,6 +25,14 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(
         dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
+    # torchtitan's names of the debug model with packed documents kept apart (its flex and varlen
+    # kernels; here the device picks the kernel).
+    "debugmodel_flex_attn": TransformerModelArgs(
+        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, attn_mask_type="block_causal"
+    ),
+    "debugmodel_varlen_attn": TransformerModelArgs(
+        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, attn_mask_type="block_causal"
+    ),
     "debugmodel_wide": TransformerModelArgs(
         dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
@@ -36,6 +44,24 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, **_LLAMA32),
     "3B": TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, **_LLAMA32),
     "8B": TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31),
+    "8B_flex": TransformerModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        attn_mask_type="block_causal",
+        **_LLAMA31,
+    ),
+    "8B_varlen": TransformerModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        attn_mask_type="block_causal",
+        **_LLAMA31,
+    ),
     "70B": TransformerModelArgs(
         dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31
     ),

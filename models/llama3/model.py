@@ -11,13 +11,16 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from parallelisms.device import DocumentKernel
 from parallelisms.names import clean_name
 
 INIT_STD = 0.02
@@ -53,6 +56,8 @@ class TransformerModelArgs:
     tie_word_embeddings: bool = False
     depth_init: bool = True
     """Scale the init std of wo/w2 by each layer's depth instead of by the total layer count."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """block_causal: packed documents attend only within themselves (``forward``'s ``positions``)."""
 
     @property
     def head_dim(self) -> int:
@@ -87,21 +92,31 @@ def precompute_rope_cache(args: TransformerModelArgs, device: torch.device | Non
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
+def _rope_angles(rope_cache: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin in float32, shaped to broadcast over [batch, seqlen, heads, head_dim // 2]: from
+    the table's first ``seqlen`` rows, or from a per-token table [batch, seqlen, head_dim] (rows
+    gathered at each token's position)."""
+    if rope_cache.dim() == 3:
+        cos, sin = rope_cache.float().chunk(2, dim=-1)
+        return cos[:, :, None, :], sin[:, :, None, :]
+    cos, sin = rope_cache[:seqlen].float().chunk(2, dim=-1)
+    return cos[None, :, None, :], sin[None, :, None, :]
+
+
 def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     """Rotates each interleaved (even, odd) feature pair of ``x`` [batch, seqlen, heads, head_dim]
     (Meta's pairing) by its position's angle, in float32 whatever the dtypes (bf16 under mixed
-    precision), cast back to ``x.dtype``."""
-    seqlen = x.shape[1]
-    cos, sin = rope_cache[:seqlen].float().chunk(2, dim=-1)
+    precision), cast back to ``x.dtype``. ``rope_cache``: the table (positions 0, 1, ...) or one
+    row per token (see ``_rope_angles``)."""
+    cos, sin = _rope_angles(rope_cache, x.shape[1])
     if torch.compiler.is_compiling():
         # Inductor generates no code for complex operators (and a nested compile region's backward
         # cannot hold them): spelt out in real operations, it fuses the rotation. The same bits.
         pairs = x.float().unflatten(-1, (-1, 2))
         a, b = pairs[..., 0], pairs[..., 1]
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
     # One complex multiply: on a CPU 7x faster, forward and backward, than real multiplies and a stack.
-    rotation = torch.complex(cos, sin)[None, :, None, :]
+    rotation = torch.complex(cos, sin)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
@@ -122,7 +137,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        """``mask`` (``document_mask``): attention within each packed document; None: causal."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism only this rank's heads are present.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -137,17 +153,68 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
 
-        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         if self.attention_dtype is None or self.attention_dtype == v.dtype:
-            return causal_attention(q, k, v, self.query_chunk)
+            return attend(q, k, v, self.query_chunk, mask)
         dtype = self.attention_dtype
         # Autocast would cast the inputs back to its own dtype.
         with torch.autocast(v.device.type, enabled=False):
-            out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.query_chunk)
+            out = attend(q.to(dtype), k.to(dtype), v.to(dtype), self.query_chunk, mask)
         return out.to(v.dtype)
+
+
+# What keeps packed documents apart: a boolean [batch, 1, seq, seq] mask (True: may attend) for SDPA,
+# or flex attention's BlockMask (see ``document_mask``).
+DocumentMask = torch.Tensor | BlockMask
+
+
+def document_mask(positions: torch.Tensor, kernel: DocumentKernel) -> DocumentMask:
+    """Block-causal attention of packed documents, for ``kernel``: a query sees the keys of its own
+    document up to itself. A document starts where ``positions`` [batch, seq] is 0 (a window's
+    first tokens may continue one begun before it)."""
+    documents = (positions == 0).cumsum(dim=1)
+    if kernel == "sdpa":
+        seqlen = positions.shape[1]
+        causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=positions.device).tril()
+        return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    batch, seqlen = positions.shape
+    return create_block_mask(same_document_causal, batch, None, seqlen, seqlen, device=positions.device)
+
+
+# Eager flex attention runs an unfused reference that holds every score; compiled, it is the fused
+# kernel that skips the blocks the mask empties.
+_compiled_flex_attention = torch.compile(flex_attention)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None, mask: DocumentMask | None
+) -> torch.Tensor:
+    """Attention over [batch, heads, seq, head_dim]: causal without ``mask``, else within documents."""
+    if mask is None:
+        return causal_attention(q, k, v, query_chunk)
+    if isinstance(mask, BlockMask):
+        # A compiled model traces flex attention into its own graph.
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
+        return flex(q, k, v, block_mask=mask)
+    seqlen = q.shape[-2]
+    if query_chunk is None or seqlen <= query_chunk:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # As causal_attention: rows start .. stop see no key past stop.
+    outputs = []
+    for start in range(0, seqlen, query_chunk):
+        stop = min(start + query_chunk, seqlen)
+        rows, keys, values = q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :]
+        outputs.append(F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask[..., start:stop, :stop]))
+    return torch.cat(outputs, dim=-2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None) -> torch.Tensor:
@@ -201,8 +268,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        if mask is None:
+            h = x + self.attention(self.attention_norm(x), rope_cache)
+        else:
+            # A keyword: tensor parallel's plan and compile regions take attention's two positional inputs.
+            h = x + self.attention(self.attention_norm(x), rope_cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -238,19 +309,37 @@ class Transformer(nn.Module):
             # One parameter under two names: state dicts list both, named_parameters() one.
             self.output.weight = self.tok_embeddings.weight
 
-    def configure_attention(self, dtype: torch.dtype | None, query_chunk: int | None) -> None:
-        """Attention in ``dtype`` (None: its inputs'), queries in chunks of ``query_chunk`` rows."""
+    # The kernel that keeps packed documents apart (``parallelisms.device.document_kernel``).
+    document_kernel: DocumentKernel = "sdpa"
+
+    def configure_attention(
+        self, dtype: torch.dtype | None, query_chunk: int | None, document_kernel: DocumentKernel = "sdpa"
+    ) -> None:
+        """Attention in ``dtype`` (None: its inputs'), queries in chunks of ``query_chunk`` rows,
+        packed documents kept apart by ``document_kernel``."""
+        self.document_kernel = document_kernel
         for layer in self.layers.values():
             layer.attention.attention_dtype = dtype
             layer.attention.query_chunk = query_chunk
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens`` [batch, seq] (hidden states in and out on a pipeline stage without
+        the embedding or output). With ``positions`` [batch, seq], each token's position in its
+        document (0 where one starts), RoPE takes those positions and attention stays inside each
+        document; without, positions are 0, 1, ... and attention is causal over the whole sequence."""
         seqlen = tokens.shape[1]
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+        if positions is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope_cache)
+        else:
+            # Built once for all blocks: the rotary rows at each token's position, and the mask.
+            rope_rows = self.rope_cache[positions]
+            mask = document_mask(positions, self.document_kernel)
+            for layer in self.layers.values():
+                h = layer(h, rope_rows, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -72,6 +72,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         and not parallel_dims.tp_enabled
         and config.activation_checkpoint.mode == "none"
         and first is not None
+        # A region takes attention's positional inputs; the document mask comes as a keyword.
+        and model.args.attn_mask_type == "causal"
     )
     templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
     if parallel_dims.tp_enabled:

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from parallelisms import device
 from parallelisms.device import PeakFlops, device_peak, device_peak_flops, reset_peak_memory
 from parallelisms.parallel_dims import ParallelDims
+from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.metrics import (
     MetricsLogger,
     RunProgress,
@@ -26,6 +27,7 @@ from trainer.metrics import (
     log_peak,
     peak_memory_gib,
     tokens_of_this_rank,
+    tokens_per_source,
 )
 
 _JSONL_KEYS = {
@@ -259,9 +261,36 @@ def test_a_rank_counts_its_share_of_the_tokens_its_tensor_and_pipeline_peers_see
     """Every rank of a tensor-parallel group (and of a pipeline) sees its data-parallel rank's
     whole batch, two microbatches of 2 x 128 here: tokens/s per rank count 1/(tp x pp) of it, or
     a TP rank's tokens/s and MFU would read tp times too high."""
-    batch = [(torch.zeros(2, 128, dtype=torch.long), torch.zeros(2, 128, dtype=torch.long))] * 2
+    batch = [Batch(torch.zeros(2, 128, dtype=torch.long), torch.zeros(2, 128, dtype=torch.long))] * 2
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=tp, pp=pp, world_size=2 * tp * pp)
     assert tokens_of_this_rank(batch, dims) == share
+
+
+def test_tokens_count_the_trained_labels_in_all_and_per_source() -> None:
+    """Ignored labels (a chat's prompts, a document's last token) feed neither tokens/s nor MFU."""
+    labels = torch.tensor([[1, IGNORE_INDEX, 2, 3], [IGNORE_INDEX, IGNORE_INDEX, 4, 5], [6, 7, 8, 9]])
+    batch = Batch(torch.zeros(3, 4, dtype=torch.long), labels, sources=torch.tensor([2, 0, 2]))
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    assert tokens_of_this_rank([batch, batch], dims) == 2 * 9
+    assert tokens_per_source([batch, batch], 3).tolist() == [4, 0, 14]
+
+
+def test_tokens_per_source_go_to_the_console_jsonl_and_tensorboard(tmp_path: Path, caplog) -> None:
+    metrics_logger = MetricsLogger(
+        str(tmp_path), enable=True, enable_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"), total_steps=4
+    )
+    per_source = {"web.jsonl": 1200, "code.jsonl": 34}
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        metrics_logger.start(0)
+        metrics_logger.step_done(1, 2.0)
+        metrics_logger.log(1, _step_metrics(1), per_source)
+    metrics_logger.close()
+    assert "| tokens web.jsonl 1,200, code.jsonl 34" in caplog.text
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["tokens_per_source"] == per_source
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert [event.value for event in accumulator.Scalars("tokens_per_source/code.jsonl")] == [34]
 
 
 def test_throughput_without_a_peak_has_no_mfu() -> None:
