@@ -82,7 +82,7 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
     trainer = Trainer(load_config(config_args))
     batches = iter(trainer.dataloader)
     trainer.train_step([next(batches) for _ in range(trainer.grad_accum_steps)])
-    inputs, labels = next(batches)
+    batch = next(batches)
     trainer.step = 1
     norm = weight_norm(trainer)
     sync = trainer.checkpointer
@@ -113,7 +113,7 @@ def run(root: str, out: str, repeats: int, overrides: list[str]) -> None:
         blocked = slowest(lambda: background.write(1))
         # Training goes on with the next forward and backward while the state is copied; only the
         # update after them waits for the copy. (Gradients only: the weights stay those saved.)
-        compute = slowest(lambda: trainer.forward_backward(inputs, labels))
+        compute = slowest(lambda: trainer.forward_backward(batch))
         blocked += slowest(background.wait_for_staging)
         times["async_blocked"].append(blocked)
         times["async_total"].append(blocked + compute + slowest(background.wait))

@@ -349,7 +349,7 @@ def interleaved_steps(trainers: dict[str, Trainer], warmup: int, steps: int) -> 
             measured[name]["step_times_s"].append(time.perf_counter() - start)
     gc.enable()
     for name, m in measured.items():
-        m["tokens"] = sum(x.numel() for x, _ in batches[name][0])
+        m["tokens"] = sum(batch.inputs.numel() for batch in batches[name][0])
     return measured
 
 
