@@ -281,7 +281,7 @@ class _ShardWriter:
 
     def _write_ones(self, count: int) -> None:
         block = np.ones(min(count, 2**20), np.uint8)
-        for start in range(0, count, len(block)):
+        for start in range(0, count, 2**20):
             self._files["mask"].write(block[: count - start].tobytes())
 
     def finish(self) -> None:
