@@ -112,6 +112,18 @@ def test_one_and_two_workers_write_the_same_shards(
     assert np.array_equal(two.tokens(0, two.num_tokens), framed(session_default_tokenizer, texts))
 
 
+def test_a_small_corpus_is_cut_finer_at_newlines(tmp_path: Path) -> None:
+    """Under 64 pieces of PIECE_BYTES, pieces shrink to MIN_PIECE_BYTES: both processes get work."""
+    jsonl_corpus(tmp_path / "a.jsonl", count=30_000)
+    data = (tmp_path / "a.jsonl").read_bytes()
+    pieces = corpus_module.corpus_pieces(Corpus(str(tmp_path / "a.jsonl")))
+    assert len(pieces) == len(data) // corpus_module.MIN_PIECE_BYTES + 1
+    assert [(p.start, p.stop) for p in pieces] == list(
+        zip([0] + [p.stop for p in pieces[:-1]], [p.stop for p in pieces])
+    )
+    assert pieces[-1].stop == len(data) and all(data[p.start - 1] == ord("\n") for p in pieces[1:])
+
+
 def test_windows_across_shards(tmp_path: Path, char_tokenizer: CharTokenizer, small_pieces) -> None:
     texts = jsonl_corpus(tmp_path / "a.jsonl")
     tokens = prepare_tokens(Corpus(str(tmp_path / "a.jsonl")), TextEncoder(char_tokenizer), str(tmp_path), workers=1)
@@ -218,6 +230,7 @@ def test_a_piece_is_read_and_encoded_in_batches(
 ) -> None:
     """One piece of 4 MB: what preparation holds at once is a batch, far below the corpus."""
     monkeypatch.setattr(corpus_module, "BATCH_BYTES", 2**14)
+    monkeypatch.setattr(corpus_module, "MIN_PIECE_BYTES", 2**30)
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"text": f"line {i} " + "x" * 190}) + "\n" for i in range(20_000)))
     assert len(corpus_module.corpus_pieces(Corpus(str(path)))) == 1

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 from config.errors import first_few, first_line, typed_first_line
 from config.job_config import Training, Validation
@@ -40,14 +40,16 @@ TORCHTITAN_DATASETS = {
     "c4_test": ("tests/assets/c4_test", "", "train"),
 }
 _HUB_TIMEOUT_S = 10
-# Each piece of a corpus becomes one token shard: .jsonl files cut at newlines into about this many
-# bytes, consecutive .txt files grouped up to it.
+# Each piece of a corpus becomes one token shard: .jsonl files cut at newlines into pieces of about
+# PIECE_BYTES, consecutive .txt files grouped up to it; a corpus under 64 pieces of that size is cut
+# finer (down to MIN_PIECE_BYTES), so that every preparing process has work until the end.
 PIECE_BYTES = 64 * 2**20
+MIN_PIECE_BYTES = 2**20
+_PIECES_AT_LEAST = 64
 # Records are read and encoded in batches of about this many bytes or this many records: memory stays
 # bounded whatever a piece's size.
 BATCH_BYTES = 2**20
 BATCH_RECORDS = 256
-_SCAN_BYTES = 2**16
 
 # Folders of the standard library that hold tests, test data or third-party code.
 _SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -242,11 +244,14 @@ def corpus_pieces(corpus: Corpus) -> list[Piece]:
     pieces: list[Piece] = []
     texts: list[str] = []
     text_bytes = 0
-    for path in local_corpus_files(corpus.dataset):
+    files = local_corpus_files(corpus.dataset)
+    total = sum(path.stat().st_size for path in files)
+    piece_bytes = min(PIECE_BYTES, max(total // _PIECES_AT_LEAST, MIN_PIECE_BYTES))
+    for path in files:
         if path.suffix == ".txt":
             texts.append(str(path))
             text_bytes += path.stat().st_size
-            if text_bytes < PIECE_BYTES:
+            if text_bytes < piece_bytes:
                 continue
         if texts:
             pieces.append(Piece("txt", tuple(texts)))
@@ -254,33 +259,24 @@ def corpus_pieces(corpus: Corpus) -> list[Piece]:
         if corpus_suffix(path) in DATASETS_BUILDERS:
             pieces.append(Piece("datasets", (str(path),)))
         elif path.suffix == ".jsonl":
-            pieces += [Piece("jsonl", (str(path),), start, stop) for start, stop in _line_ranges(path)]
+            pieces += [Piece("jsonl", (str(path),), start, stop) for start, stop in _line_ranges(path, piece_bytes)]
     if texts:
         pieces.append(Piece("txt", tuple(texts)))
     return pieces
 
 
-def _line_ranges(path: Path) -> list[tuple[int, int]]:
-    """Byte ranges of about PIECE_BYTES, each ending after a newline (or at the end of the file)."""
+def _line_ranges(path: Path, piece_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges of about ``piece_bytes``, each ending after a newline (or at the end of the file)."""
     size = path.stat().st_size
     cuts = [0]
     with open(path, "rb") as f:
-        for target in range(PIECE_BYTES, size, PIECE_BYTES):
+        for target in range(piece_bytes, size, piece_bytes):
             if target > cuts[-1]:  # else a line longer than a piece covers it
-                cuts.append(_next_line_start(f, target, size))
+                f.seek(target - 1)  # a newline just before ``target`` cuts there
+                f.readline()
+                cuts.append(f.tell())
     cuts.append(size)
     return [(start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start]
-
-
-def _next_line_start(f: BinaryIO, position: int, size: int) -> int:
-    f.seek(position - 1)  # a newline just before ``position`` cuts there
-    offset = position - 1
-    while block := f.read(_SCAN_BYTES):
-        newline = block.find(b"\n")
-        if newline >= 0:
-            return offset + newline + 1
-        offset += len(block)
-    return size
 
 
 def piece_batches(piece: Piece, field: str, *, text: bool) -> Iterator[RecordBatch]:
