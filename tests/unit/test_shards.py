@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,30 @@ def test_an_interrupted_preparation_keeps_its_complete_shards(
     for name, stat in kept.items():
         now = os.stat(Path(folder, name))
         assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), name
+    assert np.array_equal(tokens.tokens(0, tokens.num_tokens), framed(char_tokenizer, texts))
+
+
+class DyingEncoder(TextEncoder):
+    """A worker process that meets document 300 dies, as one killed or out of memory does."""
+
+    def encode_batch(self, values: list[Any], where: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        if any(value.startswith("document 300:") for value in values):
+            os._exit(9)
+        return super().encode_batch(values, where)
+
+
+def test_a_preparation_whose_worker_dies_fails_and_resumes(
+    tmp_path: Path, char_tokenizer: CharTokenizer, small_pieces
+) -> None:
+    texts = jsonl_corpus(tmp_path / "a.jsonl")
+    corpus = Corpus(str(tmp_path / "a.jsonl"))
+    with pytest.raises(BrokenProcessPool):
+        prepare_tokens(corpus, DyingEncoder(char_tokenizer), str(tmp_path), workers=2)
+    folder = token_folder(corpus, TextEncoder(char_tokenizer), str(tmp_path))
+    kept = {name: os.stat(Path(folder, name)).st_ino for name in os.listdir(folder) if name.endswith(".tokens")}
+    assert kept and not Path(folder, "index.json").exists()
+    tokens = prepare_tokens(corpus, TextEncoder(char_tokenizer), str(tmp_path), workers=2)
+    assert all(os.stat(Path(folder, name)).st_ino == inode for name, inode in kept.items())
     assert np.array_equal(tokens.tokens(0, tokens.num_tokens), framed(char_tokenizer, texts))
 
 

@@ -13,6 +13,7 @@ hold, then waits for them; an interrupted preparation keeps its complete shards.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -22,6 +23,7 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -149,18 +151,21 @@ def _prepare_pieces(pieces: list[Piece], encoder: DocumentEncoder, folder: str, 
             held = [index for index, built in map(_build_claimed_piece, tasks, [encoder] * len(tasks)) if not built]
         else:
             with _pool(min(processes, len(tasks)), encoder) as pool:
-                held = [index for index, built in pool.imap_unordered(_build_claimed_piece, tasks) if not built]
+                done = concurrent.futures.as_completed([pool.submit(_build_claimed_piece, task) for task in tasks])
+                held = [index for index, built in (future.result() for future in done) if not built]
         for index in held:
             with _locked(_shard_path(folder, index, "lock")):
                 pass  # its holder finished, or died
         pending = sorted(index for index in held if not _complete(folder, index))
 
 
-def _pool(processes: int, encoder: DocumentEncoder) -> multiprocessing.pool.Pool:
-    # Spawned by a fork server: the caller runs threads (torch, gloo) that a fork would copy mid-step.
+def _pool(processes: int, encoder: DocumentEncoder) -> ProcessPoolExecutor:
+    # Started by a fork server: the caller runs threads (torch, gloo) that a fork would copy mid-step.
+    # An executor, not multiprocessing's Pool: a worker that dies (killed, out of memory) fails the
+    # preparation instead of hanging it; a new one resumes.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    return context.Pool(processes, initializer=_start_worker, initargs=(encoder,))
+    return ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(encoder,))
 
 
 _worker_encoder: DocumentEncoder | None = None
@@ -210,18 +215,18 @@ def _prepare_stream(corpus: Corpus, encoder: DocumentEncoder, folder: str, proce
 
 
 def _encoded_in_order(
-    pool: multiprocessing.pool.Pool, batches: Iterator[RecordBatch], in_flight: int
+    pool: ProcessPoolExecutor, batches: Iterator[RecordBatch], in_flight: int
 ) -> Iterator[tuple[list[tuple[np.ndarray, np.ndarray | None]], RecordBatch]]:
-    # At most ``in_flight`` batches wait: the reader never runs ahead of the encoders (Pool.imap would).
-    waiting: collections.deque[tuple[Any, RecordBatch]] = collections.deque()
+    # At most ``in_flight`` batches wait: the reader never runs ahead of the encoders (Executor.map would).
+    waiting: collections.deque[tuple[concurrent.futures.Future, RecordBatch]] = collections.deque()
     for batch in batches:
-        waiting.append((pool.apply_async(_encode_in_worker, (batch.values, batch.where)), batch))
+        waiting.append((pool.submit(_encode_in_worker, batch.values, batch.where), batch))
         if len(waiting) >= in_flight:
             result, done = waiting.popleft()
-            yield result.get(), done
+            yield result.result(), done
     while waiting:
         result, done = waiting.popleft()
-        yield result.get(), done
+        yield result.result(), done
 
 
 def _encode_in_worker(values: list[Any], where: list[str]) -> list[tuple[np.ndarray, np.ndarray | None]]:
