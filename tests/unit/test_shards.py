@@ -23,6 +23,7 @@ import pytest
 
 import trainer.data.corpus as corpus_module
 import trainer.data.shards as shards_module
+from programs import prepare_data
 from tests.unit.conftest import CharTokenizer
 from tests.unit.test_tokenizer import LLAMA3_BOS, LLAMA3_EOS, TINY_MERGES, train_hf_tokenizer, write_tiktoken_file
 from trainer.data.corpus import Corpus, default_corpus_texts
@@ -184,6 +185,7 @@ PREPARE = """
 import sys
 from tests.unit.conftest import CharTokenizer
 import trainer.data.corpus as corpus_module
+from programs import prepare_data
 from trainer.data.corpus import Corpus
 from trainer.data.shards import TextEncoder, prepare_tokens
 corpus_module.PIECE_BYTES = 4096
@@ -356,3 +358,20 @@ def test_worker_processes_encode_with_one_thread_each(tmp_path: Path) -> None:
     )
     output = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert output.stdout.split() == ["1", "false"]
+
+
+def test_prepare_data_prints_each_corpus_and_names_bad_input_in_one_line(
+    tmp_path: Path, default_tokenizer_cache: str, capsys: pytest.CaptureFixture
+) -> None:
+    jsonl_corpus(tmp_path / "a.jsonl")
+    options = ["--job.cache_dir", default_tokenizer_cache, "--training.dataset_prepare_workers", "1"]
+    argv = ["--training.dataset", str(tmp_path / "a.jsonl"), "--validation.enable", *options]
+    assert prepare_data.main(argv) == 0
+    made = capsys.readouterr().out.splitlines()
+    assert made[0].startswith(f"training.dataset {tmp_path / 'a.jsonl'}: {default_tokenizer_cache}/tokens-")
+    assert "400 documents" in made[0] and "MB/s" in made[0]
+    assert made[1].startswith("validation.dataset python_docs: ")
+    assert prepare_data.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("(prepared before)")
+    assert prepare_data.main(["--training.dataset", str(tmp_path / "missing.jsonl"), *options]) == 2
+    assert capsys.readouterr().err == f"error: training.dataset: dataset path not found: {tmp_path / 'missing.jsonl'}\n"
