@@ -4,6 +4,7 @@ files, Hugging Face hub datasets; and the file cache tokenizers and token stream
 from __future__ import annotations
 
 import ast
+import codecs
 import dataclasses
 import fcntl
 import functools
@@ -17,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from config.errors import first_few, first_line, typed_first_line
 from config.job_config import Training, Validation
@@ -39,6 +40,16 @@ TORCHTITAN_DATASETS = {
     "c4_test": ("tests/assets/c4_test", "", "train"),
 }
 _HUB_TIMEOUT_S = 10
+# Each piece of a corpus becomes one token shard: .jsonl files cut at newlines into pieces of about
+# PIECE_BYTES, consecutive .txt files grouped up to it; a corpus under 64 pieces of that size is cut
+# finer (down to MIN_PIECE_BYTES), so that every preparing process has work until the end.
+PIECE_BYTES = 64 * 2**20
+MIN_PIECE_BYTES = 2**20
+_PIECES_AT_LEAST = 64
+# Records are read and encoded in batches of about this many bytes or this many records: memory stays
+# bounded whatever a piece's size.
+BATCH_BYTES = 2**20
+BATCH_RECORDS = 256
 
 # Folders of the standard library that hold tests, test data or third-party code.
 _SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
@@ -131,17 +142,9 @@ def corpus_suffix(path: Path) -> str:
 
 def local_corpus_texts(path: str, text_field: str = "text") -> Iterator[str]:
     """Documents of a local corpus: one per ``.txt`` file, ``.jsonl`` line or ``datasets`` record."""
-    files = local_corpus_files(path)
-    if corpus_suffix(files[0]) in DATASETS_BUILDERS:
-        builder = DATASETS_BUILDERS[corpus_suffix(files[0])]
-        records = _streamed_records(path, builder, data_files=[str(p) for p in files], split="train")
-        yield from _record_texts(records, path, text_field)
-        return
-    for file_path in files:
-        if file_path.suffix == ".txt":
-            yield _read_text(file_path)
-        else:
-            yield from _jsonl_texts(file_path, text_field)
+    for piece in corpus_pieces(Corpus(path, text_field=text_field)):
+        for batch in piece_batches(piece, text_field, text=True):
+            yield from batch.values
 
 
 def local_corpus_files(path: str) -> list[Path]:
@@ -217,30 +220,161 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
-def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    # A record ends at '\n' alone: splitlines would also cut the U+2028, U+2029, U+0085 JSON strings may hold.
-    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
-        if not line.strip():
+@dataclass(frozen=True)
+class Piece:
+    """The part of a corpus that becomes one token shard: the default corpus, consecutive .txt files (one
+    document each), the bytes ``[start, stop)`` of a .jsonl file (whole lines), or one ``datasets`` file."""
+
+    kind: str  # "python_docs", "txt", "jsonl" or "datasets"
+    paths: tuple[str, ...] = ()
+    start: int = 0
+    stop: int = 0
+
+
+class RecordBatch(NamedTuple):
+    values: list[Any]  # the field's value of consecutive records
+    where: list[str]  # each record's place, "path:line" or "source: record N", for one-line errors
+    size: int  # bytes of the records' text
+
+
+def corpus_pieces(corpus: Corpus) -> list[Piece]:
+    """A local or the default corpus cut into pieces, in corpus order; the cuts depend on the files alone."""
+    if corpus.dataset == DEFAULT_DATASET:
+        return [Piece("python_docs")]
+    pieces: list[Piece] = []
+    texts: list[str] = []
+    text_bytes = 0
+    files = local_corpus_files(corpus.dataset)
+    total = sum(path.stat().st_size for path in files)
+    piece_bytes = min(PIECE_BYTES, max(total // _PIECES_AT_LEAST, MIN_PIECE_BYTES))
+    for path in files:
+        if path.suffix == ".txt":
+            texts.append(str(path))
+            text_bytes += path.stat().st_size
+            if text_bytes < piece_bytes:
+                continue
+        if texts:
+            pieces.append(Piece("txt", tuple(texts)))
+            texts, text_bytes = [], 0
+        if corpus_suffix(path) in DATASETS_BUILDERS:
+            pieces.append(Piece("datasets", (str(path),)))
+        elif path.suffix == ".jsonl":
+            pieces += [Piece("jsonl", (str(path),), start, stop) for start, stop in _line_ranges(path, piece_bytes)]
+    if texts:
+        pieces.append(Piece("txt", tuple(texts)))
+    return pieces
+
+
+def _line_ranges(path: Path, piece_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges of about ``piece_bytes``, each ending after a newline (or at the end of the file)."""
+    size = path.stat().st_size
+    cuts = [0]
+    with open(path, "rb") as f:
+        for target in range(piece_bytes, size, piece_bytes):
+            if target > cuts[-1]:  # else a line longer than a piece covers it
+                f.seek(target - 1)  # a newline just before ``target`` cuts there
+                f.readline()
+                cuts.append(f.tell())
+    cuts.append(size)
+    return [(start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start]
+
+
+def piece_batches(piece: Piece, field: str, *, text: bool) -> Iterator[RecordBatch]:
+    """The values of ``field`` of a piece's records in batches of about BATCH_BYTES or BATCH_RECORDS;
+    ``text``: each must be a string (a .txt file's content is one)."""
+    if piece.kind == "python_docs":
+        documents = enumerate(default_corpus_texts())
+        records = ((doc, f"{DEFAULT_DATASET}: document {i}", len(doc.encode())) for i, doc in documents)
+    elif piece.kind == "txt":
+        records = ((_read_text(Path(path)), path, os.path.getsize(path)) for path in piece.paths)
+    elif piece.kind == "jsonl":
+        records = _jsonl_records(piece.paths[0], piece.start, piece.stop, field, text)
+    else:
+        path = piece.paths[0]
+        builder = DATASETS_BUILDERS[corpus_suffix(Path(path))]
+        streamed = _streamed_records(path, builder, data_files=[path], split="train")
+        records = _record_values(streamed, path, field, text)
+    return _batched(records, BATCH_BYTES)
+
+
+def hub_batches(corpus: Corpus, field: str, *, text: bool) -> Iterator[RecordBatch]:
+    """A hub dataset's records at its pinned commit, in order, in batches of BATCH_RECORDS exactly."""
+    records = _streamed_records(
+        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
+    )
+    return _batched(_record_values(records, f"{corpus.dataset} ({corpus.split})", field, text), None)
+
+
+def _batched(records: Iterable[tuple[Any, str, int]], max_bytes: int | None) -> Iterator[RecordBatch]:
+    batch = RecordBatch([], [], 0)
+    for value, where, size in records:
+        batch.values.append(value)
+        batch.where.append(where)
+        batch = batch._replace(size=batch.size + size)
+        if len(batch.values) == BATCH_RECORDS or (max_bytes is not None and batch.size >= max_bytes):
+            yield batch
+            batch = RecordBatch([], [], 0)
+    if batch.values:
+        yield batch
+
+
+def _jsonl_records(path: str, start: int, stop: int, field: str, text: bool) -> Iterator[tuple[Any, str, int]]:
+    # Line numbers are counted from the file's start: a later piece names its lines by byte offset.
+    line_number = 1 if start == 0 else 0
+    offset = start
+    for line in _lines(path, start, stop):
+        line_start, offset = offset, offset + len(line) + 1
+        where = f"{path}:{line_number}" if line_number else f"{path}: the line at byte {line_start}"
+        line_number += bool(line_number)
+        if line_start == 0 and line.startswith(codecs.BOM_UTF8):  # Windows editors begin files with one
+            line = line[len(codecs.BOM_UTF8) :]
+        try:
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {line_start + error.start})") from None
+        if not decoded.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(decoded)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise ValueError(f"{path}:{line_number}: expected an object with a string {text_field!r} field")
-        yield record[text_field]
+            raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
+        value = record.get(field) if isinstance(record, dict) else None
+        if value is None or (text and not isinstance(value, str)):
+            raise ValueError(f"{where}: expected an object with a {'string ' if text else ''}{field!r} field")
+        yield value, where, len(line)
 
 
-def _record_texts(records: Iterable[dict[str, Any]], source: str, text_field: str) -> Iterator[str]:
+def _lines(path: str, start: int, stop: int) -> Iterator[bytes]:
+    """The lines of bytes ``[start, stop)`` without their newlines, read a block at a time."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        remaining = stop - start
+        partial: list[bytes] = []  # a line's blocks so far: a long line is joined once
+        while remaining > 0 and (block := f.read(min(BATCH_BYTES, remaining))):
+            remaining -= len(block)
+            if b"\n" not in block:
+                partial.append(block)
+                continue
+            lines = b"".join([*partial, block]).split(b"\n")
+            partial = [lines.pop()]
+            yield from lines
+        if any(partial):
+            yield b"".join(partial)
+
+
+def _record_values(
+    records: Iterable[dict[str, Any]], source: str, field: str, text: bool
+) -> Iterator[tuple[Any, str, int]]:
     for index, record in enumerate(records):
-        text = record.get(text_field)
-        if text_field in record and not isinstance(text, str):
-            held = "null" if text is None else f"a {type(text).__name__}"
-            raise ValueError(f"{source}: record {index}'s field {text_field!r} is {held}, not text")
-        if text is None:
+        value = record.get(field)
+        if field in record and text and not isinstance(value, str):
+            held = "null" if value is None else f"a {type(value).__name__}"
+            raise ValueError(f"{source}: record {index}'s field {field!r} is {held}, not text")
+        if value is None:
             fields = ", ".join(record) or "none"
-            raise ValueError(f"{source}: record {index} has no field {text_field!r} (its fields: {fields})")
-        yield text
+            raise ValueError(f"{source}: record {index} has no field {field!r} (its fields: {fields})")
+        size = len(value.encode()) if isinstance(value, str) else len(json.dumps(value))
+        yield value, f"{source}: record {index}", size
 
 
 def _streamed_records(source: str, path: str, **options: Any) -> Iterator[dict[str, Any]]:
@@ -284,11 +418,8 @@ def corpus_texts(corpus: Corpus) -> Iterator[str]:
         return default_corpus_texts()
     if is_local(corpus.dataset):
         return local_corpus_texts(corpus.dataset, corpus.text_field)
-    corpus = pin_revision(corpus)
-    records = _streamed_records(
-        corpus.dataset, corpus.dataset, name=corpus.config_name or None, split=corpus.split, revision=corpus.revision
-    )
-    return _record_texts(records, f"{corpus.dataset} ({corpus.split})", corpus.text_field)
+    batches = hub_batches(pin_revision(corpus), corpus.text_field, text=True)
+    return (text for batch in batches for text in batch.values)
 
 
 def corpus_identity(corpus: Corpus) -> dict[str, Any]:

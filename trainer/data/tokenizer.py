@@ -55,6 +55,22 @@ _DEFAULT_MODEL_VERSION = 1
 _DEFAULT_MAX_TRAINING_LINES = 200_000
 _DEFAULT_MAX_LINE_CHARS = 1_000
 
+# Threads of a batch encoding in this process; 0: one per core.
+_encode_threads = 0
+
+
+def limit_encode_threads(threads: int) -> None:
+    """Batch encodings in this process use ``threads`` threads: a pool of processes that each encode
+    supplies the parallelism itself. (``tokenizers`` reads its setting from the environment.)"""
+    global _encode_threads
+    _encode_threads = threads
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads != 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+
+def encode_threads() -> int:
+    return _encode_threads or os.cpu_count() or 1
+
 
 class Tokenizer(ABC):
     """Text to ids in ``[0, vocab_size)`` and back; ``fingerprint`` keys the tokenized corpora."""
@@ -71,6 +87,10 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text without BOS/EOS; subclasses use their library's batch encoding."""
+        return [self._encode_text(text) for text in texts]
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._encode_text(text)
@@ -97,6 +117,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         return self._processor.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._processor.encode(texts, num_threads=encode_threads())
 
     def decode(self, ids: list[int]) -> str:
         return self._processor.decode(ids)
@@ -125,6 +148,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)  # special-token text in documents is plain text
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encoding.encode_ordinary_batch(texts, num_threads=encode_threads())
 
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)  # invalid UTF-8 becomes U+FFFD
@@ -157,10 +183,18 @@ class HuggingFaceTokenizer(Tokenizer):
         )
 
     def _encode_text(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
         try:
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
+            return [encoding.ids for encoding in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
         except Exception as error:  # the library raises a bare Exception (a WordLevel model without [UNK], say)
             raise ValueError(f"tokenizer {self._json_path} cannot encode its text: {first_line(error)}") from None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A pickled tokenizers.Tokenizer forgets this setting.
+        self.__dict__.update(state)
+        self._tokenizer.encode_special_tokens = True
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
