@@ -4,7 +4,6 @@ by row, per source), and the losses are those of an uninterrupted run."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -14,10 +13,7 @@ import pytest
 from tests.distributed.test_parquet_resume import LOSS_RTOL, RECORD_SAMPLES, recorded_rows, write_shards
 from tests.launch import launch_train, losses_by_step, read_metrics, resumed_from
 
-pytestmark = [
-    pytest.mark.slow,  # launches torchrun
-    pytest.mark.skipif(importlib.util.find_spec("trainer.data.shards") is None, reason="needs trainer.data.shards"),
-]
+pytestmark = pytest.mark.slow  # launches torchrun
 
 STEPS = 6
 GLOBAL_BATCH = 4

@@ -14,7 +14,7 @@ class CharTokenizer(Tokenizer):
     BOS = 1, EOS = 2. Counts ``encode`` calls to observe caching."""
 
     def __init__(self) -> None:
-        super().__init__(vocab_size=128, bos_id=1, eos_id=2, fingerprint="char-tokenizer")
+        super().__init__(path="", vocab_size=128, bos_id=1, eos_id=2, fingerprint="char-tokenizer")
         self.encode_calls = 0
 
     def _encode_text(self, text: str) -> list[int]:

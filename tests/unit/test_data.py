@@ -16,14 +16,9 @@ from parallelisms.parallel_dims import ParallelDims
 from tests.unit.conftest import CharTokenizer
 from trainer.data.batch import IGNORE_INDEX
 from trainer.data.corpus import default_corpus_texts, local_corpus_texts
+from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import Tokenizer
 from trainer.validate import Validator, validation_due
-
-try:
-    from trainer.data.loader import config_dataloader
-except ModuleNotFoundError:  # trainer.data.shards (prepare_tokens) is not on this branch
-    config_dataloader = None
-needs_shards = pytest.mark.skipif(config_dataloader is None, reason="needs trainer.data.shards")
 
 ONE_RANK = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
 
@@ -47,7 +42,6 @@ def section_loader(argv: list[str], tokenizer: Tokenizer, option: str = "trainin
 # --- the loader of a section -------------------------------------------------------
 
 
-@needs_shards
 def test_loader_yields_shifted_windows_of_the_corpus(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz"})
     argv = ["--training.dataset", str(corpus / "c.txt"), "--training.seq_len", "5"]
@@ -60,7 +54,6 @@ def test_loader_yields_shifted_windows_of_the_corpus(tmp_path: Path, char_tokeni
     assert sorted(zip(batch.inputs.tolist(), batch.labels.tolist())) == [(w[:-1], w[1:]) for w in windows]
 
 
-@needs_shards
 def test_document_masking_restarts_positions_and_ignores_the_label_across_documents(
     tmp_path: Path, char_tokenizer: CharTokenizer
 ) -> None:
@@ -73,7 +66,6 @@ def test_document_masking_restarts_positions_and_ignores_the_label_across_docume
     assert batch.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
 
 
-@needs_shards
 def test_training_datasets_are_mixed_at_their_weights(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     corpora = write_corpus(tmp_path, {"a.txt": "a" * 400, "b.txt": "b" * 400})
     argv = ["--training.datasets", f"{corpora / 'a.txt'},{corpora / 'b.txt'}", "--training.dataset_weights", "3,1"]
@@ -89,11 +81,17 @@ def test_training_datasets_are_mixed_at_their_weights(tmp_path: Path, char_token
         section_loader(argv, char_tokenizer)
 
 
-@needs_shards
 def test_validation_batches_take_their_own_shape_or_trainings(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     """torchtitan's validation.local_batch_size and seq_len; unset, training's."""
-    corpus = write_corpus(tmp_path, {"c.txt": "abcdefghijklmnopqrstuvwxyz" * 20})
-    common = ["--training.seq_len", "16", "--training.local_batch_size", "4", "--job.cache_dir", str(tmp_path)]
+    corpus = write_corpus(tmp_path / "corpus", {"c.txt": "abcdefghijklmnopqrstuvwxyz" * 20})
+    common = [
+        "--training.seq_len",
+        "16",
+        "--training.local_batch_size",
+        "4",
+        "--job.cache_dir",
+        str(tmp_path / "cache"),
+    ]
     common += ["--training.dataset", str(corpus), "--validation.dataset", str(corpus), "--validation.enable"]
 
     def shape(option: str, *overrides: str) -> tuple[int, ...]:
@@ -130,7 +128,6 @@ def validator(argv: list[str], tokenizer: CharTokenizer) -> Validator:
     )
 
 
-@needs_shards
 def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     tmp_path: Path, char_tokenizer: CharTokenizer
 ) -> None:
@@ -145,7 +142,6 @@ def test_a_validation_corpus_shorter_than_one_window_is_refused_before_training(
     validator(options, char_tokenizer)  # validation off: not read
 
 
-@needs_shards
 def test_a_validation_corpus_of_fewer_windows_than_a_validation_reads_is_a_warning(
     tmp_path: Path, char_tokenizer: CharTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -280,14 +276,12 @@ def test_default_corpus_is_python_documentation() -> None:
     assert 1_000_000 < sum(map(len, documents)) < 20_000_000
 
 
-@needs_shards
 def test_a_missing_corpus_is_named_by_its_option(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:
     argv = ["--training.dataset", str(tmp_path / "missing_corpus"), "--job.cache_dir", str(tmp_path / "cache")]
     with pytest.raises(ConfigError, match=r"^training.dataset: .*missing_corpus"):
         section_loader(argv, char_tokenizer)
 
 
-@needs_shards
 def test_python_docs_dataset_with_default_tokenizer(
     tmp_path: Path, session_default_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

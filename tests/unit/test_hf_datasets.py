@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +18,7 @@ from config.manager import load_config
 from programs import preflight
 from tests.unit.conftest import CharTokenizer
 from trainer.data.corpus import Corpus, corpus_of, corpus_texts, local_corpus_files
-from trainer.data.loader import load_token_stream
+from trainer.data.shards import TextEncoder, prepare_tokens
 
 
 def write_parquet(path: Path, texts: list[str], field: str = "text") -> Path:
@@ -55,6 +56,12 @@ def test_arrow_folder_from_save_to_disk_and_json_shards(tmp_path: Path) -> None:
     assert list(corpus_texts(Corpus(str(gzipped), text_field="body"))) == ["gz1", "gz2"]
     (tmp_path / "doc.jsonl").write_text(json.dumps({"body": "own reader"}) + "\n")
     assert list(corpus_texts(Corpus(str(tmp_path / "doc.jsonl"), text_field="body"))) == ["own reader"]
+
+
+def load_token_stream(corpus: Corpus, tokenizer: CharTokenizer, cache_dir: str) -> np.ndarray:
+    """The corpus's whole token stream, as its shards hold it."""
+    source = prepare_tokens(corpus, TextEncoder(tokenizer, corpus.text_field), cache_dir, workers=1)
+    return source.tokens(0, source.num_tokens)
 
 
 def test_token_stream_of_parquet_matches_hand_computation(tmp_path: Path, char_tokenizer: CharTokenizer) -> None:

@@ -48,6 +48,7 @@ class ChatEncoder:
             )
         json_path, config_path = hf_tokenizer_files(tokenizer_path)
         self.tokenizer = HuggingFaceTokenizer(json_path)
+        self.vocab_size = self.tokenizer.vocab_size
         config = json.loads(Path(config_path).read_bytes()) if os.path.isfile(config_path) else {}
         self.template = _chat_template(os.path.dirname(json_path), config)
         self.template_tokens = {key: _token_content(config[key]) for key in _TEMPLATE_TOKEN_KEYS if config.get(key)}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -12,7 +13,7 @@ from config.job_config import Training, Validation
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.corpus import Corpus, corpus_of
 from trainer.data.mixture import PackedTokenDataset, packed_dataloader, windows_in
-from trainer.data.shards import DocumentEncoder, TextEncoder, prepare_tokens
+from trainer.data.shards import encoder_for, prepare_tokens
 from trainer.data.tokenizer import Tokenizer
 
 
@@ -24,11 +25,6 @@ def section_corpora(section: Training | Validation) -> tuple[list[Corpus], list[
         return [corpus_of(section)], [1.0]
     corpora = [corpus_of(dataclasses.replace(section, dataset=name)) for name in names]
     return corpora, list(section.dataset_weights) or [1.0] * len(corpora)
-
-
-def encoder_for(section: Training | Validation, training: Training, tokenizer: Tokenizer) -> DocumentEncoder:
-    """How ``section``'s records become documents of token ids."""
-    return TextEncoder(tokenizer)
 
 
 def config_dataloader(
@@ -52,7 +48,7 @@ def config_dataloader(
         encoder = encoder_for(section, training, tokenizer)
         sources = []
         for corpus in corpora:
-            source = prepare_tokens(corpus, encoder, cache_dir, workers=training.dataset_prepare_workers)
+            source = prepare_tokens(corpus, encoder, cache_dir, workers=_prepare_workers_per_rank(training))
             try:
                 windows_in(source, seq_len)
             except ValueError as error:
@@ -69,3 +65,9 @@ def config_dataloader(
             document_masking=document_masking,
         )
         return packed_dataloader(dataset, num_workers=training.dataloader_num_workers)
+
+
+def _prepare_workers_per_rank(training: Training) -> int:
+    """The node's preparation processes divided among its ranks, which share the shards between them."""
+    per_node = training.dataset_prepare_workers or len(os.sched_getaffinity(0))
+    return max(1, per_node // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -88,7 +88,7 @@ def encoder_for(section: Training | Validation, training: Training, tokenizer: T
     if training.dataset_format == "chat":
         from trainer.data.chat import ChatEncoder  # jinja2 and the template: only for chat data
 
-        return ChatEncoder(tokenizer)
+        return ChatEncoder(tokenizer.path)
     return TextEncoder(tokenizer, section.dataset_text_field)
 
 

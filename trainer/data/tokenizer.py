@@ -75,7 +75,8 @@ def encode_threads() -> int:
 class Tokenizer(ABC):
     """Text to ids in ``[0, vocab_size)`` and back; ``fingerprint`` keys the tokenized corpora."""
 
-    def __init__(self, *, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
+    def __init__(self, *, path: str, vocab_size: int, bos_id: int, eos_id: int, fingerprint: str) -> None:
+        self.path = path  # the file or folder it is read from
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -109,6 +110,7 @@ class SentencePieceTokenizer(Tokenizer):
         if bos_id < 0 or eos_id < 0:
             raise ValueError(f"sentencepiece model {path} has no BOS or EOS token")
         super().__init__(
+            path=path,
             vocab_size=self._processor.vocab_size(),
             bos_id=bos_id,
             eos_id=eos_id,
@@ -140,6 +142,7 @@ class TiktokenTokenizer(Tokenizer):
             special_tokens=special_tokens,
         )
         super().__init__(
+            path=path,
             vocab_size=num_base_tokens + len(_LLAMA3_SPECIAL_TOKENS),
             bos_id=special_tokens["<|begin_of_text|>"],
             eos_id=special_tokens["<|end_of_text|>"],
@@ -176,6 +179,7 @@ class HuggingFaceTokenizer(Tokenizer):
         for content in (json_bytes, config_bytes):
             digest.update(hashlib.sha256(content).digest())
         super().__init__(
+            path=path,
             vocab_size=max(self._tokenizer.get_vocab_size(with_added_tokens=True), largest_id + 1),
             bos_id=_hf_special_token_id(self._tokenizer, config, "bos_token", folder),
             eos_id=_hf_special_token_id(self._tokenizer, config, "eos_token", folder),
