@@ -22,7 +22,7 @@ from config.errors import ConfigError
 from config.job_config import Checkpoint, Debug
 from models.llama3 import Transformer
 from parallelisms.pipeline import plan_pipeline, split_stage
-from tests.unit.test_data import arange_loader, global_order, take_window_ids
+from tests.unit.test_mixture import arange_loader, global_order, take_window_ids
 from tests.unit.test_model import tiny_args
 from trainer.checkpoint.integrity import (
     COMPLETE_MARKER,
