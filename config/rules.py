@@ -78,6 +78,9 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
      "{c.training.datasets}"),
     (lambda c: any(not w > 0 for w in c.training.dataset_weights),
      "training.dataset_weights must be positive, got {c.training.dataset_weights}"),
+    (lambda c: c.training.dataset_format == "chat" and not c.model.tokenizer_path,
+     "training.dataset_format chat renders conversations with a tokenizer folder's chat_template: give the "
+     "Hugging Face folder as model.tokenizer_path"),
     # ' ' would be a folder of that name in the working folder.
     (lambda c: not c.job.dump_folder.strip(), "job.dump_folder: no folder given ('.' is the working folder)"),
     (lambda c: (name := c.job.run_name) and (not name.strip() or name in (".", "..") or os.sep in name),

@@ -10,10 +10,11 @@ import sys
 from typing import TYPE_CHECKING
 
 from config.errors import ConfigError, print_error
-from config.job_config import JobConfig
+from config.job_config import JobConfig, Training, Validation
 from config.manager import load_config, named_as_given, typed_options
 from config.rules import batch_layout, warn_no_effect_at_degrees
-from trainer.data.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, check_corpus, corpus_of, is_hub
+from trainer.data.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, RecordBatch, check_corpus, corpus_of, is_hub
+from trainer.data.shards import encoder_for
 from trainer.data.tokenizer import build_tokenizer
 from trainer.folders import FOLDER_LOCK, check_output_folders, claimed_folders, lock_folder
 
@@ -144,16 +145,8 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
     from trainer.checkpoint.hf import check_hf_folder
     from trainer.checkpoint.rules import initial_load_problem
 
-    options = ["training.dataset"] + (["validation.dataset"] if config.validation.enable else [])
     problems: list[str] = []
-    first_documents: dict[str, str] = {}
-    for option in options:
-        try:
-            if (document := check_corpus(corpus_of(getattr(config, option.partition(".")[0])))) is not None:
-                first_documents[option] = document
-        except (ValueError, OSError) as e:
-            problems.append(_dataset_problem(config, option, e))
-        _warn_hub_options_unused(config, option)
+    first_records = _check_corpora(config, problems)
     _warn_of_the_validation_corpus(config)
     # The default tokenizer is trained on first use, at the asked size: nothing to read yet.
     vocab_size = None if simulated else config.model.default_tokenizer_vocab_size
@@ -165,10 +158,10 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
             problems.append(f"model.tokenizer_path: {e}")
             vocab_size = None
         else:
-            # A tokenizer that cannot encode the corpus would fail in every rank of every attempt.
-            for option, document in first_documents.items():
+            # A record the tokenizer (or the chat template) cannot encode would fail every rank of every attempt.
+            for option, section, first in first_records:
                 try:
-                    tokenizer.encode(document)
+                    encoder_for(section, config.training, tokenizer).encode_batch(first.values, first.where)
                 except ValueError as e:
                     problems.append(f"{option}: {e}")
     args = None
@@ -248,6 +241,29 @@ def _warn_of_the_validation_corpus(config: JobConfig) -> None:
             DEFAULT_DATASET,
             config.training.dataset,
         )
+
+
+def _check_corpora(config: JobConfig, problems: list[str]) -> list[tuple[str, Training | Validation, RecordBatch]]:
+    """Reads the first record of every corpus of the run; each one broken adds its line to ``problems``.
+    Returns the first records with their options and sections."""
+    from trainer.data.loader import section_corpora
+
+    chat = config.training.dataset_format == "chat"
+    sections = [config.training] + ([config.validation] if config.validation.enable else [])
+    first_records = []
+    for section in sections:
+        name = "training" if section is config.training else "validation"
+        corpora, _ = section_corpora(section)
+        option = f"{name}.datasets" if len(corpora) > 1 else f"{name}.dataset"
+        field = "messages" if chat else section.dataset_text_field
+        for corpus in corpora:
+            try:
+                if (first := check_corpus(corpus, field, text=not chat)) is not None:
+                    first_records.append((option, section, first))
+            except (ValueError, OSError) as e:
+                problems.append(_dataset_problem(config, option, e))
+        _warn_hub_options_unused(config, f"{name}.dataset")
+    return first_records
 
 
 def _dataset_problem(config: JobConfig, option: str, error: Exception) -> str:

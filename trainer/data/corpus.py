@@ -433,23 +433,26 @@ def corpus_identity(corpus: Corpus) -> dict[str, Any]:
     return dataclasses.asdict(pin_revision(corpus))
 
 
-def check_corpus(corpus: Corpus) -> str | None:
-    """Cheap checks before launch; returns the first document (None for the slow default corpus)."""
+def check_corpus(corpus: Corpus, field: str, *, text: bool) -> RecordBatch | None:
+    """Cheap checks before launch; returns the first record's ``field`` (None for the slow default corpus)."""
     if corpus.dataset == DEFAULT_DATASET:
         return None
     if is_local(corpus.dataset):
         files = local_corpus_files(corpus.dataset)
         for path in files:
-            _check_shard_schema(path, corpus.text_field)
+            _check_shard_schema(path, field, text)
         if all(path.stat().st_size == 0 for path in files):
             raise ValueError(f"{corpus.dataset}: empty, no text to train on")
-    first = next(corpus_texts(corpus), None)
+        batches = piece_batches(corpus_pieces(corpus)[0], field, text=text)
+    else:
+        batches = hub_batches(pin_revision(corpus), field, text=text)
+    first = next(batches, None)
     if first is None:
         raise ValueError(f"{corpus.dataset}: no documents")
-    return first
+    return RecordBatch(first.values[:1], first.where[:1], 0)
 
 
-def _check_shard_schema(path: Path, text_field: str) -> None:
+def _check_shard_schema(path: Path, text_field: str, text: bool) -> None:
     import pyarrow
     import pyarrow.parquet
 
@@ -466,7 +469,7 @@ def _check_shard_schema(path: Path, text_field: str) -> None:
     if text_field not in schema.names:
         raise ValueError(f"{path}: no field {text_field!r} (its fields: {', '.join(schema.names) or 'none'})")
     field_type = schema.field(text_field).type
-    if not (pyarrow.types.is_string(field_type) or pyarrow.types.is_large_string(field_type)):
+    if text and not (pyarrow.types.is_string(field_type) or pyarrow.types.is_large_string(field_type)):
         raise ValueError(f"{path}: field {text_field!r} holds {field_type}, not text")
 
 
