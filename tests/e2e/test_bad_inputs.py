@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from config.errors import ConfigError
 from config.manager import load_config
 from programs import preflight
+from tests.hf_folders import write_chat_tokenizer
 from tests.launch import (
     NO_SMALL_DISK,
     REPO,
@@ -34,6 +35,7 @@ from tests.launch import (
 from trainer import folders
 from trainer.trainer import Trainer
 
+_CHAT = ["--training.dataset_format", "chat", "--model.tokenizer_path", "{d}/chat_tokenizer"]
 # (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
 CASES: list[tuple[str, list[str], str]] = [
     # Unknown options and sections, on the command line and in files.
@@ -458,6 +460,29 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--validation.enable", "--validation.local_batch_size", "10000000"],
         "validation.local_batch_size 10000000 x validation.seq_len 256: the logits of one forward alone take",
     ),
+    # Mixtures and chat data.
+    (
+        "data",
+        ["--training.datasets", "a.txt,b.txt", "--training.dataset_weights", "0.5,0"],
+        "training.dataset_weights must be positive",
+    ),
+    (
+        "data",
+        ["--training.datasets", "a.txt,b.txt", "--training.dataset_weights", "1"],
+        "training.dataset_weights: [1.0] is not one weight per corpus",
+    ),
+    ("data", ["--training.dataset_format", "chat"], "give the Hugging Face folder as model.tokenizer_path"),
+    (
+        "data",
+        [*_CHAT, "--training.dataset", "{d}/no_text.jsonl"],
+        "no_text.jsonl:1: expected an object with a 'messages'",
+    ),
+    ("data", [*_CHAT, "--training.dataset", "{d}/narrator.jsonl"], "has the role 'narrator'"),
+    (
+        "data",
+        [*_CHAT, "--model.tokenizer_path", "{d}/no_template", "--training.dataset", "{d}/narrator.jsonl"],
+        "no chat template",
+    ),
     # 9999 CPU processes of torch: 3 TiB before any model (a host's swap storm, then the OOM killer).
     ("memory", ["--nproc-per-node", "9999"], "NGPU 9999: each CPU rank's process takes about 0.3 GiB before any"),
 ]
@@ -484,6 +509,10 @@ def _prepare(d) -> None:
     for name, text in files.items():
         (d / name).write_text(text)
     (d / "empty_folder").mkdir()
+    narrator = [{"role": "narrator", "content": "Once"}, {"role": "assistant", "content": "upon"}]
+    (d / "narrator.jsonl").write_text(json.dumps({"messages": narrator}) + "\n")
+    write_chat_tokenizer(str(d / "chat_tokenizer"))
+    write_chat_tokenizer(str(d / "no_template"), chat_template=None)
     with warnings.catch_warnings():  # DCP's note that it saves in one process: it is meant to
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": {"tok_embeddings.weight": torch.zeros(2, 3)}}, checkpoint_id=str(d / "narrow_ckpt"))
