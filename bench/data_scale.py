@@ -17,9 +17,10 @@ calls timed, in batches of 8 MB of text. The ratio of the two rates is the accep
 Peak RSS is the largest sum of the resident sets of the process and all its descendants, sampled
 every 50 ms from /proc.
 
-Training (``--sizes-mb``): for each size, the corpus is prepared with ``programs.prepare_data``, then a
-1-rank ``torchrun train.py`` of 2 steps on it (``configs/debug_model.toml``, the same cache) is timed
-from launch to the log line of step 1, and its process tree's peak RSS sampled.
+Training (``--sizes-mb``): for each size, the corpus is prepared with ``programs.prepare_data`` (kept from
+the preparation measurement when it is the same corpus), then a 1-rank ``torchrun train.py`` of 2 steps
+on it (``configs/debug_model.toml``, the same cache) is timed from launch to the log line of step 1,
+and its process tree's peak RSS sampled.
 
 Prints the table and writes ``bench/results/data_scale.json``."""
 
@@ -199,8 +200,13 @@ def default_tokenizer_into(work: Path, cache: Path, tokenizer: str) -> None:
             os.link(trained / name, cache / name)
 
 
+def corpus_cache(work: Path, corpus: Path) -> Path:
+    """The cache folder of one corpus's shards: the training runs start from a prepared corpus."""
+    return work / f"cache-{corpus.stem}"
+
+
 def measure_preparation(corpus: Path, work: Path, tokenizer: str, workers: int) -> dict[str, Any]:
-    cache = work / "cache-preparation"
+    cache = corpus_cache(work, corpus)
     subprocess.run(["rm", "-rf", str(cache)], check=True)
     tokenizer_cache = str(work / "tokenizer")
     library_output, library_rss, _ = run_measured(
@@ -212,7 +218,6 @@ def measure_preparation(corpus: Path, work: Path, tokenizer: str, workers: int) 
         [sys.executable, "-c", PREPARE, str(corpus), str(cache), tokenizer, str(workers)]
     )
     ours = last_json(ours_output)
-    subprocess.run(["rm", "-rf", str(cache)], check=True)
     # The same text at both rates: the file's size (the shards count a line's text without its newline).
     size = corpus.stat().st_size
     ours_rate, library_rate = size / ours["seconds"], size / library["seconds"]
@@ -233,8 +238,7 @@ def measure_preparation(corpus: Path, work: Path, tokenizer: str, workers: int) 
 
 
 def measure_training(corpus: Path, work: Path, tokenizer: str, workers: int) -> dict[str, Any]:
-    cache = work / "cache-training"
-    subprocess.run(["rm", "-rf", str(cache)], check=True)  # every size prepared from nothing
+    cache = corpus_cache(work, corpus)  # the shards the preparation measurement made, else made here
     default_tokenizer_into(work, cache, tokenizer)
     options = [
         "--job.config_file",
