@@ -1,7 +1,7 @@
 """Benchmark: token-shard preparation against the tokenizer library's own batch encoding, and training's
 start against corpus size.
 
-    python bench/data_scale.py [--prepare-mb 100] [--sizes-mb 20,200] [--workers 0]
+    python bench/data_scale.py [--prepare-mb 100] [--sizes-mb 20,200] [--rounds 3] [--workers 0]
                                [--tokenizer PATH] [--work /tmp/tessera-data-scale] [--out FILE]
 
 The corpus is real text: JSON Lines of the Python installation's own .py, .txt and .rst files (the
@@ -18,9 +18,9 @@ Peak RSS is the largest sum of the resident sets of the process and all its desc
 every 50 ms from /proc.
 
 Training (``--sizes-mb``): for each size, the corpus is prepared with ``programs.prepare_data`` (kept from
-the preparation measurement when it is the same corpus), then a 1-rank ``torchrun train.py`` of 2 steps
-on it (``configs/debug_model.toml``, the same cache) is timed from launch to the log line of step 1,
-and its process tree's peak RSS sampled.
+the preparation measurement when it is the same corpus), then ``--rounds`` times, the sizes in turn, a
+1-rank ``torchrun train.py`` of 2 steps on it (``configs/debug_model.toml``, the same cache) is timed
+from launch to the log line of step 1, and its process tree's peak RSS sampled.
 
 Prints the table and writes ``bench/results/data_scale.json``."""
 
@@ -237,59 +237,48 @@ def measure_preparation(corpus: Path, work: Path, tokenizer: str, workers: int) 
     }
 
 
-def measure_training(corpus: Path, work: Path, tokenizer: str, workers: int) -> dict[str, Any]:
+def training_options(corpus: Path, work: Path, tokenizer: str, workers: int) -> list[str]:
     cache = corpus_cache(work, corpus)  # the shards the preparation measurement made, else made here
     default_tokenizer_into(work, cache, tokenizer)
-    options = [
-        "--job.config_file",
-        "configs/debug_model.toml",
-        "--training.dataset",
-        str(corpus),
-        "--job.cache_dir",
-        str(cache),
-        "--model.tokenizer_path",
-        tokenizer,
-        "--training.dataset_prepare_workers",
-        str(workers),
+    return [
+        *("--job.config_file", "configs/debug_model.toml", "--training.dataset", str(corpus)),
+        *("--job.cache_dir", str(cache), "--model.tokenizer_path", tokenizer),
+        *("--training.dataset_prepare_workers", str(workers)),
     ]
-    prepare_output, prepare_rss, prepare_s = run_measured([sys.executable, "-m", "programs.prepare_data", *options])
-    step_one: list[float] = []
+
+
+def prepare_for_training(corpus: Path, options: list[str]) -> dict[str, Any]:
+    output, rss, seconds = run_measured([sys.executable, "-m", "programs.prepare_data", *options])
+    return {
+        "corpus_mb": corpus.stat().st_size / MB,
+        "prepare_s": seconds,
+        "prepare_peak_rss_gib": rss / 2**30,
+        "prepare_output": output.strip().splitlines()[-1],
+        "rounds": [],
+    }
+
+
+def time_training(corpus: Path, work: Path, options: list[str]) -> dict[str, float | None]:
+    """One 1-rank run of 2 steps on a prepared corpus: launch to step 1, the whole run, peak RSS."""
     dump = work / f"run-{corpus.stem}"
     subprocess.run(["rm", "-rf", str(dump)], check=True)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "train.py",
-        *options,
-        "--training.steps",
-        "2",
-        "--metrics.log_freq",
-        "1",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--job.dump_folder",
-        str(dump),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "train.py", *options]
+    command += ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+    command += ["--job.dump_folder", str(dump)]
+    step_one: list[float] = []
 
     def watch(line: str, seconds: float) -> None:
         if not step_one and STEP_ONE.search(line):
             step_one.append(seconds)
 
-    _, train_rss, train_s = run_measured(command, on_line=watch)
-    return {
-        "corpus_mb": corpus.stat().st_size / MB,
-        "prepare_s": prepare_s,
-        "prepare_peak_rss_gib": prepare_rss / 2**30,
-        "prepare_output": prepare_output.strip().splitlines()[-1],
-        "launch_to_step_1_s": step_one[0] if step_one else None,
-        "train_s": train_s,
-        "train_peak_rss_gib": train_rss / 2**30,
-        # A loader that tokenizes the corpus itself into one .npy file, not one that reads the shards.
-        "loader_reads": "npy" if any(name.endswith(".npy") for name in os.listdir(cache)) else "shards",
-    }
+    _, rss, seconds = run_measured(command, on_line=watch)
+    return {"launch_to_step_1_s": step_one[0] if step_one else None, "train_s": seconds, "peak_rss_gib": rss / 2**30}
+
+
+def spread(values: list[float]) -> str:
+    """Median (min-max) of ``values``."""
+    ordered = sorted(values)
+    return f"{ordered[len(ordered) // 2]:.1f} ({ordered[0]:.1f}-{ordered[-1]:.1f})"
 
 
 def format_tables(preparation: dict[str, Any] | None, training: list[dict[str, Any]]) -> str:
@@ -307,14 +296,15 @@ def format_tables(preparation: dict[str, Any] | None, training: list[dict[str, A
     if training:
         lines += [
             "",
-            "| corpus MB | prepare s | prepare peak RSS GiB | launch to step 1 s | train peak RSS GiB | loader reads |",
-            "|---|---|---|---|---|---|",
+            "| corpus MB | prepare s | prepare peak RSS GiB | launch to step 1 s, median (min-max) | train peak RSS GiB |",
+            "|---|---|---|---|---|",
         ]
         for t in training:
-            first = "n/a" if t["launch_to_step_1_s"] is None else f"{t['launch_to_step_1_s']:.1f}"
+            firsts = [r["launch_to_step_1_s"] for r in t["rounds"] if r["launch_to_step_1_s"] is not None]
+            first = spread(firsts) if firsts else "n/a"
+            rss = max(r["peak_rss_gib"] for r in t["rounds"])
             lines.append(
-                f"| {t['corpus_mb']:.0f} | {t['prepare_s']:.1f} | {t['prepare_peak_rss_gib']:.2f} | {first} "
-                f"| {t['train_peak_rss_gib']:.2f} | {t['loader_reads']} |"
+                f"| {t['corpus_mb']:.0f} | {t['prepare_s']:.1f} | {t['prepare_peak_rss_gib']:.2f} | {first} | {rss:.2f} |"
             )
     return "\n".join(lines)
 
@@ -325,6 +315,7 @@ def main(argv: list[str]) -> int:
         "--prepare-mb", type=float, default=100, help="corpus size of the throughput comparison; 0 skips it"
     )
     parser.add_argument("--sizes-mb", default="", help="comma-separated corpus sizes of the training runs")
+    parser.add_argument("--rounds", type=int, default=3, help="training runs per corpus size")
     parser.add_argument("--workers", type=int, default=0, help="preparing processes (0: one per core)")
     parser.add_argument("--tokenizer", default="", help="tokenizer path (default: the default tokenizer)")
     parser.add_argument("--work", default="/tmp/tessera-data-scale", help="folder of the corpora and caches")
@@ -348,11 +339,13 @@ def main(argv: list[str]) -> int:
         corpus = build_corpus(work / f"corpus-{args.prepare_mb:g}MB.jsonl", args.prepare_mb)
         print(f"preparation of {corpus} ...", flush=True)
         preparation = measure_preparation(corpus, work, args.tokenizer, args.workers)
-    training = []
-    for size in sizes:
-        corpus = build_corpus(work / f"corpus-{size:g}MB.jsonl", size)
-        print(f"training on {corpus} ...", flush=True)
-        training.append(measure_training(corpus, work, args.tokenizer, args.workers))
+    corpora = [build_corpus(work / f"corpus-{size:g}MB.jsonl", size) for size in sizes]
+    options = [training_options(corpus, work, args.tokenizer, args.workers) for corpus in corpora]
+    training = [prepare_for_training(corpus, o) for corpus, o in zip(corpora, options)]
+    for round_number in range(args.rounds):  # the sizes in turn each round: drift of the machine hits all
+        for corpus, o, record in zip(corpora, options, training):
+            print(f"round {round_number + 1}: training on {corpus} ...", flush=True)
+            record["rounds"].append(time_training(corpus, work, o))
     info["loadavg_end"] = os.getloadavg()
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
