@@ -41,9 +41,9 @@ def test_chat_finetune_exports_a_folder_transformers_loads(tmp_path):
     write_chat_tokenizer(source)
     vocab_size = Tokenizer.from_file(os.path.join(source, "tokenizer.json")).get_vocab_size()
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**llama_config(vocab_size=vocab_size, bos_token_id=0, eos_token_id=9))).save_pretrained(
-        source
-    )
+    LlamaForCausalLM(
+        LlamaConfig(**llama_config(vocab_size=vocab_size, bos_token_id=0, eos_token_id=9))
+    ).save_pretrained(source)
     corpus.write_text("".join(json.dumps(record) + "\n" for record in conversations(200)))
     options = folder_args(
         source,
