@@ -66,7 +66,8 @@ def test_float8_training_differs_from_float32_within_a_small_tolerance(batch):
     assert "float8 tensorwise: 14 linear layers converted" in batch.log("one")
     assert "linear layers converted" not in batch.log("reference")
     assert len(one) == STEPS
-    assert one != pytest.approx(reference, rel=LAYOUT_RTOL)
+    # One process both: without float8 the runs are bitwise equal, so any difference is float8's.
+    assert max(abs(a - b) / abs(b) for a, b in zip(one, reference)) > 1e-6
     assert one == pytest.approx(reference, rel=1e-3)
 
 

@@ -559,13 +559,13 @@ def test_a_hundred_mistakes_each_get_one_line(tmp_path, capsys):
     assert not failures, f"{len(failures)} of {len(CASES)} inputs:\n" + "\n".join(failures)
 
 
-@pytest.mark.slow  # eleven launches of run_train.sh
+@pytest.mark.slow  # twelve launches of run_train.sh
 def test_one_mistake_of_each_class_through_run_train_sh(tmp_path):
     """The first case of each class, as users meet it: one line from the script, exit 2, no
     traceback, no rank started."""
     _prepare(tmp_path)
     firsts = {kind: (args, expected) for kind, args, expected in reversed(CASES)}
-    assert len(firsts) == 11, sorted(firsts)
+    assert len(firsts) == 12, sorted(firsts)
 
     def launch(case: tuple[list[str], str]):
         args = [arg.format(d=tmp_path) for arg in case[0]]
