@@ -4,6 +4,8 @@ The flavor instances are shared: copy one (``dataclasses.replace``) before chang
 fields such as ``vocab_size`` or ``max_seq_len``.
 """
 
+import dataclasses
+
 from .model import Transformer, TransformerModelArgs, flops_per_token, num_params
 
 __all__ = ["Transformer", "TransformerModelArgs", "flops_per_token", "llama3_flavors", "num_params"]
@@ -25,14 +27,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "debugmodel": TransformerModelArgs(
         dim=256, n_layers=6, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
-    # torchtitan's names of the debug model with packed documents kept apart (its flex and varlen
-    # kernels; here the device picks the kernel).
-    "debugmodel_flex_attn": TransformerModelArgs(
-        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, attn_mask_type="block_causal"
-    ),
-    "debugmodel_varlen_attn": TransformerModelArgs(
-        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, attn_mask_type="block_causal"
-    ),
     "debugmodel_wide": TransformerModelArgs(
         dim=1024, n_layers=4, n_heads=16, vocab_size=2048, multiple_of=256, rope_theta=500000
     ),
@@ -44,24 +38,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "1B": TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, **_LLAMA32),
     "3B": TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, **_LLAMA32),
     "8B": TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024, **_LLAMA31),
-    "8B_flex": TransformerModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        attn_mask_type="block_causal",
-        **_LLAMA31,
-    ),
-    "8B_varlen": TransformerModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        attn_mask_type="block_causal",
-        **_LLAMA31,
-    ),
     "70B": TransformerModelArgs(
         dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096, **_LLAMA31
     ),
@@ -69,3 +45,12 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31
     ),
 }
+
+# torchtitan's names of sizes whose packed documents are kept apart (its flex and varlen kernels;
+# here the device picks the kernel): the base size with a block-causal mask.
+for _base, _names in {
+    "debugmodel": ("debugmodel_flex_attn", "debugmodel_varlen_attn"),
+    "8B": ("8B_flex", "8B_varlen"),
+}.items():
+    for _name in _names:
+        llama3_flavors[_name] = dataclasses.replace(llama3_flavors[_base], attn_mask_type="block_causal")
