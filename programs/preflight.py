@@ -13,8 +13,16 @@ from config.errors import ConfigError, print_error
 from config.job_config import JobConfig, Training, Validation
 from config.manager import load_config, named_as_given, typed_options
 from config.rules import batch_layout, warn_no_effect_at_degrees
-from trainer.data.corpus import DEFAULT_DATASET, TORCHTITAN_DATASETS, RecordBatch, check_corpus, corpus_of, is_hub
-from trainer.data.shards import encoder_for
+from trainer.data.corpus import (
+    DEFAULT_DATASET,
+    TORCHTITAN_DATASETS,
+    Corpus,
+    RecordBatch,
+    check_corpus,
+    corpus_of,
+    is_hub,
+)
+from trainer.data.shards import INDEX_FILE, DocumentEncoder, ShardedTokens, encoder_for, token_folder
 from trainer.data.tokenizer import build_tokenizer
 from trainer.folders import FOLDER_LOCK, check_output_folders, claimed_folders, lock_folder
 
@@ -159,9 +167,11 @@ def check_files(config: JobConfig, simulated: bool = False) -> TransformerModelA
             vocab_size = None
         else:
             # A record the tokenizer (or the chat template) cannot encode would fail every rank of every attempt.
-            for option, section, first in first_records:
+            for option, section, corpus, first in first_records:
                 try:
-                    encoder_for(section, config.training, tokenizer).encode_batch(first.values, first.where)
+                    encoder = encoder_for(section, config.training, tokenizer)
+                    encoder.encode_batch(first.values, first.where)
+                    _check_prepared_shards(corpus, encoder, config.job.cache_dir)
                 except ValueError as e:
                     problems.append(f"{option}: {e}")
     args = None
@@ -243,9 +253,21 @@ def _warn_of_the_validation_corpus(config: JobConfig) -> None:
         )
 
 
-def _check_corpora(config: JobConfig, problems: list[str]) -> list[tuple[str, Training | Validation, RecordBatch]]:
+def _check_prepared_shards(corpus: Corpus, encoder: DocumentEncoder, cache_dir: str) -> None:
+    """Raises the line for a local corpus whose finished shard folder lost or cut a file since: every rank
+    would stop on it. A hub corpus's folder is named by its commit, which only the ranks ask for."""
+    if is_hub(corpus.dataset):
+        return
+    folder = token_folder(corpus, encoder, cache_dir)
+    if os.path.exists(os.path.join(folder, INDEX_FILE)):
+        ShardedTokens(folder)
+
+
+def _check_corpora(
+    config: JobConfig, problems: list[str]
+) -> list[tuple[str, Training | Validation, Corpus, RecordBatch]]:
     """Reads the first record of every corpus of the run; each one broken adds its line to ``problems``.
-    Returns the first records with their options and sections."""
+    Returns the first records with their options, sections and corpora."""
     from trainer.data.loader import section_corpora
 
     chat = config.training.dataset_format == "chat"
@@ -259,7 +281,7 @@ def _check_corpora(config: JobConfig, problems: list[str]) -> list[tuple[str, Tr
         for corpus in corpora:
             try:
                 if (first := check_corpus(corpus, field, text=not chat)) is not None:
-                    first_records.append((option, section, first))
+                    first_records.append((option, section, corpus, first))
             except (ValueError, OSError) as e:
                 problems.append(_dataset_problem(config, option, e))
         _warn_hub_options_unused(config, f"{name}.dataset")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import resource
@@ -21,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from config.errors import ConfigError
 from config.manager import load_config
-from programs import preflight
+from programs import preflight, prepare_data
 from tests.hf_folders import write_chat_tokenizer
 from tests.launch import (
     NO_SMALL_DISK,
@@ -36,6 +37,7 @@ from trainer import folders
 from trainer.trainer import Trainer
 
 _CHAT = ["--training.dataset_format", "chat", "--model.tokenizer_path", "{d}/chat_tokenizer"]
+_PREPARED = ["--model.tokenizer_path", "{d}/chat_tokenizer", "--job.cache_dir", "{d}/cache"]
 # (class of input, arguments, what the one line must say). {d} is a folder of prepared files.
 CASES: list[tuple[str, list[str], str]] = [
     # Unknown options and sections, on the command line and in files.
@@ -483,6 +485,11 @@ CASES: list[tuple[str, list[str], str]] = [
         [*_CHAT, "--model.tokenizer_path", "{d}/no_template", "--training.dataset", "{d}/narrator.jsonl"],
         "no chat template",
     ),
+    (  # a prepared corpus whose shard was deleted afterwards
+        "data",
+        [*_PREPARED, "--training.dataset", "{d}/prepared.txt"],
+        "is incomplete or damaged (shard-00000.tokens is missing); delete it and it is rebuilt",
+    ),
     # 9999 CPU processes of torch: 3 TiB before any model (a host's swap storm, then the OOM killer).
     ("memory", ["--nproc-per-node", "9999"], "NGPU 9999: each CPU rank's process takes about 0.3 GiB before any"),
 ]
@@ -530,6 +537,12 @@ def _prepare(d) -> None:
         (d / "exported" / "hf" / name).write_text("{}")
     (d / "jsons").mkdir()
     (d / "jsons" / "job.json").write_text('{"job": {}}')
+    (d / "prepared.txt").write_text("a corpus prepared ahead of its run\n" * 50)
+    prepared = [arg.format(d=d) for arg in [*_PREPARED, "--training.dataset", "{d}/prepared.txt"]]
+    with contextlib.redirect_stdout(io.StringIO()):  # its report, which no case's output should hold
+        assert prepare_data.main(["--training.dataset_prepare_workers", "1", *prepared]) == 0
+    (shard,) = d.glob("cache/tokens-*/shard-00000.tokens")
+    shard.unlink()
 
 
 def _one_error_line(code: int, stderr: str, expected: str) -> bool:
