@@ -109,7 +109,8 @@ class Trainer:
         self.source_tokens = SourceTokens(config.training.datasets, self.parallel_dims)
         # Another seed than training's: other windows of the same corpus.
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
-        self.validator = Validator(config.validation, validation_data, self.parallel_dims.dp_degree, self.loss)
+        dp_degree = self.parallel_dims.dp_degree
+        self.validator = Validator(config.validation, validation_data, dp_degree, self.loss, self._cp_shard)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.step = 0
         self.checkpointer = self._build_checkpointer()
@@ -229,9 +230,14 @@ class Trainer:
         self.lr_scheduler.step()
         return {"loss": self._sum_over_ranks(sum(losses)).item(), "grad_norm": grad_norm.item(), "lr": lr}
 
+    @property
+    def _cp_shard(self) -> tuple[int, int]:
+        """(context-parallel degree, this rank's index): which chunks of each sequence it trains on."""
+        return self.parallel_dims.cp, self.parallel_dims.cp_rank
+
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Sums a per-rank share of a global mean over the data-parallel and pipeline ranks."""
-        for mesh in (self.parallel_dims.pp_mesh, self.parallel_dims.dp_mesh):
+        """Sums a per-rank share of a global mean over the data-, context-parallel and pipeline ranks."""
+        for mesh in (self.parallel_dims.pp_mesh, self.parallel_dims.dp_cp_mesh):
             if mesh is not None:
                 dist.all_reduce(value, group=mesh.get_group())
         return value
@@ -267,7 +273,10 @@ class Trainer:
                 step = self.step + 1
                 self._collect_garbage(step)
                 with self.throughput.data_loading():
-                    microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+                    # A context-parallel group reads one batch; each rank keeps its chunks of the sequence.
+                    microbatches = [
+                        next(data_iter).context_parallel_shard(*self._cp_shard) for _ in range(self.grad_accum_steps)
+                    ]
                 self.failures.before_step(step)
                 step_metrics = self.train_step(microbatches)
                 if step == first_step:
