@@ -139,17 +139,19 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
        f"validation.{name}: a pipeline validates with training's microbatches; "
        f"leave it unset or at training.{name} {{c.training.{name}}}")
       for name in ("local_batch_size", "seq_len")),
-    # Context parallelism: each rank holds 2 of 2 x degree equal chunks (head and tail).
-    *((lambda c, name=name: (c.validation.enable or name == "training")
-       and (getattr(c, name).seq_len or c.training.seq_len) % (2 * c.parallelism.context_parallel_degree),
+    # Context parallelism: each rank holds 2 of 2 x degree equal chunks (head and tail), which
+    # sequence parallel splits again.
+    *((lambda c, name=name: c.parallelism.context_parallel_degree > 1
+       and _cp_seq_len(c, name) % (2 * c.parallelism.context_parallel_degree),
        f"{name}.seq_len {{c.{name}.seq_len}} does not split into 2 x parallelism.context_parallel_degree "
        "{c.parallelism.context_parallel_degree} equal chunks (each context-parallel rank holds two)")
       for name in ("training", "validation")),
-    # Sequence parallel splits each context-parallel rank's tokens.
-    (lambda c: (c.training.seq_len // c.parallelism.context_parallel_degree) % c.parallelism.tensor_parallel_degree,
-     "training.seq_len {c.training.seq_len}: parallelism.context_parallel_degree "
-     "{c.parallelism.context_parallel_degree} x tensor_parallel_degree {c.parallelism.tensor_parallel_degree} "
-     "must divide it (sequence parallel splits each context-parallel rank's tokens)"),
+    *((lambda c, name=name: c.parallelism.context_parallel_degree > 1
+       and (_cp_seq_len(c, name) // c.parallelism.context_parallel_degree) % c.parallelism.tensor_parallel_degree,
+       f"{name}.seq_len {{c.{name}.seq_len}}: parallelism.context_parallel_degree "
+       "{c.parallelism.context_parallel_degree} x tensor_parallel_degree {c.parallelism.tensor_parallel_degree} "
+       "must divide it (sequence parallel splits each context-parallel rank's tokens)")
+      for name in ("training", "validation")),
     (lambda c: c.parallelism.context_parallel_degree > 1 and c.compile.compiles_model,
      "compile.components: the model is not compiled with context parallelism "
      "(parallelism.context_parallel_degree above 1); compile the loss alone or turn compile.enable off"),
@@ -168,6 +170,13 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
      "checkpoint.create_seed_checkpoint: run it on 1 rank without pipeline parallelism"),
 ]
 # fmt: on
+
+
+def _cp_seq_len(c: JobConfig, section: str) -> int:
+    """The sequence length of training's or (when enabled) validation's batches; 0 when validation is off."""
+    if section == "validation":
+        return (c.validation.seq_len or c.training.seq_len) if c.validation.enable else 0
+    return c.training.seq_len
 
 
 def _float8(c: JobConfig) -> bool:
