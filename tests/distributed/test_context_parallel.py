@@ -62,6 +62,12 @@ LAYOUTS = {
     "cp4_alltoall": (4, [*local(4), *cp(4, "alltoall")], "reference"),
     "cp2_dp2": (4, [*local(2), *cp(2, "allgather")], "reference"),
     "cp2_dp2_alltoall_simple_fsdp": (4, [*local(2), *cp(2, "alltoall"), *SIMPLE_FSDP], "reference"),
+    # HSDP: the parameters shard over cp within each replica.
+    "cp2_replicate2_alltoall": (
+        4,
+        [*local(2), *cp(2, "alltoall"), "--parallelism.data_parallel_replicate_degree", "2"],
+        "reference",
+    ),
     "cp2_tp2": (4, [*local(4), *cp(2, "allgather"), "--parallelism.tensor_parallel_degree", "2"], "reference"),
     "cp2_tp2_alltoall": (4, [*local(4), *cp(2, "alltoall"), "--parallelism.tensor_parallel_degree", "2"], "reference"),
     "cp2_pp2_dp2": (8, [*local(2), *cp(2, "allgather"), "--parallelism.pipeline_parallel_degree", "2"], "reference"),
