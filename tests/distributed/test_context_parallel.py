@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -82,16 +83,32 @@ CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory) -> RunBatch:
+def short_documents(tmp_path_factory) -> str:
+    """A .jsonl corpus of documents of 4 to 16 words: several in every window of 64 tokens."""
+    words = "alpha beta gamma delta river mountain cloud engine paper window garden letter number signal".split()
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("documents") / "short.jsonl"
+    with open(path, "w") as f:
+        for _ in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + "."}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, short_documents) -> RunBatch:
     """The references (one process) and every layout, in one launch per world size; the cp 2 run
-    that saves a checkpoint for the resumes stops at step 3."""
+    that saves a checkpoint for the resumes stops at step 3. Document masking trains on short
+    documents (and one process without masking shows that it changes the losses)."""
+    documents = ["--training.dataset", short_documents]
     runs = {
         "reference": (1, [*local(4), *VALIDATION]),
         "reference_documents": (1, [*local(4), *DOCUMENTS]),
+        "reference_documents_off": (1, [*local(4), *documents]),
         **{name: (nproc, overrides) for name, (nproc, overrides, _) in LAYOUTS.items()},
         "cp2_saved": (2, [*local(4), *cp(2, "alltoall"), *CHECKPOINT, "--training.steps", str(SAVE_AT)]),
     }
     root = str(tmp_path_factory.mktemp("cp"))
+    runs = {name: (nproc, [*o, *documents] if DOCUMENTS[0] in o else o) for name, (nproc, o) in runs.items()}
     return RunBatch(root, {name: (nproc, [*COMMON, *overrides]) for name, (nproc, overrides) in runs.items()})
 
 
@@ -104,6 +121,8 @@ def test_losses_match_single_process(layout, batch):
     assert got == pytest.approx(losses(reference), rel=1e-5, abs=0)
     assert grad_norms(records) == pytest.approx(grad_norms(reference), rel=GRAD_NORM_RTOL, abs=0)
     assert got[-1] < got[0]
+    if DOCUMENTS[0] in LAYOUTS[layout][1]:  # the masking is at work: without it, other losses
+        assert losses(reference) != losses(batch.records("reference_documents_off"))
     if "--validation.enable" in LAYOUTS[layout][1]:
         expected = _validation(batch.folder("reference"))
         assert _validation(batch.folder(layout)) == pytest.approx(expected, rel=1e-5, abs=0)
