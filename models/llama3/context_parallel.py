@@ -53,9 +53,12 @@ def context_parallel_inputs(
     return rope_cache[positions], ContextParallelMask(cp, tokens, document_ids(tokens, positions))
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: RotateMethod) -> None:
-    """Splits the sequence of ``model`` (a Transformer or a pipeline stage of one) over ``cp_mesh``:
-    its forward then takes this rank's chunks (``Batch.context_parallel_shard``)."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh | None, rotate_method: RotateMethod) -> None:
+    """Splits the sequence of ``model`` (a Transformer or a pipeline stage of one) over ``cp_mesh``
+    (None: no context parallelism): its forward then takes this rank's chunks
+    (``Batch.context_parallel_shard``)."""
+    if cp_mesh is None:
+        return
     model.context_parallel = ContextParallel(
         cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), rotate_method
     )

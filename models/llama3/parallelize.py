@@ -86,8 +86,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
                 loss_parallel=config.parallelism.enable_loss_parallel,
                 enable_async_tp=_async_tp(config, parallel_dims.tp_mesh.device_type),
             )
-    if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.cp_mesh, config.parallelism.context_parallel_rotate_method)
+    apply_cp(model, parallel_dims.cp_mesh, config.parallelism.context_parallel_rotate_method)
     ac = config.activation_checkpoint
     apply_ac(
         model.layers,
