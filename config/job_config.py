@@ -201,6 +201,12 @@ class Parallelism:
     """Ranks splitting each layer's matmuls (tensor parallelism)."""
     pipeline_parallel_degree: int = 1
     """Pipeline stages."""
+    context_parallel_degree: int = 1
+    """Ranks splitting each sequence (context parallelism): each holds 2 of its 2 x degree chunks,
+    head and tail, and attention crosses the split; the parameters shard over these ranks too."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context-parallel attention reaches the other ranks' keys and values: allgather gathers
+    them all; alltoall passes them round the ring, one rank's block at a time."""
     data_parallel_impl: Literal["fsdp2", "simple_fsdp"] = "fsdp2"
     """Data-parallel implementation: fsdp2 (torch's fully_shard) or simple_fsdp."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"

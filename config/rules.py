@@ -36,7 +36,7 @@ RANGES = {
         profiling.profile_freq profiling.profiler_active comm.init_timeout_seconds comm.train_timeout_seconds
         comm.bandwidth_gbps checkpoint.interval compile.compute_flops compile.bucket_memory_cap_mb
         parallelism.data_parallel_replicate_degree parallelism.tensor_parallel_degree
-        parallelism.pipeline_parallel_degree validation.freq validation.steps validation.local_batch_size
+        parallelism.pipeline_parallel_degree parallelism.context_parallel_degree validation.freq validation.steps validation.local_batch_size
         validation.seq_len {_MODEL_SIZES}""",
     ">= 0": """training.max_norm training.dataloader_num_workers training.dataset_prepare_workers profiling.profiler_warmup debug.gc_freq
         comm.trace_buf_size comm.alpha_us checkpoint.keep_latest_k lr_scheduler.warmup_steps
@@ -139,6 +139,22 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
        f"validation.{name}: a pipeline validates with training's microbatches; "
        f"leave it unset or at training.{name} {{c.training.{name}}}")
       for name in ("local_batch_size", "seq_len")),
+    # Context parallelism: each rank holds 2 of 2 x degree equal chunks (head and tail), which
+    # sequence parallel splits again.
+    *((lambda c, name=name: c.parallelism.context_parallel_degree > 1
+       and _cp_seq_len(c, name) % (2 * c.parallelism.context_parallel_degree),
+       f"{name}.seq_len {{c.{name}.seq_len}} does not split into 2 x parallelism.context_parallel_degree "
+       "{c.parallelism.context_parallel_degree} equal chunks (each context-parallel rank holds two)")
+      for name in ("training", "validation")),
+    *((lambda c, name=name: c.parallelism.context_parallel_degree > 1
+       and (_cp_seq_len(c, name) // c.parallelism.context_parallel_degree) % c.parallelism.tensor_parallel_degree,
+       f"{name}.seq_len {{c.{name}.seq_len}}: parallelism.context_parallel_degree "
+       "{c.parallelism.context_parallel_degree} x tensor_parallel_degree {c.parallelism.tensor_parallel_degree} "
+       "must divide it (sequence parallel splits each context-parallel rank's tokens)")
+      for name in ("training", "validation")),
+    (lambda c: c.parallelism.context_parallel_degree > 1 and c.compile.compiles_model,
+     "compile.components: the model is not compiled with context parallelism "
+     "(parallelism.context_parallel_degree above 1); compile the loss alone or turn compile.enable off"),
     (lambda c: set(CHECKPOINT_PARTS) <= set(c.checkpoint.exclude_from_loading),
      f"checkpoint.exclude_from_loading: every part ({', '.join(CHECKPOINT_PARTS)}), so a resume would "
      "load nothing; to start afresh, give another checkpoint.folder or job.dump_folder"),
@@ -154,6 +170,13 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
      "checkpoint.create_seed_checkpoint: run it on 1 rank without pipeline parallelism"),
 ]
 # fmt: on
+
+
+def _cp_seq_len(c: JobConfig, section: str) -> int:
+    """The sequence length of training's or (when enabled) validation's batches; 0 when validation is off."""
+    if section == "validation":
+        return (c.validation.seq_len or c.training.seq_len) if c.validation.enable else 0
+    return c.training.seq_len
 
 
 def _float8(c: JobConfig) -> bool:
@@ -228,6 +251,7 @@ def _no_effect_rules(c: JobConfig, dp: tuple[int, int] | None) -> list[tuple[typ
         (p.pipeline_parallel_split_points, "parallelism.pipeline_parallel_split_points gives the stages",
          f"parallelism: {_ENDS}"),
         (p.module_fqns_per_model_part, "parallelism.module_fqns_per_model_part gives the stages", f"parallelism: {_ENDS}"),
+        (p.context_parallel_degree == 1, "no context parallelism", "parallelism: context_parallel_rotate_method"),
         (p.tensor_parallel_degree == 1, "no tensor parallelism",
          "parallelism: enable_loss_parallel enable_async_tensor_parallel"),
         (not c.validation.enable, "validation.enable is false", f"validation: {_fields(Validation, but='enable')}"),

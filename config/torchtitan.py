@@ -31,7 +31,7 @@ ANY = object()  # any value leaves the feature off, or only tunes how a missing 
 # Tessera recognises a Hugging Face folder by itself (initial_load_in_hf); its last checkpoint holds everything.
 _ANY_VALUE = """metrics.disable_color_printing training.dataloader.persistent_workers training.dataloader.pin_memory
     training.dataloader.prefetch_factor parallelism.pipeline_parallel_expert_parallel_overlap
-    parallelism.context_parallel_load_balancer parallelism.context_parallel_rotate_method
+    parallelism.context_parallel_load_balancer
     parallelism.expert_parallel_comm_backend checkpoint.enable_ft_dataloader_checkpoints
     checkpoint.initial_load_in_hf checkpoint.last_save_model_only
     activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns
@@ -46,7 +46,6 @@ FOREIGN: dict[str, object] = {
     "job.custom_config_module": "",
     "training.enable_cpu_offload": False,
     "parallelism.pipeline_parallel_schedule_csv": "",
-    "parallelism.context_parallel_degree": 1,
     "parallelism.expert_parallel_degree": 1,
     "parallelism.expert_tensor_parallel_degree": 1,
     "checkpoint.initial_load_in_hf_quantized": False,
@@ -62,7 +61,6 @@ FOREIGN: dict[str, object] = {
 """torchtitan options of features Tessera lacks -> the value that leaves the feature off."""
 
 CHANGES_THE_RUN = {
-    "parallelism.context_parallel_degree": "",
     "parallelism.expert_parallel_degree": "",
     "comm.mode": "; a dry run is COMM_MODE=fake ./run_train.sh",
 }

@@ -82,7 +82,7 @@ def resolve_precision(config: JobConfig, device_type: str) -> JobConfig:
 
 def wrapper_casts_parameters(config: JobConfig, parallel_dims: ParallelDims) -> bool:
     """Whether the DP wrapper casts the parameters (sharding and SimpleFSDP do); else autocast casts."""
-    if not parallel_dims.dp_enabled:
+    if not parallel_dims.dp_cp_enabled:
         return False
     return parallel_dims.fsdp_enabled or config.parallelism.data_parallel_impl == "simple_fsdp"
 
@@ -96,7 +96,7 @@ def _log_precision(config: JobConfig, parallel_dims: ParallelDims) -> None:
                 "mixed precision: %s parameters in forward and backward, gradients reduced in %s", param, reduce
             )
         return
-    reduced = f" (reduced in {reduce})" if parallel_dims.dp_enabled and reduce != "float32" else ""
+    reduced = f" (reduced in {reduce})" if parallel_dims.dp_cp_enabled and reduce != "float32" else ""
     if param != config.training.dtype:
         logger.info("mixed precision: forward under %s autocast, float32 weights and gradients%s", param, reduced)
     elif reduced:

@@ -306,7 +306,8 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         optimizer, lr_scheduler = build_optimizer_and_schedule(
             config.optimizer, config.lr_scheduler, config.training, built.parts
         )
-        shape = (config.training.local_batch_size, config.training.seq_len)
+        # A context-parallel rank's chunks of each sequence.
+        shape = (config.training.local_batch_size, config.training.seq_len // dims.cp)
 
         def batch() -> tuple[torch.Tensor, torch.Tensor]:
             return torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)

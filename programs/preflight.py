@@ -58,7 +58,8 @@ def check(
         )
     dims = parallel_dims_from_config(config.parallelism, world_size)
     batch_layout(config.training, dims.dp_degree)
-    warn_no_effect_at_degrees(config, typed, dims.dp_replicate, dims.dp_shard)
+    # Parameters shard over the context-parallel ranks too.
+    warn_no_effect_at_degrees(config, typed, dims.dp_replicate, dims.dp_shard * dims.cp)
     if planner := sorted(key for key in typed if key.startswith("plan.")):  # config.manager serves the planner too
         logger.warning(
             "no effect in this run: %s (the layout planner's options: python -m programs.plan)",

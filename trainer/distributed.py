@@ -121,4 +121,5 @@ def parallel_dims_from_config(parallelism: Parallelism, world_size: int) -> Para
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             world_size=world_size,
+            cp=parallelism.context_parallel_degree,
         )

@@ -1,7 +1,8 @@
 """The training loss: a microbatch's fp32 cross-entropy summed over its tokens, divided by the
 global batch's token count, so that gradients summed over microbatches and ranks are the mean's.
 Where labels can be ignored (``IGNORE_INDEX``: chat data, document masking) the count is that of
-the step's trained labels on every data-parallel rank."""
+the step's trained labels on every data-parallel and context-parallel rank (each context-parallel
+rank holds other tokens of its data-parallel rank's batch)."""
 
 from __future__ import annotations
 
@@ -56,19 +57,19 @@ class Loss:
         return self.summed(logits, labels) / self.divisor
 
     def start_step(self, microbatch_labels: list[torch.Tensor], device: torch.device) -> None:
-        """Divides the step's losses by its trained labels on all data-parallel ranks (this rank's
-        microbatches given; the tensor and pipeline ranks of a data-parallel rank give the same)."""
+        """Divides the step's losses by its trained labels on all data- and context-parallel ranks (this
+        rank's microbatches given; the tensor and pipeline ranks of a data-parallel rank give the same)."""
         if self.ignores_labels:
             local = sum(trained_labels(labels) for labels in microbatch_labels)
             # At least 1: a step without a trained label has loss and gradients 0, not NaN.
             self.divisor = max(1, self.global_count(local, device))
 
     def global_count(self, local: int, device: torch.device) -> int:
-        """``local`` summed over the data-parallel ranks."""
+        """``local`` summed over the data- and context-parallel ranks."""
         count = torch.tensor(local, dtype=torch.int64, device=device)
-        dp_mesh = self.parallel_dims.dp_mesh
-        if dp_mesh is not None:
-            dist.all_reduce(count, group=dp_mesh.get_group())
+        mesh = self.parallel_dims.dp_cp_mesh
+        if mesh is not None:
+            dist.all_reduce(count, group=mesh.get_group())
         return int(count)
 
     def context(self) -> contextlib.AbstractContextManager:

@@ -110,8 +110,9 @@ class SourceTokens:
         if len(self.names) < 2:
             return None
         counts = self.counts.to(device, copy=True)  # the count starts anew below
-        if self.dims.dp_mesh is not None:
-            dist.all_reduce(counts, group=self.dims.dp_mesh.get_group())
+        # Context-parallel ranks count the labels of their own chunks.
+        if self.dims.dp_cp_mesh is not None:
+            dist.all_reduce(counts, group=self.dims.dp_cp_mesh.get_group())
         self.counts.zero_()
         return dict(zip(self.names, counts.tolist()))
 

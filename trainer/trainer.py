@@ -65,8 +65,9 @@ class Trainer:
         torch.manual_seed(config.debug.seed)
         if config.debug.deterministic:
             use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)
-        self.parallel_dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
+        self.parallel_dims = dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
         self.parallel_dims.build_mesh(self.device.type)
+        self.cp_shard = dims.cp, dims.cp_rank  # which chunks of each sequence this rank trains on
         self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.parallel_dims.dp_degree)
         tokens_per_step = self.global_batch_size * config.training.seq_len
         self._write_resolved_config()
@@ -109,7 +110,7 @@ class Trainer:
         self.source_tokens = SourceTokens(config.training.datasets, self.parallel_dims)
         # Another seed than training's: other windows of the same corpus.
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
-        self.validator = Validator(config.validation, validation_data, self.parallel_dims.dp_degree, self.loss)
+        self.validator = Validator(config.validation, validation_data, dims.dp_degree, self.loss, self.cp_shard)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.step = 0
         self.checkpointer = self._build_checkpointer()
@@ -170,7 +171,8 @@ class Trainer:
     def _start_data(self, resumed: str | None):
         """The batches from the saved position; one that does not fit the job is a one-line mistake, not a restart."""
         try:
-            return iter(self.dataloader)  # the loader checks a restored position here
+            # iter() checks a restored position; a context-parallel rank keeps its chunks of each sequence.
+            return (batch.context_parallel_shard(*self.cp_shard) for batch in self.dataloader)
         except ValueError as e:
             if resumed is None:
                 raise
@@ -230,8 +232,8 @@ class Trainer:
         return {"loss": self._sum_over_ranks(sum(losses)).item(), "grad_norm": grad_norm.item(), "lr": lr}
 
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Sums a per-rank share of a global mean over the data-parallel and pipeline ranks."""
-        for mesh in (self.parallel_dims.pp_mesh, self.parallel_dims.dp_mesh):
+        """Sums a per-rank share of a global mean over the data-, context-parallel and pipeline ranks."""
+        for mesh in (self.parallel_dims.pp_mesh, self.parallel_dims.dp_cp_mesh):
             if mesh is not None:
                 dist.all_reduce(value, group=mesh.get_group())
         return value

@@ -27,11 +27,20 @@ def validation_due(step: int, freq: int) -> bool:
 class Validator:
     """Evaluates ``validation.steps`` batches of a fresh ``loader()``: the same windows each time."""
 
-    def __init__(self, validation: Validation, loader: Callable[[], StatefulDataLoader], dp_degree: int, loss: Loss):
+    def __init__(
+        self,
+        validation: Validation,
+        loader: Callable[[], StatefulDataLoader],
+        dp_degree: int,
+        loss: Loss,
+        context_parallel: tuple[int, int] = (1, 0),
+    ):
+        """``context_parallel``: (degree, this rank's index), whose chunks of each sequence this rank validates."""
         self.steps = validation.steps
         self.loader = loader
         self.dp_degree = dp_degree
         self.loss = loss
+        self.context_parallel = context_parallel
         if validation.enable:
             # Tokenized now: a corpus too short for one window is refused before training, not after a step.
             windows, steps = loader().dataset, validation.steps
@@ -62,7 +71,7 @@ class Validator:
         total = torch.zeros((), device=device)
         tokens = trained = 0
         for _, batch in zip(range(self.steps), loader):
-            batch = batch.to(device)
+            batch = batch.context_parallel_shard(*self.context_parallel).to(device)
             if model.schedule is not None:
                 with self.loss.context():
                     # The pipeline's loss is over the training step's divisor: back to a sum.
@@ -81,4 +90,4 @@ class Validator:
             part.train()
         if self.loss.ignores_labels:
             return total / max(1, self.loss.global_count(trained, device))
-        return total / (tokens * self.dp_degree)
+        return total / (tokens * self.dp_degree * self.context_parallel[0])

@@ -23,6 +23,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from parallelisms.device import DocumentKernel
 from parallelisms.names import clean_name
 
+from .context_parallel import ContextParallel, ContextParallelMask, context_parallel_inputs
+
 INIT_STD = 0.02
 
 
@@ -169,8 +171,9 @@ class Attention(nn.Module):
 
 
 # What keeps packed documents apart: a boolean [batch, 1, seq, seq] mask (True: may attend) for SDPA,
-# or flex attention's BlockMask (see ``document_mask``).
-DocumentMask = torch.Tensor | BlockMask
+# or flex attention's BlockMask (see ``document_mask``); under context parallelism, what crosses the
+# ranks (causal or within documents).
+DocumentMask = torch.Tensor | BlockMask | ContextParallelMask
 
 
 def document_mask(positions: torch.Tensor, kernel: DocumentKernel) -> DocumentMask:
@@ -201,6 +204,8 @@ def attend(
     """Attention over [batch, heads, seq, head_dim]: causal without ``mask``, else within documents."""
     if mask is None:
         return causal_attention(q, k, v, query_chunk)
+    if isinstance(mask, ContextParallelMask):
+        return mask.attend(q, k, v)
     if isinstance(mask, BlockMask):
         # A compiled model traces flex attention into its own graph.
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
@@ -311,6 +316,8 @@ class Transformer(nn.Module):
 
     # The kernel that keeps packed documents apart (``parallelisms.device.document_kernel``).
     document_kernel: DocumentKernel = "sdpa"
+    # Set by ``apply_cp``: the sequence is split over these ranks, ``forward`` gets this rank's tokens.
+    context_parallel: ContextParallel | None = None
 
     def configure_attention(
         self, dtype: torch.dtype | None, query_chunk: int | None, document_kernel: DocumentKernel = "sdpa"
@@ -326,12 +333,19 @@ class Transformer(nn.Module):
         """Logits of ``tokens`` [batch, seq] (hidden states in and out on a pipeline stage without
         the embedding or output). With ``positions`` [batch, seq], each token's position in its
         document (0 where one starts), RoPE takes those positions and attention stays inside each
-        document; without, positions are 0, 1, ... and attention is causal over the whole sequence."""
-        seqlen = tokens.shape[1]
+        document; without, positions are 0, 1, ... and attention is causal over the whole sequence.
+        Under context parallelism ``tokens`` and ``positions`` hold this rank's chunks of the sequence."""
+        cp = self.context_parallel
+        seqlen = tokens.shape[1] * (cp.degree if cp is not None else 1)
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
+        if cp is not None:
+            # This rank's chunks of the sequence (``context_parallel_inputs``), causal or within documents.
+            rope_rows, mask = context_parallel_inputs(cp, tokens.shape[1], self.rope_cache, positions)
+            for layer in self.layers.values():
+                h = layer(h, rope_rows, mask)
+        elif positions is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope_cache)
         else:

@@ -1,5 +1,6 @@
 """Maps a job config to the parallelisms applied to a Llama 3 model, in a fixed order: float8
-conversion, tensor parallel, activation checkpointing, compile, data parallel (SimpleFSDP is
+conversion, tensor parallel, context parallel, activation checkpointing, compile, data parallel
+(context parallelism shards the parameters with the data-parallel ranks; SimpleFSDP is
 compiled after data parallel, so that its gathers are traced with the compute)."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import apply_simple_fsdp
 from parallelisms.tensor_parallel import apply_tp, validate_tp
 
+from .context_parallel import apply_cp
 from .model import Transformer, TransformerBlock, TransformerModelArgs, check_args, precompute_rope_cache
 from .pipeline import as_options, check_schedule_runs_here, pipeline_layout
 
@@ -84,6 +86,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
                 loss_parallel=config.parallelism.enable_loss_parallel,
                 enable_async_tp=_async_tp(config, parallel_dims.tp_mesh.device_type),
             )
+    apply_cp(model, parallel_dims.cp_mesh, config.parallelism.context_parallel_rotate_method)
     ac = config.activation_checkpoint
     apply_ac(
         model.layers,
@@ -100,7 +103,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if config.compile.compiles_model and not simple_fsdp:
         apply_compile_per_block(model.layers, config.compile.backend, memory_budget=budget)
 
-    if parallel_dims.dp_enabled:
+    if parallel_dims.dp_cp_enabled:
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
     if not (config.compile.compiles_model and simple_fsdp):

@@ -162,7 +162,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("layout", ["--parallelism.data_parallel_shard_degree", "0"], "must be -1 or positive"),
     ("layout", ["--training.global_batch_size", "20"], "global_batch_size 20 is not divisible"),
-    ("layout", ["--parallelism.context_parallel_degree", "2"], "not available in Tessera"),
+    ("layout", ["--parallelism.context_parallel_degree", "3", "--training.seq_len", "96"], "cp 3"),
+    (
+        "layout",
+        ["--parallelism.context_parallel_degree", "3"],
+        "training.seq_len 256 does not split into 2 x parallelism.context_parallel_degree 3",
+    ),
     ("layout", ["--parallelism.expert_parallel_degree", "2"], "not available in Tessera"),
     (
         "layout",

@@ -60,6 +60,7 @@ enable_async_tensor_parallel = false
 pipeline_parallel_degree = 1
 pipeline_parallel_schedule = "Interleaved1F1B"
 context_parallel_degree = 1
+expert_parallel_degree = 1
 [checkpoint]
 enable = false
 folder = "checkpoint"
@@ -109,28 +110,28 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
     assert (config.activation_checkpoint.mode, config.lr_scheduler.decay_ratio) == ("selective", 0.8)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
-    for name in ("metrics.disable_color_printing", "parallelism.context_parallel_degree"):
+    for name in ("metrics.disable_color_printing", "parallelism.expert_parallel_degree"):
         assert name in warnings[0]
     # Float8's options are Tessera's own, under [float8].
     assert "quantize" not in warnings[0] and config.float8.filter_fqns == ["output"]
 
 
 def test_a_missing_features_off_value_on_the_command_line_is_known_as_off(tmp_path, caplog):
-    """The command line's strings read as the option's type: '1' for context parallelism and
+    """The command line's strings read as the option's type: '1' for expert parallelism and
     'false' for CPU offload leave them off (they were compared as strings with 1 and False: an
     error, a warning that the feature is missing)."""
     with caplog.at_level(logging.WARNING):
         load_config(
             [
                 *("--job.config_file", write(tmp_path, TITAN_DEBUG)),
-                *("--parallelism.context_parallel_degree", "1", "--parallelism.expert_parallel_degree=1"),
+                *("--parallelism.expert_parallel_degree", "1", "--parallelism.expert_tensor_parallel_degree=1"),
                 *("--training.enable_cpu_offload", "false", "--fault_tolerance.enable", "False"),
             ]
         )
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("torchtitan options with no effect in Tessera, ignored:")
-    with pytest.raises(ConfigError, match=r"not available in Tessera: parallelism.context_parallel_degree=2$"):
-        load_config(["--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match=r"not available in Tessera: parallelism.expert_parallel_degree=2$"):
+        load_config(["--parallelism.expert_parallel_degree", "2"])
 
 
 def test_command_line_spellings(tmp_path):
@@ -154,12 +155,12 @@ def test_missing_features_are_named_in_one_line(tmp_path, caplog):
     assert any("training without them: training.enable_cpu_offload=True" in r.getMessage() for r in caplog.records)
     both = offload.replace("titan.toml", "both.toml")
     with open(both, "w") as f:
-        f.write(open(offload).read().replace("context_parallel_degree = 1", "context_parallel_degree = 2"))
+        f.write(open(offload).read().replace("expert_parallel_degree = 1", "expert_parallel_degree = 2"))
     with pytest.raises(ConfigError) as error:
         load_config(["--job.config_file", both, "--fault_tolerance.enable"])
     message = str(error.value)
     assert message.startswith("not available in Tessera:") and "\n" not in message
-    for name in ("training.enable_cpu_offload", "parallelism.context_parallel_degree=2", "fault_tolerance.enable"):
+    for name in ("training.enable_cpu_offload", "parallelism.expert_parallel_degree=2", "fault_tolerance.enable"):
         assert name in message
 
 

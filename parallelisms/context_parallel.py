@@ -1,0 +1,159 @@
+"""Context parallelism: the sequence of each batch is split over a group of ranks, and attention
+crosses the split.
+
+The sequence is cut into ``2 * cp_degree`` equal chunks; rank r holds chunks r and
+``2 * cp_degree - 1 - r`` (head and tail), so that under a causal mask every rank has the same
+share of query-key pairs. Attention takes each rank's local queries, keys and values with the
+global positions of its tokens:
+
+- ``allgather``: every rank gathers all keys and values, then attends with a boolean mask;
+- ``alltoall``: keys and values travel round the ring (rank r sends to r + 1), one block per
+  round, and each block's attention merges into the result with an online softmax, so no rank
+  holds all keys at once.
+
+Both are written with torch's functional collectives, which carry gradients, and SDPA or plain
+matmuls, so they train on any device (torch's experimental context parallel does not train on
+CPU: see docs/parallelisms.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
+
+RotateMethod = Literal["allgather", "alltoall"]
+ROTATE_METHODS = ("allgather", "alltoall")
+
+
+def check_sequence(seq_len: int, cp_degree: int) -> None:
+    """ValueError unless ``seq_len`` splits into ``2 * cp_degree`` equal chunks."""
+    if cp_degree < 1 or seq_len % (2 * cp_degree):
+        raise ValueError(f"seq_len {seq_len} does not split into 2 x cp_degree {cp_degree} equal chunks")
+
+
+def head_tail_positions(seq_len: int, cp_degree: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global indices (int64, ascending) of the tokens rank ``cp_rank`` holds: chunks ``cp_rank``
+    and ``2 * cp_degree - 1 - cp_rank`` of ``2 * cp_degree``."""
+    check_sequence(seq_len, cp_degree)
+    chunk = seq_len // (2 * cp_degree)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail_start = (2 * cp_degree - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
+
+
+def shard_sequence(tensor: torch.Tensor, cp_degree: int, cp_rank: int) -> torch.Tensor:
+    """This rank's tokens of ``tensor`` [batch, seq, ...], in the order of ``head_tail_positions``."""
+    return tensor[:, head_tail_positions(tensor.shape[1], cp_degree, cp_rank, tensor.device)]
+
+
+def document_ids(token_positions: torch.Tensor, document_positions: torch.Tensor) -> torch.Tensor:
+    """Per token, an id of its document that is the same on every rank: the global index where the
+    document starts (``document_positions``: each token's position in its document, consecutive
+    within one, [batch, seq_local]; ``token_positions``: the tokens' global indices [seq_local])."""
+    return token_positions - document_positions
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group: dist.ProcessGroup,
+    rotate_method: RotateMethod,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's queries [batch, heads, seq_local, head_dim] over the keys and
+    values of every rank of ``group`` (each rank's tokens at ``positions`` [seq_local], its chunks of
+    ``head_tail_positions``). With ``documents`` [batch, seq_local] (``document_ids``), a query sees
+    only keys of its own document."""
+    if rotate_method == "allgather":
+        return _allgather_attention(q, k, v, positions, group, documents)
+    if rotate_method == "alltoall":
+        return _ring_attention(q, k, v, positions, group, documents)
+    raise ValueError(f"rotate_method must be one of {ROTATE_METHODS}, got {rotate_method!r}")
+
+
+def _all_positions(positions: torch.Tensor, cp_degree: int) -> list[torch.Tensor]:
+    """Every rank's token positions, by rank."""
+    seq_len = positions.shape[0] * cp_degree
+    return [head_tail_positions(seq_len, cp_degree, r, positions.device) for r in range(cp_degree)]
+
+
+def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` [batch, heads, seq_local, ...] of every rank, concatenated on the sequence in rank order.
+    Contiguous input: a strided one reaches the backend as is (wrong gradients on gloo)."""
+    return all_gather_single_autograd(x.contiguous(), gather_dim=2, group=group)
+
+
+def _mask(
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    q_documents: torch.Tensor | None,
+    k_documents: torch.Tensor | None,
+) -> torch.Tensor:
+    """Boolean [batch or 1, 1, seq_q, seq_k]: True where the query may see the key."""
+    mask = (q_positions[:, None] >= k_positions[None, :])[None, None]
+    if q_documents is not None:
+        mask = mask & (q_documents[:, None, :, None] == k_documents[:, None, None, :])
+    return mask
+
+
+def _allgather_attention(q, k, v, positions, group, documents):
+    cp_degree = dist.get_world_size(group)
+    keys, values = _gather_sequence(k, group), _gather_sequence(v, group)
+    k_positions = torch.cat(_all_positions(positions, cp_degree))
+    k_documents = None
+    if documents is not None:
+        k_documents = _gather_sequence(documents[:, None], group)[:, 0]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=_mask(positions, k_positions, documents, k_documents)
+    )
+
+
+def _pass_on(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sends ``x`` to the next rank of the ring and returns the previous rank's (gradients flow back)."""
+    cp_degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = x.shape[0]
+    send = [rows if r == (rank + 1) % cp_degree else 0 for r in range(cp_degree)]
+    receive = [rows if r == (rank - 1) % cp_degree else 0 for r in range(cp_degree)]
+    return all_to_all_single_autograd(x.contiguous(), receive, send, group=group)
+
+
+def _ring_attention(q, k, v, positions, group, documents):
+    """Online softmax over the blocks of keys as they come round: float32 running maximum, sum and
+    weighted values. Round 0 is the rank's own block, where every query sees at least itself, so
+    the running maximum is finite from the start."""
+    cp_degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    all_positions = _all_positions(positions, cp_degree)
+    all_documents = None
+    if documents is not None:  # integers, no gradient: all at once
+        all_documents = _gather_sequence(documents[:, None], group)[:, 0].chunk(cp_degree, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    query = q.float() * scale
+    block = torch.stack([k, v])
+    out = total = maximum = None
+    for step in range(cp_degree):
+        if step > 0:
+            block = _pass_on(block, group)
+        source = (rank - step) % cp_degree
+        keys, values = block[0].float(), block[1].float()
+        scores = query @ keys.transpose(-2, -1)
+        k_documents = all_documents[source] if all_documents is not None else None
+        scores = scores.masked_fill(~_mask(positions, all_positions[source], documents, k_documents), -math.inf)
+        # The result does not depend on the maximum subtracted: no gradient through it.
+        block_max = scores.amax(dim=-1).detach()
+        new_max = block_max if maximum is None else torch.maximum(maximum, block_max)
+        weights = torch.exp(scores - new_max[..., None])
+        if out is None:
+            out, total = weights @ values, weights.sum(dim=-1)
+        else:
+            correction = torch.exp(maximum - new_max)
+            out = out * correction[..., None] + weights @ values
+            total = total * correction + weights.sum(dim=-1)
+        maximum = new_max
+    return (out / total[..., None]).to(q.dtype)
