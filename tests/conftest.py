@@ -28,3 +28,14 @@ def session_inductor_cache(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         run_dir = run_dir.parent  # the workers' folders sit side by side in the run's folder
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE_DIR or str(run_dir / "inductor_cache")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with slow tests first, each file's tests together and in their order: run_tests.sh
+    hands the files to its two workers in this order, so the many short files come last and fill
+    in whichever worker finishes its long launches first."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first_index = {}
+    for index, item in enumerate(items):
+        first_index.setdefault(item.path, index)
+    items.sort(key=lambda item: (item.path not in slow_files, first_index[item.path]))

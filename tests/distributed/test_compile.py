@@ -1,10 +1,21 @@
 """SimpleFSDP compiled: collective counts, bucket order, prefetch order and resharding read from
 the compiled graphs, and losses against eager (see compile_checks.py for each check)."""
 
+from pathlib import Path
+
 import pytest
 
 from parallelisms import torch_release
-from tests.launch import TRAIN_AND_REPORT, TWO_BLOCKS, compile_reports, launch_train, losses, read_metrics, run_worker
+from tests.launch import (
+    TINY_RUN,
+    TRAIN_AND_REPORT,
+    TWO_BLOCKS,
+    compile_reports,
+    launch_train,
+    losses,
+    read_metrics,
+    run_worker,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -76,28 +87,41 @@ RESTARTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory) -> tuple[Path, dict[str, list[list[tuple[int, int]]]]]:
+    """Both layouts compiled under Inductor and started twice on one Inductor cache folder (as a
+    restart of the job would be), the two layouts one after the other in each start's processes
+    (train_and_report.py resets dynamo between them): per layout, each start's (AOT graphs, AOT
+    cache hits) per rank; and the folder of the starts' dump folders (``start/layout``)."""
+    root = tmp_path_factory.mktemp("restarts")
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    common = [*TWO_BLOCKS, *("--training.steps", "2", "--lr_scheduler.warmup_steps", "1"), "--compile.enable"]
+    (nproc,) = {ranks for ranks, _ in RESTARTS.values()}
+    found: dict[str, list[list[tuple[int, int]]]] = {name: [] for name in RESTARTS}
+    for start in ("first", "second"):
+        (first, *others) = [(str(root / start / name), [*common, *layout]) for name, (_, layout) in RESTARTS.items()]
+        more = [arg for folder, run in others for arg in ("---", *TINY_RUN, "--job.dump_folder", folder, *run)]
+        result = launch_train(first[0], nproc, *first[1], *more, script=TRAIN_AND_REPORT, env=env)
+        for run, name in enumerate(RESTARTS):
+            found[name].append([(r["aot_graphs"], r["aot_cache_hits"]) for r in compile_reports(result.stdout, run)])
+    return root, found
+
+
 @pytest.mark.parametrize("name", RESTARTS)
-def test_a_restart_takes_its_graphs_from_the_compile_caches(name, tmp_path):
+def test_a_restart_takes_its_graphs_from_the_compile_caches(name, restarts):
     """Compiled under Inductor and started twice on one Inductor cache folder (as a restart of the
     job would be): the second start takes both graphs (a block's, the loss's) from torch's AOT
     autograd cache instead of compiling them. The keys pickle SimpleFSDP's DeviceMesh, whose hash
     changed from process to process (parallelisms/parallel_dims.py), and torch skips the cache for a
     graph holding a selective checkpoint whose context has no cache hash: every start missed."""
-    nproc, layout = RESTARTS[name]
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    overrides = [
-        *TWO_BLOCKS,
-        *("--training.steps", "2", "--lr_scheduler.warmup_steps", "1"),
-        *layout,
-        "--compile.enable",
-    ]
-    starts = []
-    for start in ("first", "second"):
-        result = launch_train(str(tmp_path / start), nproc, *overrides, script=TRAIN_AND_REPORT, env=env)
-        starts.append([(r["aot_graphs"], r["aot_cache_hits"]) for r in compile_reports(result.stdout)])
+    nproc, _ = RESTARTS[name]
+    root, found = restarts
     # torch 2.11 takes one of the two graphs from its cache, from 2.13 both.
     hits = 2 if torch_release.RELEASE >= (2, 13) else 1
-    assert starts == [[(2, 0)] * nproc, [(2, hits)] * nproc]
+    # The first start compiles both graphs, but for a later layout the loss's, which the layout
+    # before it compiled in the same processes.
+    first_hits = 0 if name == next(iter(RESTARTS)) else 1
+    assert found[name] == [[(2, first_hits)] * nproc, [(2, hits)] * nproc]
     # The graphs taken from the cache train as the compiled ones did.
-    first, second = (losses(read_metrics(str(tmp_path / start))) for start in ("first", "second"))
+    first, second = (losses(read_metrics(str(root / start / name))) for start in ("first", "second"))
     assert first == second

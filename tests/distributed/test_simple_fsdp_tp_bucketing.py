@@ -7,22 +7,14 @@ process training on the same global batch, and the compiled graphs hold one data
 all-gather and one reduce-scatter per bucket: 8 (one per block, tok_embeddings, norm + output)
 where bucketing none has one per parameter, 57. The counts are read from the graph pass's reports
 of the trained model itself (tests/distributed/train_and_report.py runs train.py's Trainer).
-Both layouts are checked against one reference run.
+Both layouts are checked against one reference run; they train one after the other in one launch.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.launch import (
-    GRAD_NORM_RTOL,
-    TRAIN_AND_REPORT,
-    compile_reports,
-    launch_train,
-    losses,
-    read_metrics,
-    run_train,
-)
+from tests.launch import GRAD_NORM_RTOL, RunBatch, losses
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun / run_train.sh
 
@@ -32,24 +24,29 @@ PARAMETERS = 6 * 9 + 3
 BUCKETS = 6 + 2  # the default manual buckets: each block, tok_embeddings, norm + output
 
 
+DP2_TP2 = [
+    *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
+    *("--parallelism.tensor_parallel_degree", "2", "--compile.enable"),
+]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    """One process training on the same global batch."""
-    return run_train(str(tmp_path_factory.mktemp("one")), 1, *STEPS, "--training.local_batch_size", "8")
+def batch(tmp_path_factory) -> RunBatch:
+    """One process training on the same global batch ("reference"), and both dp2 x tp2 SimpleFSDP
+    runs, compiled with manual buckets (aot_eager) and with block buckets (Inductor), one after the
+    other in one 4-rank launch."""
+    runs = {
+        "reference": (1, [*STEPS, "--training.local_batch_size", "8"]),
+        "manual": (4, [*STEPS, *DP2_TP2, "--compile.backend", "aot_eager", "--compile.bucketing", "manual"]),
+        "block": (4, [*STEPS, *DP2_TP2, "--compile.bucketing", "block"]),
+    }
+    return RunBatch(str(tmp_path_factory.mktemp("dp2_tp2")), runs)
 
 
-def launch_dp2_tp2(folder: str, *compile_options: str) -> list[dict]:
-    """Every rank's compile report of a dp2 x tp2 SimpleFSDP run compiled with ``compile_options``."""
-    result = launch_train(
-        folder,
-        4,
-        *STEPS,
-        *("--training.local_batch_size", "4", "--parallelism.data_parallel_impl", "simple_fsdp"),
-        *("--parallelism.tensor_parallel_degree", "2", "--compile.enable", *compile_options),
-        script=TRAIN_AND_REPORT,
-    )
-    reports = compile_reports(result.stdout)
-    assert [r["rank"] for r in reports] == [0, 1, 2, 3], result.stdout[-3000:]
+def dp2_tp2_reports(batch: RunBatch, name: str) -> list[dict]:
+    """Every rank's compile report of the dp2 x tp2 run ``name``."""
+    reports = batch.reports(name)
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], reports
     return reports
 
 
@@ -59,8 +56,8 @@ def tp_collectives(forward: dict) -> dict[str, int]:
     return {kind: n for kind, n in tp.items() if n}
 
 
-def assert_matches_reference(folder: str, reference: list[dict]) -> list[dict]:
-    records = read_metrics(folder)
+def assert_matches_reference(batch: RunBatch, name: str) -> list[dict]:
+    records, reference = batch.records(name), batch.records("reference")
     assert len(records) == len(reference) == 5
     # Measured (manual): losses within 6.1e-8 (the reductions sum in another order), gradient norms 8.5e-5.
     for key, rtol in (("loss", 1e-5), ("grad_norm", GRAD_NORM_RTOL)):
@@ -69,10 +66,8 @@ def assert_matches_reference(folder: str, reference: list[dict]) -> list[dict]:
     return records
 
 
-def test_manual_buckets_match_single_process(tmp_path, reference):
-    folder = str(tmp_path / "bucketed")
-    reports = launch_dp2_tp2(folder, "--compile.backend", "aot_eager", "--compile.bucketing", "manual")
-    for report in reports:
+def test_manual_buckets_match_single_process(batch):
+    for report in dp2_tp2_reports(batch, "manual"):
         assert report["parameters"] == PARAMETERS and report["compiled_parts"] == 1, report
         assert report["graph_breaks"] == 0, report
         # One pass (the whole model), run on one forward and one backward graph.
@@ -87,17 +82,16 @@ def test_manual_buckets_match_single_process(tmp_path, reference):
         # (2 per block and the final norm's) and reduce-scatters each block's two output
         # projections and the embedding's output.
         assert tp_collectives(forward) == {"all_gather": 13, "reduce_scatter": 13}, report
-    bucketed = assert_matches_reference(folder, reference)
+    bucketed = assert_matches_reference(batch, "manual")
     assert losses(bucketed)[-1] < losses(bucketed)[0]
 
 
-def test_block_buckets_match_single_process(tmp_path, reference):
+def test_block_buckets_match_single_process(batch):
     """Each block compiled on its own, its attention and feed-forward one bucket each. The pass
     must not take tensor parallelism's all-reduce of the block input's gradient (a graph output,
     as parameters' gradients are) for a data-parallel reduction and merge TP's all-reduces into
     one bucket."""
-    folder = str(tmp_path / "block")
-    for report in launch_dp2_tp2(folder, "--compile.bucketing", "block"):
+    for report in dp2_tp2_reports(batch, "block"):
         # One block graph, compiled once for all blocks: its forward and its backward.
         ((forward, backward),) = report["graph_passes"]
         # Two buckets, each gathered as one broadcast per data-parallel rank; in backward both
@@ -107,4 +101,4 @@ def test_block_buckets_match_single_process(tmp_path, reference):
         # TP's collectives stay one per tensor: the block's two norms' outputs gathered, its two
         # output projections reduce-scattered.
         assert tp_collectives(forward) == {"all_gather": 2, "reduce_scatter": 2}, report
-    assert_matches_reference(folder, reference)
+    assert_matches_reference(batch, "block")
