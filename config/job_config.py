@@ -149,6 +149,9 @@ class Training:
     keeps no float32 copy, so small updates can round away; the compute then runs in bfloat16 too."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
+    enable_cpu_offload: bool = False
+    """Keep the sharded weights, gradients and optimizer state in host memory and step the optimizer there; each
+    gather copies its shard to the device first. Needs sharded data parallelism (data_parallel_shard_degree > 1)."""
     dataloader_num_workers: int = 0
     """Data-loading worker processes per rank."""
     nonfinite_policy: Literal["error", "skip_step", "rollback"] = "error"
@@ -205,6 +208,12 @@ class Parallelism:
     """Data-parallel implementation: fsdp2 (torch's fully_shard) or simple_fsdp."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default (always, except under pipeline parallel), always or never."""
+    fsdp_forward_prefetch: int | None = None
+    """Gathers issued ahead of the one in use in forward: N = the next N blocks (FSDP2) or buckets (compiled
+    SimpleFSDP), -1 = all; unset = the implementation's own (FSDP2: none explicit, SimpleFSDP: one bucket)."""
+    fsdp_backward_prefetch: int | None = None
+    """Likewise in backward, in backward's order; unset = one ahead (SimpleFSDP: one transfer at a time beside
+    compute). More gathers ahead hold more gathered weights at once."""
     enable_loss_parallel: bool = True
     """Under tensor parallelism, compute the cross-entropy on the vocabulary-sharded logits."""
     enable_async_tensor_parallel: bool = False

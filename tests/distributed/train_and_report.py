@@ -10,7 +10,7 @@
 - ``parameters``: parameter tensors of this rank's parts;
 - ``graph_passes``: per SimpleFSDP compile pass (``BuiltModel.graph_passes``), the report of each
   graph it rewrote, in compile order (forward, then backward): all collectives, and the
-  data-parallel ones among them.
+  data-parallel ones among them, and the most all-gathers issued ahead of the one waited for.
 
 Usage: torchrun --nproc-per-node N tests/distributed/train_and_report.py <train.py arguments>
 [--- <train.py arguments> ...]: several runs, one after the other in the same processes and process
@@ -55,7 +55,10 @@ def report(trainer: Trainer, run: int) -> dict:
         "compiled_parts": sum(_compiled(part) for part in parts),
         "parameters": sum(1 for part in parts for _ in part.parameters()),
         "graph_passes": [
-            [{"collectives": dict(r.collectives), "data_parallel": dict(r.data_parallel)} for r in graph_pass.reports]
+            [
+                {"collectives": dict(r.collectives), "data_parallel": dict(r.data_parallel), "ahead": r.gathers_ahead}
+                for r in graph_pass.reports
+            ]
             for graph_pass in trainer.model.graph_passes
         ],
     }
