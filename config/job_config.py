@@ -439,6 +439,11 @@ class Plan:
     """Devices (GPUs) the layout planner (python -m programs.plan) lays the run out on."""
     device_memory_gib: float = 80.0
     """Memory per device, GiB: a layout fits when its estimated per-rank peak is at most this."""
+    host_memory_gib: float = 2048.0
+    """Host memory per node, GiB: a layout with CPU offload (tried when nothing fits without) fits when its
+    devices' weights, gradients and Adam moments together are at most this."""
+    host_link_gbps: float = 25.0
+    """Host-device bandwidth of one device, GB/s (PCIe): CPU offload's copies in the planner's time model."""
     peak_tflops: float = 989.0
     """Dense bf16 peak of one device, TFLOP/s (989 for an H100 SXM)."""
     mfu: float = 0.4

@@ -52,16 +52,17 @@ class _PeakTracker(MemTracker):
     def __init__(self, offloaded: list[torch.Tensor] | None = None):
         super().__init__()
         self.offloaded = offloaded or []
+        self._on_host: list[torch.Tensor | None] = [None] * len(self.offloaded)  # each one's gradient moved
         self._hook = None
 
     def __enter__(self) -> _PeakTracker:
-        super().__enter__()
-        if self.offloaded:
+        if self.offloaded:  # before MemTracker takes the current memory as the first peak
             for param in self.offloaded:
                 self._to_host(param, _MemRefType.PARAM)
+            self._gradients_to_host()
             # Gradients come back to the host as each module's backward ends; the root's at the end.
             self._hook = register_optimizer_step_pre_hook(lambda *args: self._gradients_to_host())
-        return self
+        return super().__enter__()
 
     def __exit__(self, *args) -> None:
         if self._hook is not None:
@@ -73,9 +74,10 @@ class _PeakTracker(MemTracker):
         self._gradients_to_host()
 
     def _gradients_to_host(self) -> None:
-        for param in self.offloaded:
-            if param.grad is not None:
+        for i, param in enumerate(self.offloaded):
+            if param.grad is not None and param.grad is not self._on_host[i]:
                 self._to_host(param.grad, _MemRefType.GRAD)
+                self._on_host[i] = param.grad
 
     def _to_host(self, tensor: torch.Tensor, reftype) -> None:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
