@@ -93,3 +93,36 @@ def test_the_peak_grows_with_the_prefetch_limit():
     compiled = [*small, "--parallelism.data_parallel_impl", "simple_fsdp", "--compile.enable"]
     buckets = [_report(*compiled, *_prefetch(ahead))["bucket_pair_bytes"] for ahead in ("1", "2", "-1")]
     assert 0 < buckets[0] < buckets[1] < buckets[2]
+
+
+def test_the_planner_offloads_70b_on_8_devices_when_nothing_fits_without(tmp_path):
+    """The state alone (131 GiB per device) rules out every layout on 8 devices of 80 GiB; with CPU
+    offload (8 x 131 GiB within the 2048 GiB of host memory per node) a sharded one fits, and the
+    config written says so."""
+    out = tmp_path / "plan.toml"
+    argv = [*LLAMA_70B[:6], "--plan.devices", "8", "--training.global_batch_size", "8"]
+    argv += ["--plan.activation_checkpoint_modes", "full", "--plan.top", "1", "--plan.max_measured", "2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "programs.plan", *argv, "--plan.output", str(out)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = result.stdout.splitlines()[2]
+    assert best.split()[1] in ("fsdp2", "simple_fsdp") and "cpu offload" in best, result.stdout
+    assert float(best.split()[-3]) <= 80
+    assert "enable_cpu_offload = true" in out.read_text()
+    # Nor does it fit when the node's host memory cannot hold the offloaded state.
+    small_host = subprocess.run(
+        [sys.executable, "-m", "programs.plan", *argv, "--plan.host_memory_gib", "512", "--plan.output", str(out)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert small_host.returncode == 2
+    assert "nor with CPU offload (0 layouts whose state fits plan.host_memory_gib 512 per node)" in small_host.stderr
