@@ -48,9 +48,12 @@ def test_offloaded_runs_equal_the_runs_without(runs):
     assert len(base) == 10 and base[-1] < base[0]
     assert losses(runs.records("fsdp2_offload")) == base
     assert losses(runs.records("simple_fsdp_offload")) == losses(runs.records("simple_fsdp")) == base
-    for name in ("fsdp2_offload", "simple_fsdp_offload"):
+    for name in ("fsdp2_offload", "simple_fsdp_offload", "compiled_prefetch_all_offload"):
         assert "CPU offload: sharded weights, gradients and optimizer state in host memory" in runs.log(name)
+        # Every parameter's wrapper keeps it in host memory (on CPU ranks, the same memory).
+        assert all(r["offloaded"] == r["parameters"] > 0 for r in runs.reports(name)), name
     assert "CPU offload" not in runs.log("fsdp2")
+    assert all(r["offloaded"] == 0 for name in ("fsdp2", "simple_fsdp") for r in runs.reports(name))
 
 
 def test_prefetch_limits_leave_the_losses_bitwise(runs):

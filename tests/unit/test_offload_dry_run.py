@@ -59,7 +59,8 @@ def test_70b_on_8_devices_of_80_gib_fits_only_with_cpu_offload():
     shard = 70.55e9 * 4 / 8 / GiB  # one rank's fp32 weights
     parts = dict(re.findall(r"(\w+) ([\d.]+) GiB", host.group(2)))
     assert float(parts["parameter"]) == pytest.approx(shard, rel=0.01)
-    assert float(parts["gradient"]) == pytest.approx(shard, rel=0.01)
+    # FSDP2 reduces the root's gradients (embedding, norm, output) into one buffer: up to 3% more.
+    assert shard * 0.99 <= float(parts["gradient"]) <= shard * 1.04
     assert float(parts["optstate"]) >= 2 * shard * 0.99  # two Adam moments, and the host step's temporaries
     # The device no longer holds the sharded state: its peak drops by at least the weights' shard.
     peak_without = _gib(without, "peak memory per rank")
