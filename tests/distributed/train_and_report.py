@@ -49,7 +49,8 @@ def _offloaded(parts: list[nn.Module]) -> int:
             group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
             count += sum(param.offload_to_cpu for param in group.fsdp_params) if group else 0
             config = getattr(module, "_simple_fsdp_config", None)
-            count += len(module._parameters) if config is not None and config.offload is not None else 0
+            if config is not None and config.offload is not None:
+                count += sum(param is not None for param in module._parameters.values())
     return count
 
 
