@@ -386,9 +386,8 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         def batch() -> tuple[torch.Tensor, torch.Tensor]:
             return torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)
 
-        offload = config.training.enable_cpu_offload
         peak, after_forward, host = measure_steps(
-            built, loss, optimizer, lr_scheduler, batch, accumulation, dims, offload
+            built, loss, optimizer, lr_scheduler, batch, accumulation, dims, config.training.enable_cpu_offload
         )
         model = whole_model(built.parts)
         state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(

@@ -120,16 +120,21 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
-    graph_pass = BucketingPass(
-        [bucket.units for bucket in plan.buckets] if plan is not None else None,
-        dp_groups,
-        forward_prefetch=config.parallelism.fsdp_forward_prefetch or 1,
-        backward_prefetch=config.parallelism.fsdp_backward_prefetch or 1,
-    )
+    graph_pass = _bucketing_pass(plan, dp_groups, config)
     for name, template in templates.items():
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
     return graph_pass
+
+
+def _bucketing_pass(plan: BucketPlan | None, dp_groups: list[str], config: JobConfig) -> BucketingPass:
+    p = config.parallelism  # unset prefetch limits: one bucket ahead
+    return BucketingPass(
+        [bucket.units for bucket in plan.buckets] if plan is not None else None,
+        dp_groups,
+        forward_prefetch=p.fsdp_forward_prefetch or 1,
+        backward_prefetch=p.fsdp_backward_prefetch or 1,
+    )
 
 
 def _convert(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
