@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.flop_counter import flop_registry
 
 from parallelisms import gloo_graph
+from parallelisms.fsdp2 import check_prefetch
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
@@ -167,9 +168,8 @@ class BucketingPass(CustomGraphPass):
         forward_prefetch: int = 1,
         backward_prefetch: int = 1,
     ):
-        for name, ahead in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
-            if ahead != -1 and ahead < 1:
-                raise ValueError(f"{name} must be -1 (all) or positive, got {ahead}")
+        check_prefetch(forward_prefetch, "forward_prefetch")
+        check_prefetch(backward_prefetch, "backward_prefetch")
         self.buckets = buckets
         self.dp_groups = dp_groups
         self.reorder = reorder

@@ -122,8 +122,7 @@ def apply_fsdp2(
 def prefetch_plan(units: int, ahead: int, name: str) -> list[list[int]]:
     """For each of ``units`` in execution order, the indices of the units whose gathers it issues:
     the next ``ahead`` (-1: all the rest). ``name``: the parameter, for the error."""
-    if ahead != -1 and ahead < 1:
-        raise ValueError(f"{name} must be -1 (all) or positive, got {ahead}")
+    check_prefetch(ahead, name)
     return [list(range(i + 1, units if ahead == -1 else min(units, i + 1 + ahead))) for i in range(units)]
 
 
@@ -132,3 +131,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
     _sum_gradients(model)
+
+
+def check_prefetch(ahead: int, name: str) -> None:
+    """A prefetch limit is -1 (all) or a positive number of units; ``name``: the parameter."""
+    if ahead != -1 and ahead < 1:
+        raise ValueError(f"{name} must be -1 (all) or positive, got {ahead}")
