@@ -74,7 +74,7 @@ def real_peak(argv: list[str]) -> dict[str, int]:
         config.optimizer, config.lr_scheduler, config.training, built.parts
     )
     shape = (config.training.local_batch_size, config.training.seq_len)
-    peak, _ = measure_steps(
+    peak, _, _ = measure_steps(
         built,
         loss,
         optimizer,

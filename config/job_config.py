@@ -149,6 +149,9 @@ class Training:
     keeps no float32 copy, so small updates can round away; the compute then runs in bfloat16 too."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks: float32 or bfloat16."""
+    enable_cpu_offload: bool = False
+    """Keep the sharded weights, gradients and optimizer state in host memory and step the optimizer there; each
+    gather copies its shard to the device first. Needs sharded data parallelism (data_parallel_shard_degree > 1)."""
     dataloader_num_workers: int = 0
     """Data-loading worker processes per rank."""
     nonfinite_policy: Literal["error", "skip_step", "rollback"] = "error"
@@ -211,6 +214,12 @@ class Parallelism:
     """Data-parallel implementation: fsdp2 (torch's fully_shard) or simple_fsdp."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default (always, except under pipeline parallel), always or never."""
+    fsdp_forward_prefetch: int | None = None
+    """Gathers issued ahead of the one in use in forward: N = the next N blocks (FSDP2) or buckets (compiled
+    SimpleFSDP), -1 = all; unset = the implementation's own (FSDP2: none explicit, SimpleFSDP: one bucket)."""
+    fsdp_backward_prefetch: int | None = None
+    """Likewise in backward, in backward's order; unset = one ahead (SimpleFSDP: one transfer at a time beside
+    compute). More gathers ahead hold more gathered weights at once."""
     enable_loss_parallel: bool = True
     """Under tensor parallelism, compute the cross-entropy on the vocabulary-sharded logits."""
     enable_async_tensor_parallel: bool = False
@@ -436,6 +445,11 @@ class Plan:
     """Devices (GPUs) the layout planner (python -m programs.plan) lays the run out on."""
     device_memory_gib: float = 80.0
     """Memory per device, GiB: a layout fits when its estimated per-rank peak is at most this."""
+    host_memory_gib: float = 2048.0
+    """Host memory per node, GiB: a layout with CPU offload (tried when nothing fits without) fits when its
+    devices' weights, gradients and Adam moments together are at most this."""
+    host_link_gbps: float = 25.0
+    """Host-device bandwidth of one device, GB/s (PCIe): CPU offload's copies in the planner's time model."""
     peak_tflops: float = 989.0
     """Dense bf16 peak of one device, TFLOP/s (989 for an H100 SXM)."""
     mfu: float = 0.4

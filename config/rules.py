@@ -42,7 +42,8 @@ RANGES = {
         comm.trace_buf_size comm.alpha_us checkpoint.keep_latest_k lr_scheduler.warmup_steps
         parallelism.pipeline_parallel_first_stage_less_layers parallelism.pipeline_parallel_last_stage_less_layers""",
     "in [0, 1]": "lr_scheduler.decay_ratio activation_checkpoint.memory_budget",
-    "-1 or positive": "training.global_batch_size parallelism.data_parallel_shard_degree",
+    "-1 or positive": """training.global_batch_size parallelism.data_parallel_shard_degree parallelism.fsdp_forward_prefetch
+        parallelism.fsdp_backward_prefetch""",
     "-1 or >= 0": "checkpoint.load_step",
 }
 
@@ -166,6 +167,11 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
       for name in ("create_seed_checkpoint", "export_hf", "enable_first_step_checkpoint")),
     (lambda c: c.training.nonfinite_policy == "rollback" and not c.checkpoint.enable,
      "training.nonfinite_policy: 'rollback' needs checkpoint.enable"),
+    *((lambda c, name=name: getattr(c.parallelism, name) is not None and c.parallelism.data_parallel_impl == "simple_fsdp"
+       and (not c.compile.compiles_model or c.compile.bucketing == "block"),
+       f"parallelism.{name}: SimpleFSDP moves gathers ahead only in a compiled model's graph (compile.enable, "
+       "compile.bucketing not block); eagerly each weight is gathered when read")
+      for name in ("fsdp_forward_prefetch", "fsdp_backward_prefetch")),
     (lambda c: c.checkpoint.create_seed_checkpoint and c.parallelism.pipeline_parallel_degree > 1,
      "checkpoint.create_seed_checkpoint: run it on 1 rank without pipeline parallelism"),
 ]
@@ -266,7 +272,7 @@ def _no_effect_rules(c: JobConfig, dp: tuple[int, int] | None) -> list[tuple[typ
         (dbg.fail_at_step < 0, "debug.fail_at_step is -1", "debug: failure"),
         (dbg.failure.endswith("_during_save") and not ck.enable,
          f"debug.failure {dbg.failure} without checkpoint.enable", "debug: fail_at_step failure"),
-        (unsharded, _UNSHARDED, "parallelism: fsdp_reshard_after_forward"),
+        (unsharded, _UNSHARDED, "parallelism: fsdp_reshard_after_forward fsdp_forward_prefetch fsdp_backward_prefetch"),
         (unsharded, _UNSHARDED, "float8: enable_fsdp_float8_all_gather precompute_float8_dynamic_scale_for_fsdp"),
         # Without data parallelism SimpleFSDP compiles the whole model without buckets, whatever the plan.
         (one_dp, _NO_DP, "training: mixed_precision_reduce"),

@@ -44,7 +44,6 @@ _ANY_VALUE = """metrics.disable_color_printing training.dataloader.persistent_wo
 
 FOREIGN: dict[str, object] = {
     "job.custom_config_module": "",
-    "training.enable_cpu_offload": False,
     "parallelism.pipeline_parallel_schedule_csv": "",
     "parallelism.expert_parallel_degree": 1,
     "parallelism.expert_tensor_parallel_degree": 1,

@@ -161,7 +161,8 @@ def build_model(
             built.graph_passes.append(graph_pass)
         # Parallelizing stays outside fake mode: the mesh's coordinate lookups need real tensors.
         with fake_mode or contextlib.nullcontext(), torch.no_grad():
-            module.to_empty(device=device)
+            # Offloaded: the sharded weights (and so gradients and optimizer state) in host memory.
+            module.to_empty(device=torch.device("cpu") if config.training.enable_cpu_offload else device)
             module.init_weights(buffer_device=device, seed=config.debug.seed)
         if built.autocast:
             module.forward = torch.autocast(device.type, dtype=compute_dtype)(module.forward)

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.flop_counter import flop_registry
 
 from parallelisms import gloo_graph
+from parallelisms.fsdp2 import check_prefetch
 from parallelisms.names import clean_name
 
 c10d = torch.ops._c10d_functional
@@ -126,6 +127,8 @@ class GraphReport:
     all_gather_buckets: list[int] = field(default_factory=list)
     # The data-parallel ones among ``collectives`` (all of them without tensor parallelism).
     data_parallel: collections.Counter = field(default_factory=collections.Counter)
+    # The most data-parallel all-gathers issued while one is waited for, besides it: the prefetch.
+    gathers_ahead: int = 0
 
 
 def _copy_in_before_gathering(graph: fx.Graph, new_nodes: list[fx.Node]) -> list[fx.Node]:
@@ -153,12 +156,24 @@ def _copy_in_before_gathering(graph: fx.Graph, new_nodes: list[fx.Node]) -> list
 class BucketingPass(CustomGraphPass):
     """Buckets and reorders SimpleFSDP's collectives: Inductor's ``post_grad_custom_post_pass``, or
     called on AOT autograd graphs. ``buckets``: unit names per bucket in execution order, or None
-    (one collective per parameter)."""
+    (one collective per parameter). ``forward_prefetch``/``backward_prefetch``: all-gathers issued
+    ahead of the one in use (-1: all at the graph's start); in backward (the graph with reductions)
+    one ahead runs one transfer at a time beside compute, more ahead leave the gathers that early."""
 
-    def __init__(self, buckets: list[list[str]] | None, dp_groups: list[str], reorder: bool = True):
+    def __init__(
+        self,
+        buckets: list[list[str]] | None,
+        dp_groups: list[str],
+        reorder: bool = True,
+        forward_prefetch: int = 1,
+        backward_prefetch: int = 1,
+    ):
+        check_prefetch(forward_prefetch, "forward_prefetch")
+        check_prefetch(backward_prefetch, "backward_prefetch")
         self.buckets = buckets
         self.dp_groups = dp_groups
         self.reorder = reorder
+        self.prefetch = (forward_prefetch, backward_prefetch)
         self.unit_to_bucket = {u: i for i, units in enumerate(buckets or []) for u in units}
         self.reports: list[GraphReport] = []
 
@@ -166,7 +181,7 @@ class BucketingPass(CustomGraphPass):
         # The graphs it writes differ by rank (each copies its shard into its own slot): ranks
         # sharing a compile cache must not share them.
         return get_hash_for_files((__file__, gloo_graph.__file__)).hex() + repr(
-            (self.buckets, self.dp_groups, self.reorder, dist.get_rank() if dist.is_initialized() else 0)
+            (self.buckets, self.dp_groups, self.reorder, self.prefetch, dist.get_rank() if dist.is_initialized() else 0)
         )
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -180,8 +195,11 @@ class BucketingPass(CustomGraphPass):
             for node in list(graph.nodes):
                 if node.op == "call_function" and node.target is WAIT:
                     sink_wait(node)
-            self._prefetch_all_gathers(graph)
-            self._one_transfer_at_a_time(graph)
+            backward = bool(self._data_parallel(graph, "reduce_scatter") or self._data_parallel(graph, "all_reduce"))
+            ahead = self.prefetch[backward]
+            self._prefetch_all_gathers(graph, ahead)
+            self._one_transfer_at_a_time(graph, place_gathers=ahead == 1)
+        report.gathers_ahead = self._gathers_ahead(graph)
         gloo_graph.reduce_scatters_as_all_to_all(graph, self._data_parallel(graph, "reduce_scatter"))
         stable_topological_sort(graph)
         # On a sorted graph: the broadcasts' order against the shard's copy and the bucket's readers
@@ -204,6 +222,17 @@ class BucketingPass(CustomGraphPass):
 
     def _data_parallel(self, graph: fx.Graph, kind: str) -> list[fx.Node]:
         return [node for node in graph.nodes if collective_kind(node) == kind and self._is_data_parallel(node)]
+
+    def _gathers_ahead(self, graph: fx.Graph) -> int:
+        issued: set[fx.Node] = set()
+        most = 0
+        for node in graph.nodes:
+            if collective_kind(node) == "all_gather" and self._is_data_parallel(node):
+                issued.add(node)
+            elif node.target is WAIT and node.args[0] in issued:
+                most = max(most, len(issued) - 1)
+                issued.discard(node.args[0])
+        return most
 
     def _bucket_of(self, node: fx.Node) -> int:
         if "tessera_bucket" in node.meta:
@@ -233,26 +262,29 @@ class BucketingPass(CustomGraphPass):
             for node in new_nodes:
                 node.meta["tessera_bucket"] = bucket
 
-    def _prefetch_all_gathers(self, graph: fx.Graph) -> None:
-        """Issues the first all-gather at the start of the graph and each next one right before the
-        previous one's wait (in backward the first runs beside the output's and the loss's)."""
+    def _prefetch_all_gathers(self, graph: fx.Graph, ahead: int) -> None:
+        """Issues the first ``ahead`` all-gathers (-1: all) at the start of the graph and each next one
+        right before the wait of the one ``ahead`` before it (in backward the first run beside the
+        output's and the loss's)."""
         gathers = [n for n in graph.nodes if collective_kind(n) == "all_gather" and self._is_data_parallel(n)]
-        if gathers:
-            last_input = [n for n in graph.nodes if _is_input(n)][-1]
-            for node in reversed(issue_chain(gathers[0])):
+        ahead = len(gathers) if ahead == -1 else ahead
+        last_input = [n for n in graph.nodes if _is_input(n)][-1] if gathers else None
+        for gather in reversed(gathers[:ahead]):
+            for node in reversed(issue_chain(gather)):
                 last_input.append(node)
-        for previous, gather in zip(gathers, gathers[1:]):
+        for previous, gather in zip(gathers, gathers[ahead:]):
             previous_wait = next(iter(previous.users))
             for node in issue_chain(gather):
                 previous_wait.prepend(node)
 
-    def _one_transfer_at_a_time(self, graph: fx.Graph) -> None:
+    def _one_transfer_at_a_time(self, graph: fx.Graph, place_gathers: bool = True) -> None:
         """In backward, runs one transfer at a time beside a bucket's compute: the previous bucket's
         gradient reduction, then, from where the compute (in matmul FLOPs) is as far along as the
         reduction's share of the two transfers' bytes, the next bucket's gather. The reduction is
         waited for before the gather, or without one before the next bucket's gradients are
         assembled. A sunk wait would keep every bucket's gradients alive to the end of backward;
-        overlapping both transfers would hold both their buffers beside the computing bucket."""
+        overlapping both transfers would hold both their buffers beside the computing bucket. Without
+        ``place_gathers`` only the reductions' waits are placed; the gathers stay where they are."""
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_issue: dict[int | fx.Node, fx.Node] = {}
         waits: dict[int | fx.Node, list[fx.Node]] = collections.defaultdict(list)
@@ -267,7 +299,7 @@ class BucketingPass(CustomGraphPass):
         issues = sorted(first_issue.items(), key=lambda item: order[item[1]])
         for (bucket, issue), (_, next_issue) in zip(issues, issues[1:]):
             point = barrier = end = _assembly_start(next_issue)
-            gather = next((g for g in gathers if order[issue] < order[g] < order[end]), None)
+            gather = next((g for g in gathers if order[issue] < order[g] < order[end]), None) if place_gathers else None
             if gather is not None:
                 share = _bytes(issue.args[0]) / (_bytes(issue.args[0]) + _bytes(gather))
                 point = _compute_point(gather.next, end, share)

@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from parallelisms.device import pinned_memory_available
+
 Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
 
 _STORAGE_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
@@ -70,6 +72,15 @@ class _GatherConfig:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reshard_after_forward: bool
+    offload: _Offload | None = None
+
+
+@dataclass(frozen=True)
+class _Offload:
+    """Shards stored in host memory, copied to ``device`` for their gather."""
+
+    device: torch.device
+    pinned: bool  # pinned host storage, copied without blocking
 
 
 @dataclass(frozen=True)
@@ -115,9 +126,13 @@ def _gather_over_dp(
 
 def _gather(param: DTensor, config: _GatherConfig, tp: _TensorParallelLayout | None) -> torch.Tensor:
     """``param`` gathered over the data-parallel mesh alone (a TP part then re-wrapped on its own)."""
+    local = param.to_local()
+    if config.offload is not None:
+        # Autograd copies the gradient back to the host shard; under compile the copy is traced.
+        local = local.to(config.offload.device, non_blocking=config.offload.pinned)
     if tp is None:
-        return _gather_over_dp(param.to_local(), param.shape, param.stride(), config)
-    tp_part = _gather_over_dp(param.to_local(), tp.local_shape, tp.local_stride, config)
+        return _gather_over_dp(local, param.shape, param.stride(), config)
+    tp_part = _gather_over_dp(local, tp.local_shape, tp.local_stride, config)
     return DTensor.from_local(tp_part, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
@@ -169,12 +184,30 @@ def _gathering_class(cls: type[nn.Module], param_names: tuple[str, ...]) -> type
     """``cls`` with a property per parameter name that returns the gathered parameter."""
     key = (cls, param_names)
     if key not in _GATHERING_CLASSES:
-        properties = {
+        properties: dict[str, Any] = {
             name: property(functools.partial(_gathered_parameter, name=name), doc=f"Gathered `{name}`.")
             for name in param_names
         }
+
+        def _apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+            # to_empty and .to make new host shards: pin those that are offloaded.
+            cls._apply(self, fn, recurse)
+            _pin_host_shards(self)
+            return self
+
+        properties["_apply"] = _apply
         _GATHERING_CLASSES[key] = type(f"SimpleFSDP{cls.__name__}", (cls,), properties)
     return _GATHERING_CLASSES[key]
+
+
+def _pin_host_shards(module: nn.Module) -> None:
+    offload = module._simple_fsdp_config.offload
+    if offload is None or not offload.pinned:
+        return
+    for param in module._parameters.values():
+        local = param._local_tensor
+        if local.device.type == "cpu" and not local.is_meta and not local.is_pinned():
+            param._local_tensor = local.pin_memory()  # in place: a tied parameter stays one
 
 
 def _resharding_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -275,11 +308,15 @@ def apply_simple_fsdp(
     reshard_after_forward: bool,
     blocks: list[nn.Module] | None = None,
     compiled: bool = False,
+    cpu_offload: bool = False,
 ) -> None:
     """Shards ``model``'s parameters (on the meta device or materialized; maybe TP DTensors on a named
     1-D mesh of the same root) over ``dp_mesh`` in place and gathers them on access. ``dp_mesh`` is
     1-D, or for ``hybrid_shard`` 2-D with named dims. Without ``blocks`` every gather is tagged to
-    reshard, which only a compiled model follows. Gradients are summed over the ranks, not averaged."""
+    reshard, which only a compiled model follows. Gradients are summed over the ranks, not averaged.
+    With ``cpu_offload`` the shards (so their gradients and optimizer state) live in host memory,
+    pinned where that helps (the caller materializes them there: ``to_empty(device="cpu")``), and
+    each gather copies its shard to ``dp_mesh``'s device first."""
     placements = _STORAGE_PLACEMENTS[mode]
     if dp_mesh.ndim != len(placements):
         raise ValueError(f"mode {mode!r} needs a {len(placements)}-D mesh, got {dp_mesh.ndim}-D")
@@ -289,7 +326,8 @@ def apply_simple_fsdp(
             raise ValueError("hybrid_shard needs a mesh with named dims (dp_replicate, dp_shard)")
         hsdp_meshes = tuple(dp_mesh[name] for name in dp_mesh.mesh_dim_names)
     reshard_after_forward = reshard_after_forward and mode != "replicate"
-    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, reshard_after_forward)
+    offload = _Offload(torch.device(dp_mesh.device_type), pinned_memory_available()) if cpu_offload else None
+    config = _GatherConfig(dp_mesh, placements, hsdp_meshes, param_dtype, reduce_dtype, reshard_after_forward, offload)
     _shard_parameters(model, config)
     if not reshard_after_forward or blocks is None:
         return

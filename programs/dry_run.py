@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, Schedule1F1B
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from config.errors import ConfigError, print_error
 from config.job_config import JobConfig
@@ -39,10 +40,61 @@ logger = logging.getLogger(__name__)
 
 STEPS = 2  # the last is measured, with the optimizer state and wrappers' buffers the first allocates
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")  # MemTracker's
+# The tracker's key for offloaded storage (host memory); the dry run's own tensors are all on "cpu".
+HOST = torch.device("meta")
 
 
 class _PeakTracker(MemTracker):
-    """MemTracker keeping only the rank's peak: per-module peaks made 8B's two steps 500 s, not 30 s."""
+    """MemTracker keeping only the rank's peak: per-module peaks made 8B's two steps 500 s, not 30 s.
+    With ``offloaded`` parameters (CPU offload) their shards, gradients and the optimizer's state and
+    step count in host memory, under the key ``HOST``: the device's peak and the host's apart."""
+
+    def __init__(self, offloaded: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.offloaded = offloaded or []
+        self._on_host: list[torch.Tensor | None] = [None] * len(self.offloaded)  # each one's gradient moved
+        self._hook = None
+
+    def __enter__(self) -> _PeakTracker:
+        if self.offloaded:  # before MemTracker takes the current memory as the first peak
+            for param in self.offloaded:
+                self._to_host(param, _MemRefType.PARAM)
+            self._gradients_to_host()
+            # Gradients come back to the host as each module's backward ends; the root's at the end.
+            self._hook = register_optimizer_step_pre_hook(lambda *args: self._gradients_to_host())
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        super().__exit__(*args)
+
+    def _post_bw_hook(self, module: torch.nn.Module, args) -> None:
+        super()._post_bw_hook(module, args)
+        self._gradients_to_host()
+
+    def _gradients_to_host(self) -> None:
+        for i, param in enumerate(self.offloaded):
+            if param.grad is not None and param.grad is not self._on_host[i]:
+                self._to_host(param.grad, _MemRefType.GRAD)
+                self._on_host[i] = param.grad
+
+    def _to_host(self, tensor: torch.Tensor, reftype) -> None:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        for winfo in self._update_and_maybe_create_winfos(local, reftype):
+            if winfo.device == HOST:
+                continue
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.DEL, winfo)
+            winfo.device = HOST
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        # The optimizer steps on the host: its state and temporaries are there.
+        if self.offloaded and winfo.reftype == _MemRefType.OPT and winfo.device != HOST and u_type == _UpdateType.ADD:
+            winfo.device = HOST
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
@@ -74,8 +126,10 @@ class DryRunReport:
     after_forward: dict[str, int]  # by category at the end of the last forward: the saved activations
     state_dict_bytes: int  # this rank's checkpoint state dicts (model and optimizer)
     buckets: int | None  # compiled SimpleFSDP's buckets on this rank (None: no bucketing)
-    bucket_pair_bytes: int  # analytical: the two largest neighbouring buckets, gathered at once
+    bucket_pair_bytes: int  # analytical: the most neighbouring buckets gathered at once (prefetch + 1)
     seconds: float
+    host_peak: dict[str, int] = dataclasses.field(default_factory=dict)  # CPU offload: host memory, with "Total"
+    device_memory_bytes: int = 0  # plan.device_memory_gib: what "fits" means
 
     def summary(self) -> str:
         mesh = " x ".join(f"{name} {size}" for name, size in self.mesh.items())
@@ -92,10 +146,21 @@ class DryRunReport:
             )
         if self.buckets is not None:
             lines.append(
-                f"  compiled SimpleFSDP: {self.buckets} buckets; two neighbouring ones gathered hold up to "
+                f"  compiled SimpleFSDP: {self.buckets} buckets; the neighbouring ones gathered at once hold up to "
                 f"{_size(self.bucket_pair_bytes)} (analytical), a peak of up to "
                 f"{_size(self.peak_bytes + self.bucket_pair_bytes)} with them"
             )
+        if self.host_peak:
+            parts = ", ".join(
+                f"{n.lower()} {_size(self.host_peak.get(n, 0))}" for n in ("Parameter", "Gradient", "Optstate")
+            )
+            lines.append(f"  host memory (training.enable_cpu_offload) {_size(self.host_peak[_TOTAL_KEY])}: {parts}")
+        device = self.peak_bytes + self.bucket_pair_bytes
+        verdict = "fits" if device <= self.device_memory_bytes else "does NOT fit"
+        lines.append(
+            f"  {verdict} a device of {_size(self.device_memory_bytes)} (plan.device_memory_gib): "
+            f"{_size(device)} at the peak"
+        )
         lines.append(f"  checkpoint state dict {_size(self.state_dict_bytes)} on this rank")
         return "\n".join(lines)
 
@@ -219,12 +284,21 @@ def _train_step(built: BuiltModel, loss: Loss, optimizer, lr_scheduler, batches,
 
 
 def measure_steps(
-    built: BuiltModel, loss: Loss, optimizer, lr_scheduler, make_batch, accumulation: int, dims: ParallelDims
-) -> tuple[dict[str, int], dict[str, int]]:
-    """The last of ``STEPS`` steps' peak and end of forward, bytes by MemTracker category (and "Total")."""
+    built: BuiltModel,
+    loss: Loss,
+    optimizer,
+    lr_scheduler,
+    make_batch,
+    accumulation: int,
+    dims: ParallelDims,
+    offload: bool = False,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The last of ``STEPS`` steps' device peak, end of forward and (``offload``: CPU offload) host
+    peak, bytes by MemTracker category (and "Total")."""
     device = next(built.parts[0].parameters()).device
     after_forward: dict[str, int] = {}
-    tracker = _PeakTracker()
+    # The sharded parameters, as they are between steps (FSDP2 registers gathered ones in forward).
+    tracker = _PeakTracker([p for part in built.parts for p in part.parameters()] if offload else None)
 
     def mark() -> None:
         after_forward.update(tracker.get_tracker_snapshot("current").get(device, {}))
@@ -241,7 +315,8 @@ def measure_steps(
         tracker.track_external(*built.parts, *optimizers_holding_state(optimizer))
         with tracker:
             _train_step(built, loss, optimizer, lr_scheduler, batches, dims, mark)
-    return tracker.get_tracker_snapshot("peak").get(device, {}), after_forward
+    peak = tracker.get_tracker_snapshot("peak")
+    return peak.get(device, {}), after_forward, peak.get(HOST, {})
 
 
 def _bytes_of(value) -> int:
@@ -312,7 +387,9 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         def batch() -> tuple[torch.Tensor, torch.Tensor]:
             return torch.randint(args.vocab_size, shape), torch.randint(args.vocab_size, shape)
 
-        peak, after_forward = measure_steps(built, loss, optimizer, lr_scheduler, batch, accumulation, dims)
+        peak, after_forward, host = measure_steps(
+            built, loss, optimizer, lr_scheduler, batch, accumulation, dims, config.training.enable_cpu_offload
+        )
         model = whole_model(built.parts)
         state_bytes = _bytes_of(ModelState(model).state_dict()) + _bytes_of(
             OptimizerState(model, optimizer).state_dict()
@@ -331,9 +408,24 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         after_forward=after_forward,
         state_dict_bytes=state_bytes,
         buckets=len(buckets) if bucketed else None,
-        bucket_pair_bytes=max((a + b for a, b in zip(buckets, [*buckets[1:], 0])), default=0),
+        bucket_pair_bytes=max(_windows(buckets, _gathered_at_once(config)), default=0),
         seconds=time.perf_counter() - start,
+        host_peak=host,
+        device_memory_bytes=int(config.plan.device_memory_gib * 2**30),
     )
+
+
+def _gathered_at_once(config: JobConfig) -> int:
+    """Buckets compiled SimpleFSDP holds gathered at once: the one in use and those prefetched (forward's
+    or backward's limit, the larger; -1: all)."""
+    limits = [config.parallelism.fsdp_forward_prefetch or 1, config.parallelism.fsdp_backward_prefetch or 1]
+    return -1 if -1 in limits else 1 + max(limits)
+
+
+def _windows(sizes: list[int], width: int) -> list[int]:
+    """The sums of ``width`` neighbouring ``sizes`` (-1: all), shorter at the end."""
+    width = len(sizes) if width == -1 else width
+    return [sum(sizes[i : i + width]) for i in range(len(sizes))]
 
 
 def in_child(fn, *args):
@@ -380,7 +472,8 @@ def main(argv: list[str]) -> int:
             return 2
         world_size = sizes[0]
         # The pre-launch check of the real run, at the simulated world size.
-        check(config, world_size, typed=frozenset(typed_options(argv)))
+        # plan.device_memory_gib says what fits (a planner option otherwise, warned of as without effect).
+        check(config, world_size, typed=frozenset(typed_options(argv)) - {"plan.device_memory_gib"})
         ranks = measured_ranks(config, world_size)
         if len(ranks) == 1:
             reports = [dry_run(config, world_size)]

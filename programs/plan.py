@@ -40,11 +40,13 @@ class Layout:
     microbatch: int  # sequences per forward (a pipeline microbatch or a gradient-accumulation step)
     local_batch: int  # training.local_batch_size: one microbatch, or a pipeline step's
     ac: str
+    offload: bool = False  # training.enable_cpu_offload: tried only when no layout fits without
 
     def describe(self) -> str:
         mesh = f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}"
         pipe = f" pp{self.pp} {self.schedule} ({self.local_batch // self.microbatch} mb)" if self.pp > 1 else ""
-        return f"{self.impl} dp {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}"
+        offload = " cpu offload" if self.offload else ""
+        return f"{self.impl} dp {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}{offload}"
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,10 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     rs = _ring_seconds(plan, lay.shard, span, rank_params * 4, calls)
     ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, calls)
     dp_comm = passes * (gathers * ag + rs) + ar
+    if lay.offload:
+        # Each gather copies the fp32 shard to the device and each reduction its gradient back, over
+        # the host link, overlapped as the collectives are. The host optimizer step is not priced.
+        dp_comm += passes * (gathers + 1) * rank_params / lay.shard * 4 / (plan.host_link_gbps * 1e9)
     # Each forward pass waits for its first gather; the rest overlaps compute.
     exposed = max(0.0, dp_comm - compute) + passes * _ring_seconds(plan, lay.shard, span, first / lay.tp * 2, 1)
     # Sequence parallel: 8 exposed activation all-gathers and reduce-scatters per block and microbatch.
@@ -204,6 +210,7 @@ def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
         local_batch_size=layout.local_batch,
         global_batch_size=global_batch(config),
         mixed_precision_param="bfloat16",
+        enable_cpu_offload=layout.offload,
     )
     return dataclasses.replace(
         config,
@@ -269,7 +276,13 @@ class PeakEstimator:
 
 
 def state_bytes_floor(shape: ModelShape, layout: Layout) -> float:
-    """A lower bound of the peak: fp32 weights, gradients and Adam moments, 16 bytes per parameter."""
+    """A lower bound of the device's peak: fp32 weights, gradients and Adam moments, 16 bytes per
+    parameter (none when offloaded)."""
+    return 0.0 if layout.offload else host_state_bytes(shape, layout)
+
+
+def host_state_bytes(shape: ModelShape, layout: Layout) -> float:
+    """One device's fp32 weights, gradients and Adam moments: what CPU offload keeps in host memory."""
     params = shape.block_params * shape.n_layers + shape.other_params
     return 16 * params / (layout.shard * layout.tp * layout.pp)
 
@@ -289,12 +302,45 @@ def _needs_more(layout: Layout, than: Layout) -> bool:
 
 
 def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator) -> tuple[list[Planned], int]:
-    """The fastest ``plan.top`` layouts that fit and the number tried; ConfigError when none fits."""
+    """The fastest ``plan.top`` layouts that fit and the number tried; ConfigError when none fits.
+    Only when none fits are the sharded layouts tried again with CPU offload, whose state must fit
+    ``plan.host_memory_gib`` per node."""
     plan = config.plan
-    limit = plan.device_memory_gib * GiB
     layouts = enumerate_layouts(config, shape)
     if not layouts:
         raise ConfigError(f"plan.devices: no layout of {shape.name} splits {plan.devices} devices and the batch")
+    fitting, measured = _fitting(config, shape, estimator, layouts)
+    if fitting:
+        return fitting, len(layouts)
+    node_devices = min(plan.devices, plan.devices_per_node)
+    offloaded = [
+        dataclasses.replace(lay, offload=True)
+        for lay in layouts
+        if lay.shard > 1 and host_state_bytes(shape, lay) * node_devices <= plan.host_memory_gib * GiB
+    ]
+    fitting, _ = _fitting(config, shape, estimator, offloaded)
+    if fitting:
+        return fitting, len(layouts) + len(offloaded)
+    if not measured:
+        # Even the weights' state does not fit: measure the layout that shards it most, saving most.
+        smallest = min(
+            layouts, key=lambda lay: (state_bytes_floor(shape, lay), -AC_MODES.index(lay.ac), lay.microbatch)
+        )
+        measured.append((estimator.peak_bytes(smallest), smallest))
+    peak, layout = min(measured, key=lambda m: m[0])
+    raise ConfigError(
+        f"no layout of {shape.name} fits {plan.devices} devices of {plan.device_memory_gib:g} GiB: "
+        f"the smallest peak is {peak / GiB:.2f} GiB ({layout.describe()}); nor with CPU offload "
+        f"({len(offloaded)} layouts whose state fits plan.host_memory_gib {plan.host_memory_gib:g} per node)"
+    )
+
+
+def _fitting(
+    config: JobConfig, shape: ModelShape, estimator: PeakEstimator, layouts: list[Layout]
+) -> tuple[list[Planned], list[tuple[int, Layout]]]:
+    """The fastest ``plan.top`` of ``layouts`` that fit, and the (peak, layout) of those measured."""
+    plan = config.plan
+    limit = plan.device_memory_gib * GiB
     timed = sorted(layouts, key=lambda lay: (step_seconds(config, shape, lay), AC_MODES.index(lay.ac)))
     fitting, measured = [], []
     frugal = max(plan.activation_checkpoint_modes, key=AC_MODES.index)
@@ -326,19 +372,7 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
         (Planned(lay, peak, step_seconds(config, shape, lay)) for peak, lay in measured if peak <= limit),
         key=lambda p: p.step_seconds,
     )[: plan.top]
-    if fitting:
-        return fitting, len(layouts)
-    if not measured:
-        # Even the weights' state does not fit: measure the layout that shards it most, saving most.
-        smallest = min(
-            layouts, key=lambda lay: (state_bytes_floor(shape, lay), -AC_MODES.index(lay.ac), lay.microbatch)
-        )
-        measured.append((estimator.peak_bytes(smallest), smallest))
-    peak, layout = min(measured, key=lambda m: m[0])
-    raise ConfigError(
-        f"no layout of {shape.name} fits {plan.devices} devices of {plan.device_memory_gib:g} GiB: "
-        f"the smallest peak is {peak / GiB:.2f} GiB ({layout.describe()})"
-    )
+    return fitting, measured
 
 
 def table(config: JobConfig, planned: list[Planned]) -> str:
@@ -360,7 +394,14 @@ def check_plan(config: JobConfig) -> None:
     for key in ("devices", "devices_per_node", "top", "max_measured"):
         if getattr(plan, key) < 1:
             raise ConfigError(f"plan.{key} must be >= 1, got {getattr(plan, key)}")
-    for key in ("device_memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for key in (
+        "device_memory_gib",
+        "host_memory_gib",
+        "host_link_gbps",
+        "peak_tflops",
+        "intra_node_gbps",
+        "inter_node_gbps",
+    ):
         if getattr(plan, key) <= 0:
             raise ConfigError(f"plan.{key} must be positive, got {getattr(plan, key)}")
     if not 0 < plan.mfu <= 1:

@@ -116,6 +116,8 @@ def check_memory(config: JobConfig, args: TransformerModelArgs, dims: ParallelDi
             )
         return
     state = 4 * weight_bytes * parameters / (dims.dp_shard * dims.tp * dims.pp)
+    if config.training.enable_cpu_offload and torch.accelerator.is_available():
+        state = 0  # in host memory (on CPU ranks host and device memory are one)
     batch, logits = max(_forwards(config, dims).items(), key=lambda kv: kv[1])
     logits *= 2 * args.vocab_size / dims.tp
     if state + logits <= available:

@@ -70,7 +70,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for key, squares in self._squares.items():
             norm = squares.sqrt()
             if key is not None:  # reduced over the mesh as torch's norm of a DTensor would be
-                norm = DTensor.from_local(norm, key[0], key[1], run_check=False).full_tensor()
+                # Offloaded gradients' norms are in host memory: reduced on the mesh's device.
+                norm = DTensor.from_local(norm.to(key[0].device_type), key[0], key[1], run_check=False).full_tensor()
             norms.append(norm)
         self._squares.clear()
         return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
@@ -228,7 +229,8 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         # full_tensor() performs the reduction over this mesh for sharded grads.
         if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+            mesh = norm.device_mesh  # offloaded gradients' norms are in host memory: reduced on the mesh's device
+            norm = DTensor.from_local(norm.to_local().to(mesh.device_type), mesh, norm.placements).full_tensor()
         group_norms.append(norm.float())
 
     if group_norms:

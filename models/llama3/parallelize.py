@@ -28,7 +28,13 @@ from parallelisms.bucket_plan import (
 from parallelisms.bucketing import BucketingPass, data_parallel_groups
 from parallelisms.compile import apply_compile_per_block, apply_compile_regions, apply_compile_whole_model
 from parallelisms.cost_model import CommModel, ComputeModel, calibrate_comm_model, measure_rate
-from parallelisms.device import attention_dtype, causal_query_chunk, device_type, supports_async_tp
+from parallelisms.device import (
+    attention_dtype,
+    causal_query_chunk,
+    device_type,
+    pinned_memory_available,
+    supports_async_tp,
+)
 from parallelisms.float8 import apply_float8, check_filter_fqns, check_float8
 from parallelisms.fsdp2 import apply_ddp, apply_fsdp2
 from parallelisms.parallel_dims import ParallelDims
@@ -103,6 +109,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     if config.compile.compiles_model and not simple_fsdp:
         apply_compile_per_block(model.layers, config.compile.backend, memory_budget=budget)
 
+    check_offload(parallel_dims, config)
     if parallel_dims.dp_cp_enabled:
         (_apply_simple_fsdp if simple_fsdp else _apply_fsdp2)(model, parallel_dims, config)
 
@@ -116,11 +123,21 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     plan = bucket_plan(model, parallel_dims, config, os.path.join(config.job.dump_folder, SAVED_PLANS))
     if plan is not None:
         logger.info("SimpleFSDP %s bucket plan:\n%s", config.compile.bucketing, plan.describe())
-    graph_pass = BucketingPass([bucket.units for bucket in plan.buckets] if plan is not None else None, dp_groups)
+    graph_pass = _bucketing_pass(plan, dp_groups, config)
     for name, template in templates.items():
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
     return graph_pass
+
+
+def _bucketing_pass(plan: BucketPlan | None, dp_groups: list[str], config: JobConfig) -> BucketingPass:
+    p = config.parallelism  # unset prefetch limits: one bucket ahead
+    return BucketingPass(
+        [bucket.units for bucket in plan.buckets] if plan is not None else None,
+        dp_groups,
+        forward_prefetch=p.fsdp_forward_prefetch or 1,
+        backward_prefetch=p.fsdp_backward_prefetch or 1,
+    )
 
 
 def _convert(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
@@ -166,7 +183,24 @@ def _reshard_after_forward(parallel_dims: ParallelDims, config: JobConfig) -> bo
     return setting == "always" or (setting == "default" and not parallel_dims.pp_enabled)
 
 
+def check_offload(parallel_dims: ParallelDims, config: JobConfig) -> None:
+    """CPU offload keeps the shards of sharded data parallelism in host memory: without shards it has
+    nothing to keep there but whole copies, which every gather would copy back."""
+    if config.training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "training.enable_cpu_offload: needs sharded data parallelism (a data-parallel shard degree above 1, "
+            f"got {parallel_dims.dp_shard})"
+        )
+
+
+def _log_offload(config: JobConfig) -> None:
+    if config.training.enable_cpu_offload:
+        pinned = "pinned, copied without blocking" if pinned_memory_available() else "not pinned: no accelerator"
+        logger.info("CPU offload: sharded weights, gradients and optimizer state in host memory (%s)", pinned)
+
+
 def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    _log_offload(config)
     param_dtype = getattr(torch, config.training.mixed_precision_param)
     reduce_dtype = getattr(torch, config.training.mixed_precision_reduce)
     dp_mesh = parallel_dims.dp_param_mesh
@@ -180,6 +214,9 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
             blocks=list(model.layers.values()),
             # torchtitan's "always" reshards every block; by default the last stays gathered.
             reshard_last_block=config.parallelism.fsdp_reshard_after_forward == "always",
+            cpu_offload=config.training.enable_cpu_offload,
+            forward_prefetch=config.parallelism.fsdp_forward_prefetch,
+            backward_prefetch=config.parallelism.fsdp_backward_prefetch,
         )
     else:
         # DDP leaves the parameters in their dtype: autocast casts the forward (models/builder.py).
@@ -187,6 +224,7 @@ def _apply_fsdp2(model: nn.Module, parallel_dims: ParallelDims, config: JobConfi
 
 
 def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    _log_offload(config)
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         mode = "replicate"
     else:
@@ -200,6 +238,7 @@ def _apply_simple_fsdp(model: nn.Module, parallel_dims: ParallelDims, config: Jo
         reshard_after_forward=_reshard_after_forward(parallel_dims, config),
         blocks=list(model.layers.values()),
         compiled=config.compile.compiles_model,
+        cpu_offload=config.training.enable_cpu_offload,
     )
 
 
@@ -331,6 +370,7 @@ def check_llama_layout(model_args: TransformerModelArgs, parallel_dims: Parallel
     with user_input("model"):
         check_args(model_args)
     _check_tied(model_args, parallel_dims)
+    check_offload(parallel_dims, config)
     if "float8" in config.model.converters:
         with as_options(FLOAT8_OPTIONS, "model.converters"):
             check_float8(device_type(), config.float8.emulate)

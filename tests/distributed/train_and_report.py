@@ -7,10 +7,10 @@
 - ``compiled_blocks`` / ``blocks``: transformer blocks of this rank compiled with ``nn.Module.compile``
   (per-block compile), out of all of this rank's blocks;
 - ``compiled_parts``: model parts (whole model or pipeline stages) compiled whole;
-- ``parameters``: parameter tensors of this rank's parts;
+- ``parameters``: parameter tensors of this rank's parts; ``offloaded``: those kept in host memory;
 - ``graph_passes``: per SimpleFSDP compile pass (``BuiltModel.graph_passes``), the report of each
   graph it rewrote, in compile order (forward, then backward): all collectives, and the
-  data-parallel ones among them.
+  data-parallel ones among them, and the most all-gathers issued ahead of the one waited for.
 
 Usage: torchrun --nproc-per-node N tests/distributed/train_and_report.py <train.py arguments>
 [--- <train.py arguments> ...]: several runs, one after the other in the same processes and process
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import FSDPModule
 
 from config.manager import load_config
 from parallelisms.compile import graph_break_count
@@ -38,6 +39,19 @@ from trainer.trainer import Trainer
 
 def _compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _offloaded(parts: list[nn.Module]) -> int:
+    """Parameters their wrapper keeps in host memory: FSDP2's CPU offload policy, SimpleFSDP's own."""
+    count = 0
+    for part in parts:
+        for module in part.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            count += sum(param.offload_to_cpu for param in group.fsdp_params) if group else 0
+            config = getattr(module, "_simple_fsdp_config", None)
+            if config is not None and config.offload is not None:
+                count += sum(param is not None for param in module._parameters.values())
+    return count
 
 
 def report(trainer: Trainer, run: int) -> dict:
@@ -54,8 +68,12 @@ def report(trainer: Trainer, run: int) -> dict:
         "compiled_blocks": sum(_compiled(block) for block in blocks),
         "compiled_parts": sum(_compiled(part) for part in parts),
         "parameters": sum(1 for part in parts for _ in part.parameters()),
+        "offloaded": _offloaded(parts),
         "graph_passes": [
-            [{"collectives": dict(r.collectives), "data_parallel": dict(r.data_parallel)} for r in graph_pass.reports]
+            [
+                {"collectives": dict(r.collectives), "data_parallel": dict(r.data_parallel), "ahead": r.gathers_ahead}
+                for r in graph_pass.reports
+            ]
             for graph_pass in trainer.model.graph_passes
         ],
     }

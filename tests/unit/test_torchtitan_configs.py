@@ -118,14 +118,19 @@ def test_torchtitan_names_map_onto_tessera_options(tmp_path, caplog):
 
 def test_a_missing_features_off_value_on_the_command_line_is_known_as_off(tmp_path, caplog):
     """The command line's strings read as the option's type: '1' for expert parallelism and
-    'false' for CPU offload leave them off (they were compared as strings with 1 and False: an
+    'false' for the memory-budget pareto leave them off (they were compared as strings with 1 and False: an
     error, a warning that the feature is missing)."""
     with caplog.at_level(logging.WARNING):
         load_config(
             [
                 *("--job.config_file", write(tmp_path, TITAN_DEBUG)),
                 *("--parallelism.expert_parallel_degree", "1", "--parallelism.expert_tensor_parallel_degree=1"),
-                *("--training.enable_cpu_offload", "false", "--fault_tolerance.enable", "False"),
+                *(
+                    "--activation_checkpoint.visualize_memory_budget_pareto",
+                    "false",
+                    "--fault_tolerance.enable",
+                    "False",
+                ),
             ]
         )
     warnings = [r.getMessage() for r in caplog.records]
@@ -149,10 +154,14 @@ def test_command_line_spellings(tmp_path):
 
 
 def test_missing_features_are_named_in_one_line(tmp_path, caplog):
-    offload = write(tmp_path, TITAN_DEBUG.replace("[training]\n", "[training]\nenable_cpu_offload = true\n"))
+    pareto = "[activation_checkpoint]\nvisualize_memory_budget_pareto = true\n"
+    offload = write(tmp_path, TITAN_DEBUG.replace("[activation_checkpoint]\n", pareto))
     with caplog.at_level(logging.WARNING):
         load_config(["--job.config_file", offload, "--parallelism.tensor_parallel_degree", "1"])
-    assert any("training without them: training.enable_cpu_offload=True" in r.getMessage() for r in caplog.records)
+    assert any(
+        "training without them: activation_checkpoint.visualize_memory_budget_pareto=True" in r.getMessage()
+        for r in caplog.records
+    )
     both = offload.replace("titan.toml", "both.toml")
     with open(both, "w") as f:
         f.write(open(offload).read().replace("expert_parallel_degree = 1", "expert_parallel_degree = 2"))
@@ -160,7 +169,11 @@ def test_missing_features_are_named_in_one_line(tmp_path, caplog):
         load_config(["--job.config_file", both, "--fault_tolerance.enable"])
     message = str(error.value)
     assert message.startswith("not available in Tessera:") and "\n" not in message
-    for name in ("training.enable_cpu_offload", "parallelism.expert_parallel_degree=2", "fault_tolerance.enable"):
+    for name in (
+        "activation_checkpoint.visualize_memory_budget_pareto",
+        "parallelism.expert_parallel_degree=2",
+        "fault_tolerance.enable",
+    ):
         assert name in message
 
 
