@@ -1,7 +1,8 @@
 """Trains every torchtitan v0.2.2 Llama 3 integration-test flag list (tests/torchtitan_lists.py) through
 run_train.sh with torchtitan's debug config on CPU ranks, and writes what each did to
 bench/results/torchtitan_features.json: trained (its runs' last losses), refused (the one line), or
-pending (not launched). Lists run one after the other; each run is one run_train.sh launch.
+pending (not launched). Lists run one after the other; each run is one run_train.sh launch. The
+file is rewritten after every list; ``--only`` reruns the lists named and keeps the others' entries.
 
     python bench/torchtitan_features.py [--only NAME ...] [--output PATH]
 """
@@ -54,8 +55,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="list names (default: all)")
     parser.add_argument("--output", default=os.path.join(REPO, "bench", "results", "torchtitan_features.json"))
     args = parser.parse_args()
-    table, start = {}, time.perf_counter()
-    print(f"{'list':<34} {'ranks':>5} {'expected':<10} {'outcome':<8} {'seconds':>7}  note")
+    # With --only, the other lists keep their entries of an earlier run of the file.
+    table = _read(args.output)["lists"] if args.only else {}
+    print(f"{'list':<34} {'ranks':>5} {'expected':<10} {'outcome':<8} {'seconds':>7}  note", flush=True)
     for flag_list in LISTS:
         if args.only and flag_list.name not in args.only:
             continue
@@ -69,15 +71,33 @@ def main() -> int:
         table[flag_list.name] = entry
         seconds = sum(r["seconds"] for r in entry["runs"])
         note = entry["runs"][-1].get("error", "")[:80] if entry["runs"] else ""
-        print(f"{flag_list.name:<34} {flag_list.ranks:>5} {expected:<10} {entry['outcome']:<8} {seconds:>7.1f}  {note}")
-    total = time.perf_counter() - start
-    counts = {
-        o: sum(e["outcome"].startswith(o) for e in table.values()) for o in ("trains", "refused", "pending", "failed")
-    }
-    print(f"{counts} in {total:.0f} s")
-    with open(args.output, "w") as f:
-        json.dump({"seconds": round(total), "counts": counts, "lists": table}, f, indent=1)
+        print(
+            f"{flag_list.name:<34} {flag_list.ranks:>5} {expected:<10} {entry['outcome']:<8} {seconds:>7.1f}  {note}",
+            flush=True,
+        )
+        _write(args.output, table)  # after every list: a long run stopped part-way keeps what it did
+    counts = _write(args.output, table)
+    print(f"{counts} in {sum(r['seconds'] for e in table.values() for r in e['runs']):.0f} s of launches")
     return 0 if counts["failed"] == 0 else 1
+
+
+def _read(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {"lists": {}}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write(path: str, table: dict) -> dict:
+    """Writes the table in the lists' order with its counts and launch seconds; returns the counts."""
+    order = [flag_list.name for flag_list in LISTS]
+    table = {name: table[name] for name in sorted(table, key=order.index)}
+    outcomes = ("trains", "refused", "pending: cp", "pending: offload", "failed")
+    counts = {o: sum(e["outcome"] == o for e in table.values()) for o in outcomes}
+    seconds = round(sum(r["seconds"] for e in table.values() for r in e["runs"]))
+    with open(path, "w") as f:
+        json.dump({"launch_seconds": seconds, "counts": counts, "lists": table}, f, indent=1)
+    return counts
 
 
 if __name__ == "__main__":
