@@ -88,8 +88,12 @@ fi
 # ranks per node (NGPU, else one per accelerator, else 2 CPU processes) and whether on accelerators.
 LAUNCH=$("$PY" -m programs.preflight --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
   ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@")
-read -r NGPU ON_ACCELERATORS <<<"$LAUNCH"
+read -r NGPU ON_ACCELERATORS ESTIMATE_MEMORY <<<"$LAUNCH"
 check_log_rank "$NGPU"
+if [ "$ESTIMATE_MEMORY" -eq 1 ]; then
+  # memory_estimation.enable (torchtitan's): the dry run's estimate of this job, then the training.
+  "$PY" -m programs.dry_run --nnodes "$NNODES" --nproc-per-node "$NGPU" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
+fi
 if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -225,9 +225,20 @@ class Parallelism:
     enable_async_tensor_parallel: bool = False
     """Overlap tensor-parallel communication with matmuls (GPU only; needs compile)."""
     pipeline_parallel_schedule: Literal[
-        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "PipelineScheduleSingle",
+        "PipelineScheduleMulti",
     ] = "1F1B"
-    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble."""
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble; or
+    PipelineScheduleSingle (one stage per rank) or PipelineScheduleMulti (two) running pipeline_parallel_schedule_csv."""
+    pipeline_parallel_schedule_csv: str = ""
+    """A custom schedule: a CSV file of each pipeline rank's actions in order (torch's format, e.g. 0F0,0F1,0B0),
+    run by torch's pipeline runtime; the schedule's name still gives the stages per rank."""
     pipeline_parallel_layers_per_stage: int | None = None
     """Blocks per (virtual) stage: ceil((layers + first and last stage weights) / this) stages; unset =
     one stage per rank (two for multi-stage schedules), blocks shared as evenly as the end weights allow."""
@@ -473,6 +484,15 @@ class Plan:
 
 
 @dataclass
+class MemoryEstimation:
+    """torchtitan's [memory_estimation]: the dry run's estimate before training."""
+
+    enable: bool = False
+    """run_train.sh first runs the dry run (COMM_MODE=fake) at the job's world size and prints its memory
+    estimate, then trains."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -490,3 +510,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     plan: Plan = field(default_factory=Plan)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

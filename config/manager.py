@@ -277,7 +277,7 @@ def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown:
     key = torchtitan.ALIASES.get(key, key)
     if (field_type := _field_type(key)) is not None:
         try:
-            value = _convert(key, value, field_type, from_cli=not origin)
+            value = _convert(key, _renamed_values(key, value), field_type, from_cli=not origin)
         except ConfigError as e:
             raise ConfigError(f"{e}{origin}") from None
         section_name, _, field_name = key.partition(".")
@@ -288,6 +288,16 @@ def _apply(config: JobConfig, key: str, value: typing.Any, origin: str, unknown:
     else:
         unknown.append(_unknown(key, origin))
     return None
+
+
+def _renamed_values(key: str, value: typing.Any) -> typing.Any:
+    """``value`` with torchtitan's names of ``key``'s values as Tessera's (a command line's list: comma-separated)."""
+    names = torchtitan.VALUE_ALIASES.get(key, {})
+    if names and isinstance(value, str):
+        return ",".join(names.get(item.strip(), item) for item in value.split(","))
+    if names and isinstance(value, list):
+        return [names.get(item, item) if isinstance(item, str) else item for item in value]
+    return value
 
 
 def _unknown(key: str, origin: str) -> str:
@@ -309,7 +319,7 @@ def _check_foreign(foreign: dict[str, typing.Any]) -> None:
     wanted = {key: value for key, value in foreign.items() if torchtitan.FOREIGN[key] not in (torchtitan.ANY, value)}
     missing = ", ".join(f"{key}={value!r}" for key, value in wanted.items())
     if blocking := wanted.keys() & torchtitan.CHANGES_THE_RUN.keys():
-        instead = "".join(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking))
+        instead = "".join(dict.fromkeys(torchtitan.CHANGES_THE_RUN[key] for key in sorted(blocking)))
         raise ConfigError(f"not available in Tessera: {missing}{instead}")
     if wanted:
         logger.warning("not available in Tessera, training without them: %s", missing)

@@ -102,6 +102,10 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
     # The schedule runs several microbatches' backwards within one call: no step can wait for the last.
     (lambda c: c.optimizer.early_step_in_backward and c.parallelism.pipeline_parallel_degree > 1,
      "optimizer.early_step_in_backward: not with pipeline parallelism (pipeline_parallel_degree > 1)"),
+    (lambda c: c.parallelism.pipeline_parallel_degree > 1 and not c.parallelism.pipeline_parallel_schedule_csv
+     and c.parallelism.pipeline_parallel_schedule.startswith("PipelineSchedule"),
+     "parallelism.pipeline_parallel_schedule {c.parallelism.pipeline_parallel_schedule} runs the order that "
+     "parallelism.pipeline_parallel_schedule_csv gives; give that CSV file, or name a built-in schedule"),
     (lambda c: c.optimizer.early_step_in_backward and c.training.nonfinite_policy == "skip_step",
      "training.nonfinite_policy skip_step: the update it would skip has happened in backward under "
      "optimizer.early_step_in_backward; use error or rollback"),

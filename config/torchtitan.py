@@ -23,6 +23,9 @@ ALIASES = {
 OVERRIDING = {"training.dataset_path", "validation.dataset_path"}
 """Aliases that win over their option rather than contradict it: ``dataset_path`` holds the named dataset's files."""
 
+VALUE_ALIASES = {"model.converters": {"quantize.linear.float8": "float8"}}
+"""Option -> torchtitan's name of one of its values -> Tessera's (a list's items each)."""
+
 NEGATED = {"parallelism.disable_loss_parallel": "parallelism.enable_loss_parallel"}
 """torchtitan boolean -> the Tessera boolean meaning its opposite."""
 
@@ -44,13 +47,11 @@ _ANY_VALUE = """metrics.disable_color_printing training.dataloader.persistent_wo
 
 FOREIGN: dict[str, object] = {
     "job.custom_config_module": "",
-    "parallelism.pipeline_parallel_schedule_csv": "",
     "parallelism.expert_parallel_degree": 1,
     "parallelism.expert_tensor_parallel_degree": 1,
     "checkpoint.initial_load_in_hf_quantized": False,
     "activation_checkpoint.visualize_memory_budget_pareto": False,
     "comm.mode": "default",
-    "memory_estimation.enable": False,
     "fault_tolerance.enable": False,
     "experimental.custom_import": "",
     "experimental.custom_args_module": "",
@@ -59,8 +60,15 @@ FOREIGN: dict[str, object] = {
 }
 """torchtitan options of features Tessera lacks -> the value that leaves the feature off."""
 
+_NO_USER_CODE = " (Tessera imports no module of yours: what it would register or configure is not there)"
 CHANGES_THE_RUN = {
     "parallelism.expert_parallel_degree": "",
     "comm.mode": "; a dry run is COMM_MODE=fake ./run_train.sh",
+    "fault_tolerance.enable": " (torchft's replica groups would each train alone; a restart of every rank resumes "
+    "from the last checkpoint: MAX_RESTARTS)",
+    "checkpoint.initial_load_in_hf_quantized": " (the quantized Hugging Face weights would load as plain ones)",
+    "job.custom_config_module": _NO_USER_CODE,
+    "experimental.custom_import": _NO_USER_CODE,
+    "experimental.custom_args_module": _NO_USER_CODE,
 }
 """Missing features a run cannot go without (how ranks split the work, or whether they train) -> what instead."""

@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, get_schedule_class
 
+from parallelisms.pipeline_csv import build_csv_schedule, read_schedule_csv
+
 # Schedules that split backward into input and weight gradients (no compile, no FSDP reshard).
 ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 # Schedules placing exactly two stages per rank in a V: rank r runs stages r and 2 pp - 1 - r.
@@ -40,6 +42,8 @@ class PipelineLayout:
     pp_degree: int
     stage_layers: tuple[tuple[int, ...], ...]  # global block indices of each stage
     n_microbatches: int
+    schedule_csv: str = ""  # a custom order of actions (parallelisms/pipeline_csv.py)
+    stage_ranks: tuple[int, ...] = ()  # the rank of each stage, when the CSV places them
 
     @property
     def num_stages(self) -> int:
@@ -47,6 +51,8 @@ class PipelineLayout:
 
     def stage_indices(self, pp_rank: int) -> list[int]:
         """The stages that ``pp_rank`` runs, in the order the schedule expects them."""
+        if self.stage_ranks:
+            return [s for s, rank in enumerate(self.stage_ranks) if rank == pp_rank]
         if self.schedule in V_SCHEDULES:
             return [pp_rank, self.num_stages - 1 - pp_rank]
         return list(range(pp_rank, self.num_stages, self.pp_degree))
@@ -72,13 +78,15 @@ def plan_pipeline(
     module_fqns: Sequence[Sequence[str]] = (),
     first_stage_less_layers: int = 1,
     last_stage_less_layers: int = 1,
+    schedule_csv: str = "",
 ) -> PipelineLayout:
     """Splits ``n_layers`` blocks into stages for ``schedule`` on ``pp_degree`` ranks, at
     ``split_points`` (``'layers.N'`` starts a stage), by ``module_fqns`` (names per stage), or as
     torchtitan does: the end stages count their embeddings and output as ``first_stage_less_layers``
     and ``last_stage_less_layers`` blocks, shared evenly over the stages ``layers_per_stage`` fill,
-    or one stage per rank (two for multi-stage schedules). Needs no process group, so a launcher can
-    check a config up front. A one-line ValueError, naming these parameters, when it cannot fit."""
+    or one stage per rank (two for multi-stage schedules). With ``schedule_csv`` the stages run in that
+    file's order, on the ranks it gives them. Needs no process group, so a launcher can check a config
+    up front. A one-line ValueError, naming these parameters, when it cannot fit."""
     try:
         schedule_cls = get_schedule_class(schedule)
     except ValueError:
@@ -98,7 +106,10 @@ def plan_pipeline(
     stage_layers = tuple(tuple(range(a, b)) for a, b in zip(starts, [*starts[1:], n_layers]))
     _check_stages_per_rank(len(stage_layers), pp_degree, schedule, single_stage, source)
     n_microbatches = _microbatch_count(local_batch_size, microbatch_size, len(stage_layers), pp_degree, schedule)
-    return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
+    if not schedule_csv:
+        return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches)
+    stage_ranks = read_schedule_csv(schedule_csv, pp_degree, len(stage_layers), n_microbatches)
+    return PipelineLayout(schedule, pp_degree, stage_layers, n_microbatches, schedule_csv, stage_ranks)
 
 
 def _stage_starts(
@@ -282,6 +293,8 @@ def build_schedule(
         PipelineStage(model, stage_index, layout.num_stages, device, group=pp_group)
         for model, stage_index in zip(stage_models, layout.stage_indices(pp_rank), strict=True)
     ]
+    if layout.schedule_csv:
+        return build_csv_schedule(layout.schedule_csv, stages, layout.n_microbatches, loss_fn)
     schedule_cls = get_schedule_class(layout.schedule)
     stage_arg = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
     return schedule_cls(stage_arg, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)

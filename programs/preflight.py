@@ -347,7 +347,8 @@ def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
 
 
 def main(argv: list[str]) -> int:
-    """Checks the config; with ``--nnodes`` prints the ranks per node and 1/0 for accelerators or not."""
+    """Checks the config; with ``--nnodes`` prints the ranks per node, 1/0 for accelerators or not, and 1/0
+    for memory_estimation.enable."""
     launch, argv = split_launch_options(argv)
     log_warnings_once()
     try:
@@ -364,8 +365,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print_error(named_as_given(e, argv))
         return 2
-    if "--nnodes" in launch:
-        print(nproc, int(accelerators > 0))
+    if "--nnodes" in launch:  # for run_train.sh: the ranks per node, on accelerators or not, a dry run first or not
+        print(nproc, int(accelerators > 0), int(config.memory_estimation.enable))
     return 0
 
 

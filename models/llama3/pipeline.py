@@ -37,6 +37,7 @@ PIPELINE_OPTIONS = {
     "last_stage_less_layers": "parallelism.pipeline_parallel_last_stage_less_layers",
     "microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
     "local_batch_size": "training.local_batch_size",
+    "schedule_csv": "parallelism.pipeline_parallel_schedule_csv",
 }
 """``plan_pipeline``'s parameters and the options that set them."""
 
@@ -97,6 +98,7 @@ def pipeline_layout(config: JobConfig, n_layers: int) -> PipelineLayout:
             microbatch_size=p.pipeline_parallel_microbatch_size,
             first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
             last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+            schedule_csv=p.pipeline_parallel_schedule_csv,
         )
 
 

@@ -285,3 +285,28 @@ def test_an_error_names_an_option_as_the_user_gave_it(tmp_path):
         load_config(both)
     assert str(named_as_given(contradiction.value, both)) == str(contradiction.value)
     assert '--model.tokenizer_path "x" and --model.hf_assets_path "y"' in str(contradiction.value)
+
+
+def test_torchtitans_converter_name_and_the_missing_features_that_change_the_run(tmp_path, caplog):
+    """torchtitan's converter name quantize.linear.float8 is float8, in a file's list and on the command
+    line; a missing feature that changes what is trained is one line naming it and what is missing;
+    memory_estimation's fake-mode switch takes any value."""
+    text = TITAN_DEBUG.replace(
+        'flavor = "debugmodel"', 'flavor = "debugmodel"\nconverters = ["quantize.linear.float8"]'
+    )
+    assert load_config(["--job.config_file", write(tmp_path, text)]).model.converters == ["float8"]
+    assert load_config(["--model.converters", "quantize.linear.float8"]).model.converters == ["float8"]
+    for option, missing in (
+        ("--job.custom_config_module=my.config", "Tessera imports no module of yours"),
+        ("--experimental.custom_import=my.model", "Tessera imports no module of yours"),
+        ("--checkpoint.initial_load_in_hf_quantized", "would load as plain ones"),
+        ("--fault_tolerance.enable", "torchft's replica groups would each train alone"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            load_config([option])
+        assert str(error.value).startswith(f"not available in Tessera: {option[2:].split('=')[0]}=")
+        assert missing in str(error.value) and "\n" not in str(error.value)
+    with caplog.at_level(logging.WARNING):
+        config = load_config(["--memory_estimation.enable", "--memory_estimation.disable_fake_mode", "yes"])
+    assert config.memory_estimation.enable
+    assert "ignored: memory_estimation.disable_fake_mode" in caplog.text
