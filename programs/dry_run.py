@@ -357,11 +357,7 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
-    if config.training.mixed_precision_param == "auto":
-        logger.info("training.mixed_precision_param auto -> bfloat16, as on the GPUs the dry run stands for")
-        config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, mixed_precision_param="bfloat16")
-        )
+    config = _as_on_gpus(config)
     compiled = config  # what the real run compiles: SimpleFSDP's buckets are planned from it
     bucketed = _buckets_planned(config)
     config = _eager(config, bucketed)
@@ -413,6 +409,14 @@ def dry_run(config: JobConfig, world_size: int, rank: int = 0) -> DryRunReport:
         host_peak=host,
         device_memory_bytes=int(config.plan.device_memory_gib * 2**30),
     )
+
+
+def _as_on_gpus(config: JobConfig) -> JobConfig:
+    """``config`` with mixed precision auto as bfloat16, as on the GPUs the dry run stands for."""
+    if config.training.mixed_precision_param != "auto":
+        return config
+    logger.info("training.mixed_precision_param auto -> bfloat16, as on the GPUs the dry run stands for")
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, mixed_precision_param="bfloat16"))
 
 
 def _gathered_at_once(config: JobConfig) -> int:
