@@ -74,8 +74,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         and not parallel_dims.tp_enabled
         and config.activation_checkpoint.mode == "none"
         and first is not None
-        # A region takes attention's positional inputs; the document mask comes as a keyword.
+        # A region takes attention's positional inputs; a document or context-parallel mask comes
+        # as a keyword.
         and model.args.attn_mask_type == "causal"
+        and not parallel_dims.cp_enabled
     )
     templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
     if parallel_dims.tp_enabled:
