@@ -157,9 +157,6 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
        "{c.parallelism.context_parallel_degree} x tensor_parallel_degree {c.parallelism.tensor_parallel_degree} "
        "must divide it (sequence parallel splits each context-parallel rank's tokens)")
       for name in ("training", "validation")),
-    (lambda c: c.parallelism.context_parallel_degree > 1 and c.compile.compiles_model,
-     "compile.components: the model is not compiled with context parallelism "
-     "(parallelism.context_parallel_degree above 1); compile the loss alone or turn compile.enable off"),
     (lambda c: set(CHECKPOINT_PARTS) <= set(c.checkpoint.exclude_from_loading),
      f"checkpoint.exclude_from_loading: every part ({', '.join(CHECKPOINT_PARTS)}), so a resume would "
      "load nothing; to start afresh, give another checkpoint.folder or job.dump_folder"),

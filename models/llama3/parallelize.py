@@ -77,10 +77,10 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         config.compile.compiles_model
         and config.parallelism.data_parallel_impl == "simple_fsdp"
         and config.compile.bucketing != "block"
-        and not parallel_dims.tp_enabled
+        and not (parallel_dims.tp_enabled or parallel_dims.cp_enabled)
         and config.activation_checkpoint.mode == "none"
         and first is not None
-        # A region takes attention's positional inputs; the document mask comes as a keyword.
+        # A region takes attention's positional inputs; a document or context-parallel mask is a keyword.
         and model.args.attn_mask_type == "causal"
     )
     templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}

@@ -1,7 +1,7 @@
 """Context parallelism trains as one process does: the losses of every layout, both rotate methods,
-FSDP2 and SimpleFSDP, causal and with document masking, against one process on the same global
-batch (float32, 1e-5 relative); validation too; and a checkpoint saved at cp 2 resumes at cp 1 and
-cp 4 on the uninterrupted run's losses."""
+FSDP2 and SimpleFSDP, eager and compiled, with activation checkpointing, causal and with document
+masking, against one process on the same global batch (float32, 1e-5 relative); validation too; and
+a checkpoint saved at cp 2 resumes at cp 1 and cp 4 on the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ COMMON = [
 VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2"]
 DOCUMENTS = ["--training.document_masking", "on"]
 SIMPLE_FSDP = ["--parallelism.data_parallel_impl", "simple_fsdp"]
+COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+
+
+def ac(mode: str, *more: str) -> list[str]:
+    return ["--activation_checkpoint.mode", mode, *more]
 
 
 def cp(degree: int, method: str, *more: str) -> list[str]:
@@ -59,22 +65,40 @@ LAYOUTS = {
     "cp2_alltoall_simple_fsdp": (2, [*local(4), *cp(2, "alltoall"), *SIMPLE_FSDP, *VALIDATION], "reference"),
     "cp2_documents": (2, [*local(4), *cp(2, "allgather"), *DOCUMENTS], "reference_documents"),
     "cp2_documents_alltoall": (2, [*local(4), *cp(2, "alltoall"), *DOCUMENTS], "reference_documents"),
+    # Compiled: FSDP2 per block, SimpleFSDP the whole model.
+    "cp2_compiled": (2, [*local(4), *cp(2, "allgather"), *COMPILED], "reference"),
+    "cp2_alltoall_compiled": (2, [*local(4), *cp(2, "alltoall"), *COMPILED], "reference"),
+    "cp2_alltoall_simple_fsdp_compiled": (2, [*local(4), *cp(2, "alltoall"), *SIMPLE_FSDP, *COMPILED], "reference"),
+    "cp2_ac_full": (2, [*local(4), *cp(2, "allgather"), *ac("full")], "reference"),
+    "cp2_ac_selective": (2, [*local(4), *cp(2, "allgather"), *ac("selective")], "reference"),
+    "cp2_alltoall_ac_selective_op": (
+        2,
+        [*local(4), *cp(2, "alltoall"), *ac("selective", "--activation_checkpoint.selective_ac_option", "op")],
+        "reference",
+    ),
     "cp4": (4, [*local(4), *cp(4, "allgather")], "reference"),
     "cp4_alltoall": (4, [*local(4), *cp(4, "alltoall")], "reference"),
     "cp2_dp2": (4, [*local(2), *cp(2, "allgather")], "reference"),
     "cp2_dp2_alltoall_simple_fsdp": (4, [*local(2), *cp(2, "alltoall"), *SIMPLE_FSDP], "reference"),
+    "cp2_dp2_simple_fsdp_compiled": (4, [*local(2), *cp(2, "allgather"), *SIMPLE_FSDP, *COMPILED], "reference"),
+    "cp2_tp2_alltoall_compiled": (4, [*local(4), *cp(2, "alltoall"), *TP2, *COMPILED], "reference"),
     # HSDP: the parameters shard over cp within each replica.
     "cp2_replicate2_alltoall": (
         4,
         [*local(2), *cp(2, "alltoall"), "--parallelism.data_parallel_replicate_degree", "2"],
         "reference",
     ),
-    "cp2_tp2": (4, [*local(4), *cp(2, "allgather"), "--parallelism.tensor_parallel_degree", "2"], "reference"),
-    "cp2_tp2_alltoall": (4, [*local(4), *cp(2, "alltoall"), "--parallelism.tensor_parallel_degree", "2"], "reference"),
+    "cp2_tp2": (4, [*local(4), *cp(2, "allgather"), *TP2], "reference"),
+    "cp2_tp2_alltoall": (4, [*local(4), *cp(2, "alltoall"), *TP2], "reference"),
     "cp2_pp2_dp2": (8, [*local(2), *cp(2, "allgather"), "--parallelism.pipeline_parallel_degree", "2"], "reference"),
     "cp2_pp2_dp2_alltoall": (
         8,
         [*local(2), *cp(2, "alltoall"), "--parallelism.pipeline_parallel_degree", "2"],
+        "reference",
+    ),
+    "cp2_pp2_dp2_compiled": (
+        8,
+        [*local(2), *cp(2, "allgather"), "--parallelism.pipeline_parallel_degree", "2", *COMPILED],
         "reference",
     ),
 }
@@ -123,9 +147,21 @@ def test_losses_match_single_process(layout, batch):
     assert got[-1] < got[0]
     if DOCUMENTS[0] in LAYOUTS[layout][1]:  # the masking is at work: without it, other losses
         assert losses(reference) != losses(batch.records("reference_documents_off"))
+    if COMPILED[0] in LAYOUTS[layout][1]:
+        _check_compiled(batch.reports(layout), SIMPLE_FSDP[1] in LAYOUTS[layout][1])
     if "--validation.enable" in LAYOUTS[layout][1]:
         expected = _validation(batch.folder("reference"))
         assert _validation(batch.folder(layout)) == pytest.approx(expected, rel=1e-5, abs=0)
+
+
+def _check_compiled(reports: list[dict], simple_fsdp: bool) -> None:
+    """Every rank compiled without a graph break: SimpleFSDP its model whole, FSDP2 each block."""
+    for report in reports:
+        assert report["aot_graphs"] > 0 and report["graph_breaks"] == 0, report
+        if simple_fsdp:
+            assert (report["compiled_parts"], report["compiled_blocks"]) == (1, 0), report
+        else:
+            assert report["compiled_blocks"] == report["blocks"] > 0 and report["compiled_parts"] == 0, report
 
 
 def _validation(folder: str) -> list[float]:
