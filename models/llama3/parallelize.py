@@ -72,18 +72,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
     SimpleFSDP's graph pass when it compiles the model (its reports describe the graphs), else None."""
     _check_tied(model.args, parallel_dims)
     _convert(model, parallel_dims, config)
-    first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
-    regions = (
-        config.compile.compiles_model
-        and config.parallelism.data_parallel_impl == "simple_fsdp"
-        and config.compile.bucketing != "block"
-        and not (parallel_dims.tp_enabled or parallel_dims.cp_enabled)
-        and config.activation_checkpoint.mode == "none"
-        and first is not None
-        # A region takes attention's positional inputs; a document or context-parallel mask is a keyword.
-        and model.args.attn_mask_type == "causal"
-    )
-    templates = {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
+    templates = _region_templates(model, parallel_dims, config)
     if parallel_dims.tp_enabled:
         with as_options(TP_OPTIONS):
             apply_tp(
@@ -128,6 +117,23 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, config: Job
         apply_compile_regions([getattr(block, name) for block in model.layers.values()], template)
     apply_compile_whole_model(model, config.compile.backend, graph_pass, budget)
     return graph_pass
+
+
+def _region_templates(model: nn.Module, parallel_dims: ParallelDims, config: JobConfig) -> dict[str, nn.Module]:
+    """Copies of the first block's ``REGIONS``, taken before any parallelism, when whole-model compile
+    of SimpleFSDP compiles them as nested regions; else none."""
+    first = next(iter(model.layers.values()), None)  # None on a pipeline stage without blocks
+    regions = (
+        config.compile.compiles_model
+        and config.parallelism.data_parallel_impl == "simple_fsdp"
+        and config.compile.bucketing != "block"
+        and not (parallel_dims.tp_enabled or parallel_dims.cp_enabled)
+        and config.activation_checkpoint.mode == "none"
+        and first is not None
+        # A region takes attention's positional inputs; a document or context-parallel mask is a keyword.
+        and model.args.attn_mask_type == "causal"
+    )
+    return {name: copy.deepcopy(getattr(first, name)) for name in REGIONS} if regions else {}
 
 
 def _bucketing_pass(plan: BucketPlan | None, dp_groups: list[str], config: JobConfig) -> BucketingPass:
