@@ -44,7 +44,7 @@ HANG_FILE = "hangs.log"  # in job.dump_folder: one line per hang named
 PHASES = ("data", "forward/backward", "optimizer", "checkpoint", "validation")
 DONE = "done"  # a rank's mark once its training loop ended: no longer judged
 SAMPLE_SECONDS = 0.01
-_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
+DISTRIBUTED_CODE = os.path.dirname(dist.__file__) + os.sep
 _STACK_FRAMES = 4  # innermost frames a mark carries
 _COLLECTIVE_DEPTH = 3
 
@@ -142,7 +142,7 @@ def stack_of(frame: FrameType | None) -> tuple[str, bool]:
         return "", False
     frames = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=_STACK_FRAMES, lookup_lines=False)
     text = " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in frames)
-    return text, any(f.filename.startswith(_DISTRIBUTED) for f in frames[:_COLLECTIVE_DEPTH])
+    return text, any(f.filename.startswith(DISTRIBUTED_CODE) for f in frames[:_COLLECTIVE_DEPTH])
 
 
 class Watchdog:
