@@ -44,7 +44,7 @@ HANG_FILE = "hangs.log"  # in job.dump_folder: one line per hang named
 PHASES = ("data", "forward/backward", "optimizer", "checkpoint", "validation")
 DONE = "done"  # a rank's mark once its training loop ended: no longer judged
 SAMPLE_SECONDS = 0.01
-DISTRIBUTED_CODE = os.path.dirname(dist.__file__) + os.sep
+DISTRIBUTED_CODE = os.path.dirname(dist.__file__) + os.sep  # torch.distributed's own files
 _STACK_FRAMES = 4  # innermost frames a mark carries
 _COLLECTIVE_DEPTH = 3
 
