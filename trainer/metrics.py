@@ -211,8 +211,9 @@ def format_step_line(
 
 
 def format_stragglers(stragglers: list[dict]) -> str:
-    """``stragglers rank 3 busy 2.41x its peers``: the console field of the ranks the watchdog names."""
-    return "stragglers " + ", ".join(f"rank {s['rank']} busy {s['busy_ratio']:.2f}x its peers" for s in stragglers)
+    """``stragglers rank 3 on node1 busy 2.41x its peers``: the console field of the ranks the watchdog names."""
+    named = (f"rank {s['rank']} on {s['host']} busy {s['busy_ratio']:.2f}x its peers" for s in stragglers)
+    return "stragglers " + ", ".join(named)
 
 
 def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[str, str | None]) -> str:

@@ -133,16 +133,25 @@ def straggler_ratios(busy: list[float], stages: list[int], threshold: float) -> 
     return found
 
 
-def stack_of(frame: FrameType | None) -> tuple[str, bool]:
-    """The innermost frames of a stack, innermost first (``func (file:line) < caller ...``), and
-    whether it waits in a collective: one of its innermost ``_COLLECTIVE_DEPTH`` frames is in
+def in_collective(frame: FrameType | None) -> bool:
+    """Whether a stack waits in a collective: one of its innermost ``_COLLECTIVE_DEPTH`` frames is in
     torch.distributed (the wait itself is C++, Work.wait, called from a collective's Python or from
     a helper a call or two below it, as parallelisms/device.py's gathers)."""
+    for _ in range(_COLLECTIVE_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.startswith(DISTRIBUTED_CODE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def stack_of(frame: FrameType | None) -> str:
+    """The innermost frames of a stack, innermost first: ``func (file:line) < caller (file:line) ...``."""
     if frame is None:
-        return "", False
+        return ""
     frames = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=_STACK_FRAMES, lookup_lines=False)
-    text = " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in frames)
-    return text, any(f.filename.startswith(DISTRIBUTED_CODE) for f in frames[:_COLLECTIVE_DEPTH])
+    return " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in frames)
 
 
 class Watchdog:
@@ -171,9 +180,10 @@ class Watchdog:
             self._publish()  # before the first step's collectives: every rank's key is there when judging starts
         self._sampling = self.threshold > 0 and self.world_size > 1
         if self._sampling:
-            self.stages = [0] * self.world_size
             stage = dims.pp_mesh.get_local_rank() if dims.pp_mesh is not None else 0
-            dist.all_gather_object(self.stages, stage)
+            ranks: list = [None] * self.world_size
+            dist.all_gather_object(ranks, (stage, self.host))
+            self.stages, self.hosts = [r[0] for r in ranks], [r[1] for r in ranks]
         if self._store is not None or self._sampling:
             threading.Thread(target=self._run, name="tessera-watchdog", daemon=True).start()
 
@@ -203,7 +213,7 @@ class Watchdog:
         gathered = [torch.empty(1, dtype=torch.float64, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(gathered, torch.tensor([busy], dtype=torch.float64, device=self.device))
         ratios = straggler_ratios([t.item() for t in gathered], self.stages, self.threshold)
-        return [{"rank": rank, "busy_ratio": round(ratio, 2)} for rank, ratio in ratios.items()]
+        return [{"rank": r, "host": self.hosts[r], "busy_ratio": round(ratio, 2)} for r, ratio in ratios.items()]
 
     def _run(self) -> None:
         interval = min(1.0, max(SAMPLE_SECONDS, self.timeout / 10))
@@ -213,7 +223,7 @@ class Watchdog:
         while not self._stopped.wait(SAMPLE_SECONDS if self._sampling else interval):
             if self._sampling and self.phase != DONE:
                 self.samples += 1
-                self.waits += stack_of(sys._current_frames().get(self._main))[1]
+                self.waits += in_collective(sys._current_frames().get(self._main))
             now = time.monotonic()
             if self._store is None or now < next_publish:
                 continue
@@ -227,9 +237,11 @@ class Watchdog:
                 return
 
     def _publish(self) -> None:
-        stack, waiting = stack_of(sys._current_frames().get(self._main))
+        frame = sys._current_frames().get(self._main)
         self._beats += 1
-        mark = {"beat": self._beats, "step": self.step, "phase": self.phase, "stack": stack, "waiting": waiting}
+        where = {"step": self.step, "phase": self.phase, "stack": stack_of(frame), "waiting": in_collective(frame)}
+        del frame  # a frame held by this thread would keep the main thread's locals alive
+        mark = {"beat": self._beats} | where
         self._store.set(f"rank_{self.rank}", json.dumps(mark | {"host": self.host, "pid": os.getpid()}))
 
     def _judge(self, watched: list[int], seen: dict[int, tuple], now: float) -> None:
