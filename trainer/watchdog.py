@@ -184,8 +184,9 @@ class Watchdog:
             ranks: list = [None] * self.world_size
             dist.all_gather_object(ranks, (stage, self.host))
             self.stages, self.hosts = [r[0] for r in ranks], [r[1] for r in ranks]
+        self._thread = threading.Thread(target=self._run, name="tessera-watchdog", daemon=True)
         if self._store is not None or self._sampling:
-            threading.Thread(target=self._run, name="tessera-watchdog", daemon=True).start()
+            self._thread.start()
 
     def mark(self, phase: str, step: int | None = None) -> None:
         """The main thread enters ``phase`` (of ``step``, or of the step it is in)."""
@@ -199,9 +200,11 @@ class Watchdog:
         """The training loop ended: the peers no longer judge this rank, nor this rank them."""
         self.judging = False
         self.phase = DONE
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()  # its last mark is not to follow this one
         if self._store is not None:
             self._publish()
-        self._stopped.set()
 
     def stragglers(self) -> list[dict] | None:
         """The ranks busy more than ``metrics.straggler_threshold`` times their peers since the last
@@ -234,6 +237,7 @@ class Watchdog:
                     self._judge(watched, seen, now)
             except (RuntimeError, OSError) as e:  # torchrun's store went away: the job is ending
                 logger.warning("the hang watchdog stops: torchrun's store does not answer (%s)", e)
+                self._store = None
                 return
 
     def _publish(self) -> None:
@@ -259,9 +263,12 @@ class Watchdog:
         (a stopped process would hold torchrun's SIGTERM for its 30 s grace), then exits non-zero."""
         line = hang_line(found, self.timeout)
         print_error(line)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        with open(os.path.join(self.dump_folder, HANG_FILE), "a", encoding="utf-8") as f:
-            f.write(f"{stamp} {line}\n")
+        path = os.path.join(self.dump_folder, HANG_FILE)
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        except OSError as e:  # a full disk, say: the job ends all the same
+            logger.warning("cannot write the hang line to %s (%s)", path, e.strerror)
         for view in found.ranks:
             if view.host == self.host and view.beat_age > self.timeout / 2 and view.pid != os.getpid():
                 try:
