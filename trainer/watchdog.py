@@ -70,12 +70,13 @@ class Blame:
     why: str
 
 
-def blame(views: list[RankView], timeout: float) -> Blame | None:
+def blame(views: list[RankView], timeout: float, silent_only: bool = False) -> Blame | None:
     """The ranks to name once one is silent or has stayed in one phase longer than ``timeout``; None
     before. A silent rank (heartbeat older than half of it: stopped, frozen, dead) comes first:
     its peers then wait on it in a collective but still beat. Then ranks stuck outside any
-    collective, which the others wait on; then ranks behind the others; else all of them."""
-    live = [v for v in views if v.phase != DONE]
+    collective, which the others wait on; then ranks behind the others; else all of them.
+    ``silent_only``: a rank silent longer than ``timeout``, or none (rank 1's watch of rank 0)."""
+    live = [v for v in views if v.phase != DONE and (v.beat_age > timeout or not silent_only)]
     if not any(v.beat_age > timeout or v.mark_age > timeout for v in live):
         return None
     silent = [v for v in live if v.beat_age > timeout / 2]
@@ -252,9 +253,7 @@ class Watchdog:
         """Updates when each watched rank's beat and mark last changed; ends the job on a verdict."""
         keys = [f"rank_{r}" for r in watched]
         views = [observe(seen, rank, json.loads(raw), now) for rank, raw in zip(watched, self._store.multi_get(keys))]
-        if self.rank != 0:  # rank 1 stands in for a silent rank 0 alone
-            views = [v for v in views if v.beat_age > self.timeout]
-        found = blame(views, self.timeout)
+        found = blame(views, self.timeout, silent_only=self.rank != 0)
         if found is not None:
             self._end_job(found)
 

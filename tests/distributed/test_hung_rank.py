@@ -50,6 +50,13 @@ def test_a_silent_rank_is_blamed_not_its_peers_waiting_on_it():
     assert blamed([*peers, view(3, beat_age=3.0, mark_age=5.5)]) == [3]
 
 
+def test_rank_1_names_rank_0_only_when_it_is_silent():
+    # Rank 0 watches every rank; rank 1 watches rank 0, which may be stuck waiting on a third rank.
+    assert blame([view(0, mark_age=9)], TIMEOUT, silent_only=True) is None
+    assert blame([view(0, beat_age=4, mark_age=9)], TIMEOUT, silent_only=True) is None
+    assert [v.rank for v in blame([view(0, beat_age=5.1)], TIMEOUT, silent_only=True).ranks] == [0]
+
+
 def test_nothing_is_blamed_before_the_timeout():
     assert blamed([view(0, mark_age=4.9), view(1, beat_age=4.9, mark_age=4.9)]) is None
 
