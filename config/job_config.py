@@ -368,6 +368,8 @@ class Metrics:
     enable_wandb: bool = False
     """Also log to Weights & Biases (wandb package): a run named as TensorBoard's (per rank with save_for_all_ranks),
     project WANDB_PROJECT (default tessera), files in <dump_folder>/wandb; WANDB_MODE=offline for `wandb sync`."""
+    straggler_threshold: float = 0
+    """Name in each log the ranks busy (not waiting on peers) over this many times their peers' median; 0 = off."""
 
 
 @dataclass
@@ -380,6 +382,9 @@ class Comm:
     """Timeout of collectives during initialization (first step included)."""
     train_timeout_seconds: int = 100
     """Timeout of collectives once training runs; a hung rank ends the job with an error."""
+    hang_timeout_seconds: int = 0
+    """Under torchrun, from the second step: a rank silent or in one phase of a step this long is named (rank 0's
+    console, <dump_folder>/hangs.log) and the job ends for torchrun to restart it; 0 = off."""
     trace_buf_size: int = 20000
     """Collectives torch's flight recorder keeps per rank (0: none). A rank whose collective fails or times out
     writes them to <dump_folder>/<save_traces_folder>: fr_trace tells which collective each rank was in."""
@@ -430,7 +435,9 @@ class Validation:
     """Tokens per validation sequence, at most training.seq_len; unset = training.seq_len."""
 
 
-Failure = Literal["kill", "hang", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan", "oom"]
+Failure = Literal[
+    "kill", "hang", "stop", "slow", "kill_during_save", "hang_during_save", "disk_full_during_save", "nan", "oom"
+]
 
 
 @dataclass
@@ -448,8 +455,9 @@ class Debug:
     fail_at_step: int = -1
     """Failure injection for tests, first attempt only: at this step the last rank does debug.failure; -1 = never."""
     failure: Failure = "kill"
-    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), kill_during_save or hang_during_save
-    (in that step's save), disk_full_during_save (ENOSPC there), nan (non-finite gradients) or oom (that rank alone)."""
+    """What debug.fail_at_step injects: kill (SIGKILL), hang (sleep forever), stop (SIGSTOP, 1 s into the step), slow
+    (0.5 s more in each step from then on), kill_during_save or hang_during_save (in that step's save),
+    disk_full_during_save (ENOSPC there), nan (non-finite gradients) or oom (that rank alone)."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ RANGES = {
         parallelism.pipeline_parallel_degree parallelism.context_parallel_degree validation.freq validation.steps validation.local_batch_size
         validation.seq_len {_MODEL_SIZES}""",
     ">= 0": """training.max_norm training.dataloader_num_workers training.dataset_prepare_workers profiling.profiler_warmup debug.gc_freq
-        comm.trace_buf_size comm.alpha_us checkpoint.keep_latest_k lr_scheduler.warmup_steps
+        comm.trace_buf_size comm.alpha_us comm.hang_timeout_seconds metrics.straggler_threshold checkpoint.keep_latest_k lr_scheduler.warmup_steps
         parallelism.pipeline_parallel_first_stage_less_layers parallelism.pipeline_parallel_last_stage_less_layers""",
     "in [0, 1]": "lr_scheduler.decay_ratio activation_checkpoint.memory_budget",
     "-1 or positive": """training.global_batch_size parallelism.data_parallel_shard_degree parallelism.fsdp_forward_prefetch
@@ -97,6 +97,10 @@ _CONTRADICTIONS: list[tuple[typing.Callable[[JobConfig], typing.Any], str]] = [
     (lambda c: os.sep in c.comm.save_traces_file_prefix,
      f"comm.save_traces_file_prefix: {{c.comm.save_traces_file_prefix!r}} holds a '{os.sep}'; it begins the "
      "file names in comm.save_traces_folder, which names the folder"),
+    # At 1 or below, a rank as busy as its peers would be named.
+    (lambda c: 0 < c.metrics.straggler_threshold <= 1,
+     "metrics.straggler_threshold must be 0 (off) or above 1 (a ratio to the peers' median), got "
+     "{c.metrics.straggler_threshold}"),
     (lambda c: (c.comm.alpha_us is None) != (c.comm.bandwidth_gbps is None),
      "comm.alpha_us and comm.bandwidth_gbps go together: set both or neither (calibrate)"),
     # The schedule runs several microbatches' backwards within one call: no step can wait for the last.

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 SAVE_FAILURES = ("kill_during_save", "hang_during_save", "disk_full_during_save")
 DISK_ROOM = 64 * 2**10  # bytes that fit on the "full" disk before writes fail
+SLOW_STEP_SECONDS = 0.5  # what debug.failure=slow adds to each of the rank's steps
+STOP_AFTER_SECONDS = 1.0  # debug.failure=stop: into the step, its peers waiting on it in a collective
 
 
 class _FailingWriter(ChecksummedWriter):
@@ -90,7 +92,11 @@ class FailureInjector:
         self.poison_gradients = False
 
     def before_step(self, step: int) -> None:
-        """Kills or hangs this rank, or arms ``poison``, when ``step`` is the failing step."""
+        """Kills, stops or hangs this rank, or arms ``poison``, when ``step`` is the failing step; slows
+        each step from it on (the rank does more than its peers, as a slower device would)."""
+        if self.debug.failure == "slow" and self.on_this_rank and self.pending and step >= self.debug.fail_at_step:
+            time.sleep(SLOW_STEP_SECONDS)
+            return
         if not self.pending or step != self.debug.fail_at_step:
             return
         self.pending = False
@@ -101,8 +107,10 @@ class FailureInjector:
             self.poison_gradients = True
             return
         logger.warning("debug.fail_at_step=%d: injecting '%s' on rank %d", step, failure, self.rank)
-        if failure == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if failure == "stop":
+            time.sleep(STOP_AFTER_SECONDS)
+        if failure in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if failure == "kill" else signal.SIGSTOP)
         if failure == "oom":
             raise torch.OutOfMemoryError(f"debug.failure=oom injected on rank {self.rank}")
         while failure == "hang":

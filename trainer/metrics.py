@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import glob
 import json
 import logging
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError, first_line
-from config.job_config import METRICS_FILE, VALIDATION_FILE
+from config.job_config import METRICS_FILE, VALIDATION_FILE, JobConfig
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.batch import IGNORE_INDEX, Batch
@@ -209,6 +210,12 @@ def format_step_line(
     return " | ".join(fields)
 
 
+def format_stragglers(stragglers: list[dict]) -> str:
+    """``stragglers rank 3 on node1 busy 2.41x its peers``: the console field of the ranks the watchdog names."""
+    named = (f"rank {s['rank']} on {s['host']} busy {s['busy_ratio']:.2f}x its peers" for s in stragglers)
+    return "stragglers " + ", ".join(named)
+
+
 def format_summary(progress: RunProgress, tokens_per_step: int, folders: dict[str, str | None]) -> str:
     """Wall time, steps, global tokens, final and best loss, then ``folders`` (label -> path, or None)."""
     where = f"step {progress.last[0]}" if progress.last else f"step {progress.start_step}"
@@ -369,24 +376,37 @@ class MetricsLogger:
         """Every completed step, logged or not: the ETA and the summary."""
         self.progress.step_done(step, loss)
 
-    def log(self, step: int, metrics: dict[str, float], source_tokens: dict[str, int] | None = None) -> None:
-        """``source_tokens``: the global trained labels of each source (by name) since the last log."""
+    def log(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        source_tokens: dict[str, int] | None = None,
+        stragglers: list[dict] | None = None,
+    ) -> None:
+        """``source_tokens``: the global trained labels of each source (by name) since the last log;
+        ``stragglers``: the ranks the watchdog names (None when metrics.straggler_threshold is 0)."""
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         values = {key: float(metrics[key]) for key in _METRICS}
         if self.enabled:
             elapsed = self.progress.elapsed()
             eta = self.progress.eta()
-            logger.info("%s", format_step_line(step, self.progress.total_steps, values, elapsed, eta, source_tokens))
+            line = format_step_line(step, self.progress.total_steps, values, elapsed, eta, source_tokens)
+            logger.info("%s", f"{line} | {format_stragglers(stragglers)}" if stragglers else line)
             record = {"step": step} | {key: _json_number(value) for key, value in values.items()}
             if source_tokens:
                 record["tokens_per_source"] = source_tokens
+            if stragglers is not None:
+                record["stragglers"] = stragglers
             self._jsonl.write(json.dumps(record | {"elapsed_s": round(elapsed, 3)}) + "\n")
             self._jsonl.flush()  # a crash must not lose the lines before it
 
         # No MFU point when the peak is unknown.
         scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
         scalars.update({f"tokens_per_source/{name}": count for name, count in (source_tokens or {}).items()})
+        if stragglers is not None:
+            scalars["stragglers/count"] = len(stragglers)
+            scalars.update({f"stragglers/rank_{s['rank']}_busy_ratio": s["busy_ratio"] for s in stragglers})
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, step)
@@ -426,3 +446,28 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
         self.enabled = False
+
+
+def build_metrics_logger(config: JobConfig, rank: int, tokens_per_step: int) -> MetricsLogger:
+    """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) of its own."""
+    job, metrics = config.job, config.metrics
+    run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
+    every_rank = metrics.save_for_all_ranks
+    if every_rank and not job.run_name:
+        dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
+    name = run_name[0]
+    tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
+    wandb_run = None
+    if metrics.enable_wandb and (rank == 0 or every_rank):
+        wandb_run = {"name": name, "config": dataclasses.asdict(config)}
+        if every_rank:
+            wandb_run.update(name=f"{name}-rank_{rank}", group=name)
+    return MetricsLogger(
+        job.dump_folder,
+        enable=rank == 0,
+        enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
+        tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
+        wandb_run=wandb_run,
+        total_steps=config.training.steps,
+        tokens_per_step=tokens_per_step,
+    )

@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,9 +33,9 @@ from trainer.fault_injection import FailureInjector
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
 from trainer.loss import Loss
 from trainer.metrics import (
-    MetricsLogger,
     SourceTokens,
     ThroughputTracker,
+    build_metrics_logger,
     log_peak,
     peak_memory_gib,
     tokens_of_this_rank,
@@ -44,6 +43,7 @@ from trainer.metrics import (
 from trainer.optim import OptimizerInBackward, build_optimizer_and_schedule, clip_grad_norm_
 from trainer.profiling import collect_garbage_held_by_cycles, maybe_profile, maybe_snapshot_memory
 from trainer.validate import Validator, validation_due
+from trainer.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Trainer:
         if self._precompute_float8:
             self.optimizer.register_step_post_hook(lambda *_: self._refresh_float8_scales())
 
-        self.metrics = self._build_metrics(tokens_per_step)
+        self.metrics = build_metrics_logger(config, self.rank, tokens_per_step)
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.source_tokens = SourceTokens(config.training.datasets, self.parallel_dims)
@@ -112,32 +112,9 @@ class Trainer:
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
         self.validator = Validator(config.validation, validation_data, dims.dp_degree, self.loss, self.cp_shard)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
+        self.watchdog = Watchdog(config.comm, config.metrics, config.job.dump_folder, dims, self.device)
         self.step = 0
         self.checkpointer = self._build_checkpointer()
-
-    def _build_metrics(self, tokens_per_step: int) -> MetricsLogger:
-        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) of its own."""
-        job, metrics, rank = self.config.job, self.config.metrics, self.rank
-        run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
-        every_rank = metrics.save_for_all_ranks
-        if every_rank and not job.run_name:
-            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
-        name = run_name[0]
-        tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
-        wandb_run = None
-        if metrics.enable_wandb and (rank == 0 or every_rank):
-            wandb_run = {"name": name, "config": dataclasses.asdict(self.config)}
-            if every_rank:
-                wandb_run.update(name=f"{name}-rank_{rank}", group=name)
-        return MetricsLogger(
-            job.dump_folder,
-            enable=rank == 0,
-            enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
-            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
-            wandb_run=wandb_run,
-            total_steps=self.config.training.steps,
-            tokens_per_step=tokens_per_step,
-        )
 
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)
@@ -205,6 +182,7 @@ class Trainer:
         if isinstance(self.optimizer, OptimizerInBackward):
             return self._train_step_updating_in_backward(microbatches, lr)
         loss = sum(self.forward_backward(batch.to(self.device)) for batch in microbatches)
+        self.watchdog.mark("optimizer")
         params = [p for part in self.model.parts for p in part.parameters() if p.grad is not None]
         self.failures.poison(params)
         max_norm = self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf")
@@ -267,9 +245,11 @@ class Trainer:
         ):
             while self.step < config.training.steps:
                 step = self.step + 1
+                self.watchdog.mark("data", step)
                 self._collect_garbage(step)
                 with self.throughput.data_loading():
                     microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+                self.watchdog.mark("forward/backward")
                 self.failures.before_step(step)
                 step_metrics = self.train_step(microbatches)
                 if step == first_step:
@@ -285,6 +265,7 @@ class Trainer:
                     profiler.step()
                 if snapshots is not None:
                     snapshots.step_done(step)
+        self.watchdog.stop()
         self._finish()
 
     def _refresh_float8_scales(self) -> None:
@@ -318,10 +299,12 @@ class Trainer:
         if log or step % config.metrics.log_freq == 0 or step == config.training.steps:
             summary = self.throughput.summarize(self.model.flops_per_token, self.peak_flops)
             values = {**step_metrics, **summary, "memory_gib": peak_memory_gib(self.device)}
-            self.metrics.log(step, values, self.source_tokens.take(self.device))
+            self.metrics.log(step, values, self.source_tokens.take(self.device), self.watchdog.stragglers())
         if self.checkpointer is not None:
+            self.watchdog.mark("checkpoint")
             self.checkpointer.save(step, config.training.steps)
         if config.validation.enable and validation_due(step, config.validation.freq):
+            self.watchdog.mark("validation")
             loss = self._sum_over_ranks(self.validator.validate(self.model, self.device, step))
             self.metrics.log_validation(step, loss.item())
 
