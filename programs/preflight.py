@@ -48,6 +48,7 @@ def check(
     from models.sizes import job_model_args
     from trainer.checkpoint.rules import check_export_folder, check_resume, check_seed_checkpoint
     from trainer.distributed import parallel_dims_from_config
+    from trainer.fault_tolerance import check_fault_tolerance_environment
     from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
 
@@ -79,6 +80,7 @@ def check(
         check_wandb()
     args = check_files(config, simulated=ranks_per_node is None)
     if ranks_per_node is not None:
+        check_fault_tolerance_environment(config.fault_tolerance)
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
         for option, folder in claimed_folders(config):

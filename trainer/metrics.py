@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import glob
 import json
 import logging
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError, first_line
-from config.job_config import METRICS_FILE, VALIDATION_FILE
+from config.job_config import METRICS_FILE, VALIDATION_FILE, JobConfig
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.batch import IGNORE_INDEX, Batch
@@ -184,6 +185,11 @@ _METRICS = {
     "memory_gib": ("memory/peak_gib", "memory {:.2f} GiB"),
     "data_loading_pct": ("time/data_loading_pct", "data {:.1f}%"),
 }
+# A run's own, when it has them (fault_tolerance.enable): key -> (TensorBoard tag, console field), None = not there.
+_RUN_METRICS = {
+    "replica_groups": ("fault_tolerance/replica_groups", "replica groups {:.0f}"),
+    "params_checksum": (None, None),  # an integer: equal weights in every replica group at a step
+}
 
 
 def format_step_line(
@@ -201,6 +207,7 @@ def format_step_line(
             field = "tflops/rank {:.0f}"
         if key != "mfu" or math.isfinite(values[key]):
             fields.append(field.format(values[key]))
+    fields += [field.format(values[key]) for key, (_, field) in _RUN_METRICS.items() if field and key in values]
     if source_tokens:
         fields.append("tokens " + ", ".join(f"{name} {count:,}" for name, count in source_tokens.items()))
     fields.append(f"elapsed {format_duration(elapsed)}")
@@ -374,6 +381,7 @@ class MetricsLogger:
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         values = {key: float(metrics[key]) for key in _METRICS}
+        values |= {key: metrics[key] for key in _RUN_METRICS if key in metrics}
         if self.enabled:
             elapsed = self.progress.elapsed()
             eta = self.progress.eta()
@@ -386,6 +394,7 @@ class MetricsLogger:
 
         # No MFU point when the peak is unknown.
         scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
+        scalars.update({tag: values[key] for key, (tag, _) in _RUN_METRICS.items() if tag and key in values})
         scalars.update({f"tokens_per_source/{name}": count for name, count in (source_tokens or {}).items()})
         if self._tensorboard is not None:
             for tag, value in scalars.items():
@@ -426,3 +435,28 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
         self.enabled = False
+
+
+def build_metrics_logger(config: JobConfig, rank: int, tokens_per_step: int) -> MetricsLogger:
+    """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) of its own."""
+    job, metrics = config.job, config.metrics
+    run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
+    every_rank = metrics.save_for_all_ranks
+    if every_rank and not job.run_name:
+        dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
+    name = run_name[0]
+    tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
+    wandb_run = None
+    if metrics.enable_wandb and (rank == 0 or every_rank):
+        wandb_run = {"name": name, "config": dataclasses.asdict(config)}
+        if every_rank:
+            wandb_run.update(name=f"{name}-rank_{rank}", group=name)
+    return MetricsLogger(
+        job.dump_folder,
+        enable=rank == 0,
+        enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
+        tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
+        wandb_run=wandb_run,
+        total_steps=config.training.steps,
+        tokens_per_step=tokens_per_step,
+    )

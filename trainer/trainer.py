@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,12 +30,13 @@ from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
+from trainer.fault_tolerance import data_share, join_replica_groups
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
 from trainer.loss import Loss
 from trainer.metrics import (
-    MetricsLogger,
     SourceTokens,
     ThroughputTracker,
+    build_metrics_logger,
     log_peak,
     peak_memory_gib,
     tokens_of_this_rank,
@@ -93,7 +93,7 @@ class Trainer:
             cache_dir=config.job.cache_dir,
             document_masking=masking,
         )
-        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed)
+        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed, replica=data_share(config))
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
             config.optimizer, config.lr_scheduler, config.training, self.model.parts
@@ -104,7 +104,7 @@ class Trainer:
         if self._precompute_float8:
             self.optimizer.register_step_post_hook(lambda *_: self._refresh_float8_scales())
 
-        self.metrics = self._build_metrics(tokens_per_step)
+        self.metrics = build_metrics_logger(config, self.rank, tokens_per_step)
         self.peak_flops = log_peak(device_peak(self.device, self.model.compute_dtype, config.metrics.peak_flops))
         self.throughput = ThroughputTracker()
         self.source_tokens = SourceTokens(config.training.datasets, self.parallel_dims)
@@ -114,30 +114,6 @@ class Trainer:
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.step = 0
         self.checkpointer = self._build_checkpointer()
-
-    def _build_metrics(self, tokens_per_step: int) -> MetricsLogger:
-        """Rank 0 logs; with metrics.save_for_all_ranks every rank writes TensorBoard (and W&B) of its own."""
-        job, metrics, rank = self.config.job, self.config.metrics, self.rank
-        run_name = [job.run_name or time.strftime("%Y%m%d-%H%M%S")]
-        every_rank = metrics.save_for_all_ranks
-        if every_rank and not job.run_name:
-            dist.broadcast_object_list(run_name, src=0)  # the ranks' clocks may cross a second
-        name = run_name[0]
-        tensorboard_dir = os.path.join(job.dump_folder, metrics.save_tb_folder, name)
-        wandb_run = None
-        if metrics.enable_wandb and (rank == 0 or every_rank):
-            wandb_run = {"name": name, "config": dataclasses.asdict(self.config)}
-            if every_rank:
-                wandb_run.update(name=f"{name}-rank_{rank}", group=name)
-        return MetricsLogger(
-            job.dump_folder,
-            enable=rank == 0,
-            enable_tensorboard=metrics.enable_tensorboard and (rank == 0 or every_rank),
-            tensorboard_dir=os.path.join(tensorboard_dir, f"rank_{rank}") if every_rank else tensorboard_dir,
-            wandb_run=wandb_run,
-            total_steps=self.config.training.steps,
-            tokens_per_step=tokens_per_step,
-        )
 
     def _write_resolved_config(self) -> None:
         os.makedirs(self.config.job.dump_folder, exist_ok=True)
@@ -207,9 +183,11 @@ class Trainer:
         loss = sum(self.forward_backward(batch.to(self.device)) for batch in microbatches)
         params = [p for part in self.model.parts for p in part.parameters() if p.grad is not None]
         self.failures.poison(params)
+        if (replicas := self.replicas.average_and_commit(params)) is None:
+            return self.train_step(microbatches)  # not every replica group's gradient arrived: the same batches again
         max_norm = self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf")
         grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=self.parallel_dims.pp_mesh)
-        step_metrics = {"loss": self._sum_over_ranks(loss).item(), "grad_norm": grad_norm.item(), "lr": lr}
+        step_metrics = {"loss": self._sum_over_ranks(loss).item(), "grad_norm": grad_norm.item(), "lr": lr, **replicas}
         # Both values are global, so every rank takes the same branch.
         if math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"]):
             if self.checkpointer is not None:
@@ -250,8 +228,9 @@ class Trainer:
                 f"resumed at step {self.step}, the run's end (training.steps {config.training.steps}): nothing left "
                 "to train; raise training.steps to train on"
             )
+        self.replicas = join_replica_groups(self)  # fault_tolerance.enable: a group behind takes a live one's state
+        data_iter = self.replicas.start_data(self._start_data, resumed)
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
-        data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()
         logger.info(
