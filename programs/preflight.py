@@ -52,6 +52,8 @@ def check(
     from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
 
+    if ranks_per_node is not None:  # a dry run starts no replica group
+        check_fault_tolerance_environment(config.fault_tolerance)
     if world_size > MAX_WORLD_SIZE:
         raise ConfigError(
             f"world size {world_size:,} (NNODES x NGPU) is more than the {MAX_WORLD_SIZE:,} ranks a torch "
@@ -80,7 +82,6 @@ def check(
         check_wandb()
     args = check_files(config, simulated=ranks_per_node is None)
     if ranks_per_node is not None:
-        check_fault_tolerance_environment(config.fault_tolerance)
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
         for option, folder in claimed_folders(config):

@@ -120,6 +120,8 @@ class GroupState:
         for opt, saved in zip(self.optimizers, state["optimizers"], strict=True):
             _init_optim_state(opt)  # a group that has not stepped yet has no moments to copy into
             for param, values in zip(_params_of(opt), saved["state"], strict=True):
+                if not values:  # not stepped in the live group: Adam's step count starts at 0 here too
+                    opt.state.pop(param, None)
                 for key, value in values.items():
                     _local(opt.state[param][key]).copy_(value)
             for group, hyper in zip(opt.param_groups, saved["groups"], strict=True):
