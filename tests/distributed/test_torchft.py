@@ -18,9 +18,20 @@ import sys
 import time
 
 import pytest
+import torch
 
 from programs import preflight
-from tests.launch import REPO, TINY_RUN, TWO_BLOCKS, launch_train, read_metrics, run_script, train_command, train_env
+from tests.launch import (
+    REPO,
+    TINY_RUN,
+    TWO_BLOCKS,
+    launch_train,
+    read_metrics,
+    resumed_from,
+    run_script,
+    train_command,
+    train_env,
+)
 
 GROUPS = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
 SMALL = [*TWO_BLOCKS, "--training.local_batch_size", "2"]
@@ -77,11 +88,13 @@ def _start_group(dump: str, replica: int, lighthouse: str, *overrides: str) -> t
 
 @pytest.mark.slow
 def test_a_killed_group_rejoins_while_the_other_trains_on(tmp_path, lighthouse):
-    kill_step = random.randint(3, 6)
+    # The killed group restarts from its checkpoint of step 4, then takes the live group's newer state.
+    kill_step = random.randint(7, 8)
     steps = ["--training.steps", "1000"]  # stopped once the killed group has trained 5 steps after rejoining
     live, live_log = _start_group(str(tmp_path / "live"), 0, lighthouse, *steps)
+    checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "4"]
     killed, killed_log = _start_group(
-        str(tmp_path / "killed"), 1, lighthouse, *steps, "--debug.fail_at_step", str(kill_step)
+        str(tmp_path / "killed"), 1, lighthouse, *steps, *checkpoints, "--debug.fail_at_step", str(kill_step)
     )
     killed_at = rejoined_at = None
     live_ranks = killed_ranks = None
@@ -125,6 +138,12 @@ def test_a_killed_group_rejoins_while_the_other_trains_on(tmp_path, lighthouse):
     # The weights every step starts from are the same bits in both groups, whenever both trained it.
     assert all(r["params_checksum"] == by_step[r["step"]]["params_checksum"] for r in together), together
     assert {r["step"] for r in together} >= set(rejoin_steps)
+    # Its data position is its own share's after its last commit, not its checkpoint's: no batch skipped
+    # or trained twice. The last commit may have come just before the end, unlogged.
+    assert resumed_from(_text(killed_log)) == [4]
+    for rank in range(2):
+        position = torch.load(tmp_path / "killed" / "fault_tolerance" / f"data_rank_{rank}.pt", weights_only=False)
+        assert position["_num_yielded"] - (kill_step - 1) - len(rejoin_steps) in (0, 1), position
 
 
 @pytest.mark.slow
