@@ -104,7 +104,7 @@ class GroupState:
             "model": [_local(p.detach()) for p in self.params],
             "optimizers": [
                 {
-                    "state": [{k: _local(v) for k, v in opt.state[p].items()} for p in _params_of(opt)],
+                    "state": [{k: _local(v) for k, v in opt.state.get(p, {}).items()} for p in _params_of(opt)],
                     "groups": [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups],
                 }
                 for opt in self.optimizers
@@ -115,10 +115,9 @@ class GroupState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for param, value in zip(self.params, state["model"], strict=True):
-            _local(param).copy_(value)
         for opt, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            _init_optim_state(opt)  # a group that has not stepped yet has no moments to copy into
+            if any(saved["state"]):
+                _init_optim_state(opt)  # a group that has not stepped yet has no moments to copy into
             for param, values in zip(_params_of(opt), saved["state"], strict=True):
                 if not values:  # not stepped in the live group: Adam's step count starts at 0 here too
                     opt.state.pop(param, None)
@@ -126,6 +125,8 @@ class GroupState:
                     _local(opt.state[param][key]).copy_(value)
             for group, hyper in zip(opt.param_groups, saved["groups"], strict=True):
                 group.update(hyper)
+        for param, value in zip(self.params, state["model"], strict=True):
+            _local(param).copy_(value)
         self.trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.trainer.step = state["step"]
         self.trainer._refresh_float8_scales()
