@@ -7,6 +7,8 @@
 #   MAX_RESTARTS  times torchrun restarts the whole group after a rank dies (default 3); with
 #                 checkpoint.enable each attempt resumes from the newest complete checkpoint
 #   NNODES, RDZV_ENDPOINT (host:port of node 0), RDZV_ID   multi-node jobs (c10d rendezvous)
+#   TORCHFT_LIGHTHOUSE  http://host:port of torchft's lighthouse, with fault_tolerance.enable (one
+#                 run_train.sh per replica group: docs/fault-tolerance.md)
 #   COMM_MODE     fake: a dry run in one process playing rank 0 of NNODES x NGPU ranks (fake process
 #                 group and tensors: real model sizes, no memory), printing its peak memory
 # Extra arguments are config overrides, e.g. NGPU=2 ./run_train.sh --training.steps 30

@@ -56,6 +56,12 @@ def main() -> int:
     args = parser.parse_args()
     # With --only, the other lists keep their entries of an earlier run of the file.
     table = _read(args.output)["lists"] if args.only else {}
+    if "TORCHFT_LIGHTHOUSE" not in os.environ:  # ft.py's list trains as a replica group: a lighthouse for it
+        from torchft.coordination import LighthouseServer
+
+        os.environ.setdefault("RUST_LOG", "warn")
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+        os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address()
     print(f"{'list':<34} {'ranks':>5} {'expected':<10} {'outcome':<8} {'seconds':>7}  note", flush=True)
     for flag_list in LISTS:
         if args.only and flag_list.name not in args.only:

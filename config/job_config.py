@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.fault_tolerance import FaultTolerance
 from config.plan import Plan
 
 # No torch here, so config mistakes are reported in seconds. Dtype options take torch's names.
@@ -488,3 +489,4 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     plan: Plan = field(default_factory=Plan)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

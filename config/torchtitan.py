@@ -40,9 +40,7 @@ _ANY_VALUE = """metrics.disable_color_printing training.dataloader.persistent_wo
     activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns
     quantize.linear.mx.mxfp8_dim1_cast_kernel_choice quantize.linear.mx.recipe_name quantize.linear.mx.filter_fqns
     quantize.grouped_mm.float8.fqns quantize.grouped_mm.mx.recipe_name quantize.grouped_mm.mx.fqns
-    memory_estimation.disable_fake_mode fault_tolerance.process_group fault_tolerance.process_group_timeout_ms
-    fault_tolerance.replica_id fault_tolerance.group_size fault_tolerance.min_replica_size
-    fault_tolerance.semi_sync_method validation.dataloader.num_workers validation.dataloader.persistent_workers
+    memory_estimation.disable_fake_mode validation.dataloader.num_workers validation.dataloader.persistent_workers
     validation.dataloader.pin_memory validation.dataloader.prefetch_factor"""
 
 FOREIGN: dict[str, object] = {
@@ -52,7 +50,6 @@ FOREIGN: dict[str, object] = {
     "checkpoint.initial_load_in_hf_quantized": False,
     "activation_checkpoint.visualize_memory_budget_pareto": False,
     "comm.mode": "default",
-    "fault_tolerance.enable": False,
     "experimental.custom_import": "",
     "experimental.custom_args_module": "",
     "debug.moe_force_load_balance": False,
@@ -64,8 +61,6 @@ _NO_USER_CODE = " (Tessera imports no module of yours: what it would register or
 CHANGES_THE_RUN = {
     "parallelism.expert_parallel_degree": "",
     "comm.mode": "; a dry run is COMM_MODE=fake ./run_train.sh",
-    "fault_tolerance.enable": " (torchft's replica groups would each train alone; a restart of every rank resumes "
-    "from the last checkpoint: MAX_RESTARTS)",
     "checkpoint.initial_load_in_hf_quantized": " (the quantized Hugging Face weights would load as plain ones)",
     "job.custom_config_module": _NO_USER_CODE,
     "experimental.custom_import": _NO_USER_CODE,

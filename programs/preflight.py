@@ -48,9 +48,12 @@ def check(
     from models.sizes import job_model_args
     from trainer.checkpoint.rules import check_export_folder, check_resume, check_seed_checkpoint
     from trainer.distributed import parallel_dims_from_config
+    from trainer.fault_tolerance import check_fault_tolerance_environment
     from trainer.metrics import check_wandb
     from trainer.optim import build_optimizer_and_schedule
 
+    if ranks_per_node is not None:  # a dry run starts no replica group
+        check_fault_tolerance_environment(config.fault_tolerance)
     if world_size > MAX_WORLD_SIZE:
         raise ConfigError(
             f"world size {world_size:,} (NNODES x NGPU) is more than the {MAX_WORLD_SIZE:,} ranks a torch "

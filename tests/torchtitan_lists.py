@@ -18,11 +18,10 @@ TOKENIZER = os.path.join(ANCHOR, "assets", "tokenizer")
 # at sequences of 256 (of its 2048) and 2 steps (of its 10), so that every list trains in minutes on 2 cores.
 COMMON = ["--model.hf_assets_path", TOKENIZER, "--training.dataset", "python_docs", "--training.seq_len", "256"]
 STEPS_SCALE = 5  # torchtitan's steps -> Tessera's: its 10 and 20 (a resume) are 2 and 4 here
-# ft.py launches every run as replica group 0 of torchft.
+# ft.py launches every run as replica group 0 of torchft, with a lighthouse at TORCHFT_LIGHTHOUSE.
 FT = ["--fault_tolerance.enable", "--fault_tolerance.replica_id=0", "--fault_tolerance.group_size=8"]
 # features.py's path of the first run's Hugging Face export; here the export of that run's checkpoint folder.
 HF_EXPORT = "{dump}/hf_checkpoint/hf"
-FT_REFUSED = "refused: not available in Tessera: fault_tolerance.enable=True (torchft's replica groups"
 
 
 @dataclass(frozen=True)
@@ -144,6 +143,6 @@ LISTS = _lists(
                             "--training.dataloader.persistent_workers", "--training.dataloader.prefetch_factor",
                             "4"]], 2),
     # ft.py
-    ("default_torchft", [[*FT, "--training.steps 10", "--checkpoint.enable"]], 8, FT_REFUSED),
+    ("default_torchft", [[*FT, "--training.steps 10", "--checkpoint.enable"]], 8),
 )
 # fmt: on

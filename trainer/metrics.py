@@ -185,6 +185,11 @@ _METRICS = {
     "memory_gib": ("memory/peak_gib", "memory {:.2f} GiB"),
     "data_loading_pct": ("time/data_loading_pct", "data {:.1f}%"),
 }
+# A run's own, when it has them (fault_tolerance.enable): key -> (TensorBoard tag, console field), None = not there.
+_RUN_METRICS = {
+    "replica_groups": ("fault_tolerance/replica_groups", "replica groups {:.0f}"),
+    "params_checksum": (None, None),  # an integer: equal weights in every replica group at a step
+}
 
 
 def format_step_line(
@@ -202,6 +207,7 @@ def format_step_line(
             field = "tflops/rank {:.0f}"
         if key != "mfu" or math.isfinite(values[key]):
             fields.append(field.format(values[key]))
+    fields += [field.format(values[key]) for key, (_, field) in _RUN_METRICS.items() if field and key in values]
     if source_tokens:
         fields.append("tokens " + ", ".join(f"{name} {count:,}" for name, count in source_tokens.items()))
     fields.append(f"elapsed {format_duration(elapsed)}")
@@ -388,6 +394,7 @@ class MetricsLogger:
         if not self.enabled and self._tensorboard is None and self._wandb is None:
             return
         values = {key: float(metrics[key]) for key in _METRICS}
+        values |= {key: metrics[key] for key in _RUN_METRICS if key in metrics}
         if self.enabled:
             elapsed = self.progress.elapsed()
             eta = self.progress.eta()
@@ -403,6 +410,7 @@ class MetricsLogger:
 
         # No MFU point when the peak is unknown.
         scalars = {tag: values[key] for key, (tag, _) in _METRICS.items() if math.isfinite(values[key]) or key != "mfu"}
+        scalars.update({tag: values[key] for key, (tag, _) in _RUN_METRICS.items() if tag and key in values})
         scalars.update({f"tokens_per_source/{name}": count for name, count in (source_tokens or {}).items()})
         if stragglers is not None:
             scalars["stragglers/count"] = len(stragglers)

@@ -30,6 +30,7 @@ from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
 from trainer.fault_injection import FailureInjector
+from trainer.fault_tolerance import data_share, join_replica_groups
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
 from trainer.loss import Loss
 from trainer.metrics import (
@@ -93,7 +94,7 @@ class Trainer:
             cache_dir=config.job.cache_dir,
             document_masking=masking,
         )
-        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed)
+        self.dataloader = data("training.dataset", config.training, seed=config.debug.seed, replica=data_share(config))
         self.model = build_model(config, self.parallel_dims, self.device, args, self.loss)
         self.optimizer, self.lr_scheduler = build_optimizer_and_schedule(
             config.optimizer, config.lr_scheduler, config.training, self.model.parts
@@ -185,9 +186,11 @@ class Trainer:
         self.watchdog.mark("optimizer")
         params = [p for part in self.model.parts for p in part.parameters() if p.grad is not None]
         self.failures.poison(params)
+        if (replicas := self.replicas.average_and_commit(params)) is None:
+            return self.train_step(microbatches)  # not every replica group's gradient arrived: the same batches again
         max_norm = self.config.training.max_norm if self.config.training.max_norm > 0 else float("inf")
         grad_norm = clip_grad_norm_(params, max_norm, pp_mesh=self.parallel_dims.pp_mesh)
-        step_metrics = {"loss": self._sum_over_ranks(loss).item(), "grad_norm": grad_norm.item(), "lr": lr}
+        step_metrics = {"loss": self._sum_over_ranks(loss).item(), "grad_norm": grad_norm.item(), "lr": lr, **replicas}
         # Both values are global, so every rank takes the same branch.
         if math.isfinite(step_metrics["loss"]) and math.isfinite(step_metrics["grad_norm"]):
             if self.checkpointer is not None:
@@ -228,8 +231,9 @@ class Trainer:
                 f"resumed at step {self.step}, the run's end (training.steps {config.training.steps}): nothing left "
                 "to train; raise training.steps to train on"
             )
+        self.replicas = join_replica_groups(self)  # fault_tolerance.enable: a group behind takes a live one's state
+        data_iter = self.replicas.start_data(self._start_data, resumed)
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
-        data_iter = self._start_data(resumed)
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
             gc.disable()
         logger.info(

@@ -89,7 +89,9 @@ class PackedDocuments:
             yield stack([window_batch(batch[w], self.masking) for w in mine], sources)
 
 
-def packed_dataloader(option, section, training, tokenizer, parallel_dims, *, seed, cache_dir, document_masking=False):
+def packed_dataloader(
+    option, section, training, tokenizer, parallel_dims, *, seed, cache_dir, document_masking=False, replica=(0, 1)
+):
     """Stands in for ``config_dataloader`` (same parameters)."""
     return PackedDocuments(training, parallel_dims, tokenizer.vocab_size, document_masking)
 

@@ -125,12 +125,7 @@ def test_a_missing_features_off_value_on_the_command_line_is_known_as_off(tmp_pa
             [
                 *("--job.config_file", write(tmp_path, TITAN_DEBUG)),
                 *("--parallelism.expert_parallel_degree", "1", "--parallelism.expert_tensor_parallel_degree=1"),
-                *(
-                    "--activation_checkpoint.visualize_memory_budget_pareto",
-                    "false",
-                    "--fault_tolerance.enable",
-                    "False",
-                ),
+                *("--activation_checkpoint.visualize_memory_budget_pareto", "false"),
             ]
         )
     warnings = [r.getMessage() for r in caplog.records]
@@ -166,13 +161,13 @@ def test_missing_features_are_named_in_one_line(tmp_path, caplog):
     with open(both, "w") as f:
         f.write(open(offload).read().replace("expert_parallel_degree = 1", "expert_parallel_degree = 2"))
     with pytest.raises(ConfigError) as error:
-        load_config(["--job.config_file", both, "--fault_tolerance.enable"])
+        load_config(["--job.config_file", both, "--comm.mode", "local_tensor"])
     message = str(error.value)
     assert message.startswith("not available in Tessera:") and "\n" not in message
     for name in (
         "activation_checkpoint.visualize_memory_budget_pareto",
         "parallelism.expert_parallel_degree=2",
-        "fault_tolerance.enable",
+        "comm.mode='local_tensor'",
     ):
         assert name in message
 
@@ -300,7 +295,7 @@ def test_torchtitans_converter_name_and_the_missing_features_that_change_the_run
         ("--job.custom_config_module=my.config", "Tessera imports no module of yours"),
         ("--experimental.custom_import=my.model", "Tessera imports no module of yours"),
         ("--checkpoint.initial_load_in_hf_quantized", "would load as plain ones"),
-        ("--fault_tolerance.enable", "torchft's replica groups would each train alone"),
+        ("--comm.mode=fake_backend", "a dry run is COMM_MODE=fake ./run_train.sh"),
     ):
         with pytest.raises(ConfigError) as error:
             load_config([option])

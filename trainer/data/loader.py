@@ -37,9 +37,10 @@ def config_dataloader(
     seed: int,
     cache_dir: str,
     document_masking: bool = False,
+    replica: tuple[int, int] = (0, 1),
 ) -> StatefulDataLoader:
     """This DP rank's loader of ``section``'s corpora, yielding ``Batch``; validation takes training's shape
-    where it sets none."""
+    where it sets none. ``replica``: (this replica group, the groups), which split the data first."""
     corpora, weights = section_corpora(section)
     if len(corpora) > 1:
         option = f"{option.partition('.')[0]}.datasets"
@@ -59,8 +60,8 @@ def config_dataloader(
             weights=weights,
             seq_len=seq_len,
             local_batch_size=section.local_batch_size or training.local_batch_size,
-            dp_rank=parallel_dims.dp_rank,
-            dp_world_size=parallel_dims.dp_degree,
+            dp_rank=replica[0] * parallel_dims.dp_degree + parallel_dims.dp_rank,
+            dp_world_size=replica[1] * parallel_dims.dp_degree,
             seed=seed,
             document_masking=document_masking,
         )
