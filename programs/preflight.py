@@ -298,7 +298,9 @@ def _dataset_problem(config: JobConfig, option: str, error: Exception) -> str:
     return f"{option}: {error}{hint}"
 
 
-USAGE = "usage: python -m programs.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
+USAGE = (
+    "usage: python -m programs.preflight (--world-size N | --nnodes N|MIN:MAX --nproc-per-node K|auto) [config options]"
+)
 
 
 def log_warnings_once() -> None:
@@ -331,6 +333,40 @@ def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return launch, argv
 
 
+def check_elastic(config: JobConfig, nodes: range, ranks_per_node: int) -> None:
+    """An elastic job (NNODES=MIN:MAX, checked at MAX as any job) also runs at each smaller node count:
+    its model split divides the world there, and the global batch it starts with at MAX is kept."""
+    from trainer.distributed import elastic_parallelism, parallel_dims_from_config
+
+    full = parallel_dims_from_config(config.parallelism, nodes[-1] * ranks_per_node)
+    global_batch, _ = batch_layout(config.training, full.dp_degree)
+    range_ = f"NNODES {nodes[0]}:{nodes[-1]}"
+    for count in nodes[:-1]:
+        try:
+            parallelism = elastic_parallelism(config.parallelism, count * ranks_per_node)
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({count} nodes of {range_})") from None
+        per_microbatch = (
+            config.training.local_batch_size * parallel_dims_from_config(parallelism, count * ranks_per_node).dp_degree
+        )
+        if global_batch % per_microbatch:
+            raise ConfigError(
+                f"training.global_batch_size: {global_batch} sequences per step (at {nodes[-1]} nodes) cannot be "
+                f"kept at {count} nodes of {range_}: training.local_batch_size x data-parallel degree there is "
+                f"{per_microbatch}; set training.global_batch_size to a multiple of it"
+            )
+
+
+def node_range(launch: dict[str, str]) -> range | None:
+    """The node counts of an elastic ``--nnodes MIN:MAX`` (1 <= MIN <= MAX), which then gives MAX alone
+    in ``launch``; None for any other ``--nnodes``."""
+    low, colon, high = launch.get("--nnodes", "").partition(":")
+    if not (colon and low.isdecimal() and high.isdecimal() and 1 <= int(low) <= int(high)):
+        return None
+    launch["--nnodes"] = high
+    return range(int(low), int(high) + 1)
+
+
 def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
     """(world size, ranks per node, accelerators here) of ``--world-size`` or ``--nnodes`` x
     ``--nproc-per-node`` (``auto``: one per accelerator, else 2); None unless given once."""
@@ -356,12 +392,15 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print_error(named_as_given(e, argv))
         return 2
+    nodes = node_range(launch)
     if (sizes := launch_sizes(launch)) is None:
         print(USAGE, file=sys.stderr)
         return 2
     world_size, nproc, accelerators = sizes
     try:
         check(config, world_size, nproc, frozenset(typed_options(argv)))
+        if nodes is not None:
+            check_elastic(config, nodes, nproc)
     except ConfigError as e:
         print_error(named_as_given(e, argv))
         return 2
