@@ -38,10 +38,15 @@ MAX_WORLD_SIZE = 2**31 - 1  # a torch process group counts its ranks in a C++ in
 
 
 def check(
-    config: JobConfig, world_size: int, ranks_per_node: int | None = None, typed: frozenset[str] = frozenset()
+    config: JobConfig,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    typed: frozenset[str] = frozenset(),
+    elastic: bool = False,
 ) -> None:
     """Raises a one-line ConfigError for the first mistake found; with ``ranks_per_node`` (a launch,
-    not a dry run) also when the model cannot fit a rank. Warns of ``typed`` options without effect."""
+    not a dry run) also when the model cannot fit a rank. Warns of ``typed`` options without effect.
+    ``elastic``: a node of a node range, which may join the running job that holds the folders."""
     import torch
 
     from models.registry import get_model_spec
@@ -81,7 +86,7 @@ def check(
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
-        for option, folder in claimed_folders(config):
+        for option, folder in [] if elastic else claimed_folders(config):
             if os.path.isfile(lock := os.path.join(folder, FOLDER_LOCK)):
                 lock_folder(lock, option, folder).close()
 
@@ -340,19 +345,19 @@ def check_elastic(config: JobConfig, nodes: range, ranks_per_node: int) -> None:
 
     full = parallel_dims_from_config(config.parallelism, nodes[-1] * ranks_per_node)
     global_batch, _ = batch_layout(config.training, full.dp_degree)
-    range_ = f"NNODES {nodes[0]}:{nodes[-1]}"
+    within = f"of {nodes[0]}:{nodes[-1]}"
     for count in nodes[:-1]:
         try:
             parallelism = elastic_parallelism(config.parallelism, count * ranks_per_node)
         except ConfigError as e:
-            raise ConfigError(f"{e} ({count} nodes of {range_})") from None
+            raise ConfigError(f"{e} (at NNODES={count} {within})") from None
         per_microbatch = (
             config.training.local_batch_size * parallel_dims_from_config(parallelism, count * ranks_per_node).dp_degree
         )
         if global_batch % per_microbatch:
             raise ConfigError(
-                f"training.global_batch_size: {global_batch} sequences per step (at {nodes[-1]} nodes) cannot be "
-                f"kept at {count} nodes of {range_}: training.local_batch_size x data-parallel degree there is "
+                f"training.global_batch_size: {global_batch} sequences per step (at NNODES={nodes[-1]}) cannot be "
+                f"kept at NNODES={count} {within}: training.local_batch_size x data-parallel degree there is "
                 f"{per_microbatch}; set training.global_batch_size to a multiple of it"
             )
 
@@ -398,7 +403,7 @@ def main(argv: list[str]) -> int:
         return 2
     world_size, nproc, accelerators = sizes
     try:
-        check(config, world_size, nproc, frozenset(typed_options(argv)))
+        check(config, world_size, nproc, frozenset(typed_options(argv)), elastic=nodes is not None)
         if nodes is not None:
             check_elastic(config, nodes, nproc)
     except ConfigError as e:

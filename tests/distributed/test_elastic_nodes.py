@@ -32,6 +32,7 @@ from tests.launch import (
     losses_by_step,
     read_metrics,
     resumed_from,
+    run_script,
     script_command,
     script_env,
 )
@@ -172,3 +173,47 @@ def _script_error(env: dict[str, str]) -> tuple[int, list[str]]:
 )
 def test_a_bad_node_range_is_one_line(env, line):
     assert _script_error(env) == (2, [line])
+
+
+@pytest.mark.slow  # launches run_train.sh
+def test_a_global_batch_the_ranks_left_cannot_keep_is_one_line(shrunk, tmp_path):
+    """The finished run's checkpoints (saved at 2 ranks, global batch 8) resumed at 3 ranks of 2
+    sequences: 8 is not a whole number of their batches of 6. The ranks refuse it in one line naming
+    the option, without a traceback or a restart."""
+    dump = str(tmp_path / "run")
+    shutil.copytree(shrunk[0], dump)
+    result = run_script(dump, *RUN, nproc=3, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-4000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: training.global_batch_size: the run's global batch of 8 sequences (checkpoint step-{STEPS}, "
+        "saved at 2 ranks) cannot be kept at 3 ranks: it is not divisible by training.local_batch_size 2 x "
+        "data-parallel degree 3; set training.global_batch_size to a multiple of that"
+    ), output[-4000:]
+    assert "Traceback" not in output and "Restarting" not in output
+
+
+def _elastic_error(nodes: range, *options: str) -> str | None:
+    """check_elastic's line for a job of ``nodes`` nodes of 2 ranks with ``options``, None when it passes."""
+    try:
+        check_elastic(load_config(["--training.local_batch_size", "2", *options]), nodes, 2)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_the_node_range_is_checked_before_the_launch():
+    """At each node count of the range: the model split divides the world, and the global batch the
+    job starts with at MAX (set, or the default) is a whole number of microbatches."""
+    assert _elastic_error(range(1, 3)) is None  # 8 at 2 nodes, 2 microbatches of 4 at 1
+    assert _elastic_error(range(1, 3), "--parallelism.data_parallel_shard_degree", "4") is None  # re-derived at 1
+    assert _elastic_error(range(1, 3), "--parallelism.tensor_parallel_degree", "4") == (
+        "parallelism: tensor 4 x context 1 x pipeline 1 degrees = 4 do not divide a world of 2 ranks "
+        "(at NNODES=1 of 1:2)"
+    )
+    assert _elastic_error(range(2, 4)) == (
+        "training.global_batch_size: 12 sequences per step (at NNODES=3) cannot be kept at NNODES=2 of 2:3: "
+        "training.local_batch_size x data-parallel degree there is 8; set training.global_batch_size to a multiple "
+        "of it"
+    )
+    assert _elastic_error(range(2, 4), "--training.global_batch_size", "24") is None
