@@ -24,9 +24,8 @@ from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
-from trainer.checkpoint.elastic import RunLayout, fitted_to_world, resumed_layout
 from trainer.checkpoint.hf import job_export_assets
-from trainer.checkpoint.manager import CheckpointManager, TrainState
+from trainer.checkpoint.manager import CheckpointManager, TrainState, fitted_to_world
 from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
@@ -57,7 +56,7 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, config: JobConfig):
-        self.config = config
+        self.config = config = fitted_to_world(config, int(os.environ.get("WORLD_SIZE", "1")))  # elastic resumes
         check_folders_at_start(config)
         # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folders until it ends.
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
@@ -66,12 +65,10 @@ class Trainer:
         torch.manual_seed(config.debug.seed)
         if config.debug.deterministic:
             use_deterministic_algorithms(warn_only=config.debug.deterministic_warn_only)
-        # Resumed at another world size (an elastic job's node lost or back): re-laid out, same global batch.
-        parallelism, training = fitted_to_world(config, resumed_layout(config), dist.get_world_size())
-        self.parallel_dims = dims = parallel_dims_from_config(parallelism, dist.get_world_size())
+        self.parallel_dims = dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
         self.parallel_dims.build_mesh(self.device.type)
         self.cp_shard = dims.cp, dims.cp_rank  # which chunks of each sequence this rank trains on
-        self.global_batch_size, self.grad_accum_steps = batch_layout(training, self.parallel_dims.dp_degree)
+        self.global_batch_size, self.grad_accum_steps = batch_layout(config.training, self.parallel_dims.dp_degree)
         tokens_per_step = self.global_batch_size * config.training.seq_len
         self._write_resolved_config()
 
@@ -169,9 +166,6 @@ class Trainer:
             train_state=TrainState(lambda: self.step, lambda step: setattr(self, "step", step), self.device),
             storage_writer=self.failures.storage_writer,
             timeout_seconds=self.config.comm.init_timeout_seconds,
-            layout=RunLayout(
-                dist.get_world_size(), self.parallel_dims.dp_degree, self.grad_accum_steps, self.global_batch_size
-            ),
         )
 
     def _start_data(self, resumed: str | None):

@@ -51,7 +51,7 @@ OPTIONS = [
 RUN = [*CONFIG, *TINY_RUN, *OPTIONS]
 # torchrun's c10d rendezvous, quick for a test on one host (the defaults suit clusters: a dead node is
 # noticed after 3 missed heartbeats 5 s apart, and a round waits 30 s for late nodes once MIN have joined).
-RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=3"
+RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=5,last_call_timeout=3"
 
 
 def _free_port() -> int:

@@ -2,7 +2,8 @@
 back): the layout re-derived for the ranks there are, the same global batch (more or fewer
 gradient-accumulation microbatches), and one line saying what changed. Each checkpoint's marker
 records the layout it was saved at; it is read before the model is built, since the layout decides
-how the model is sharded."""
+how the model is sharded. The run's resolved config (config.toml) then holds the re-derived degrees
+and the kept global batch."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from config.errors import ConfigError
 from config.job_config import JobConfig, Parallelism, Training
@@ -44,28 +43,24 @@ def marker_layout(path: str) -> RunLayout | None:
 
 def resumed_layout(config: JobConfig) -> tuple[int, RunLayout] | None:
     """(step, layout) of the checkpoint the run resumes from: checkpoint.load_step's at the launch's
-    first start, else the newest complete one. Rank 0 reads it for every rank (one view of the folder)."""
-    found: list[Any] = [None]
-    if dist.get_rank() == 0 and config.checkpoint.enable:
-        folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
-        checkpoints = complete_checkpoints(folder)
-        if config.checkpoint.load_step >= 0 and is_first_attempt():
-            checkpoints = [(step, path) for step, path in checkpoints if step == config.checkpoint.load_step]
-        if checkpoints and (layout := marker_layout(checkpoints[0][1])) is not None:
-            found[0] = (checkpoints[0][0], layout)
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0)
-    return found[0]
+    first start, else the newest complete one (every rank reads its marker, as the load does)."""
+    if not config.checkpoint.enable:
+        return None
+    checkpoints = complete_checkpoints(os.path.join(config.job.dump_folder, config.checkpoint.folder))
+    if config.checkpoint.load_step >= 0 and is_first_attempt():
+        checkpoints = [(step, path) for step, path in checkpoints if step == config.checkpoint.load_step]
+    if checkpoints and (layout := marker_layout(checkpoints[0][1])) is not None:
+        return checkpoints[0][0], layout
+    return None
 
 
-def fitted_to_world(
-    config: JobConfig, resumed: tuple[int, RunLayout] | None, world_size: int
-) -> tuple[Parallelism, Training]:
-    """The parallelism and training sections of a run resumed at ``world_size``: unchanged at the world
-    its checkpoint was saved at; else the layout re-derived and, when training.global_batch_size is
-    unset, the saved global batch (the default one of the world the run started at)."""
+def fitted_to_world(config: JobConfig, world_size: int) -> JobConfig:
+    """``config`` for a run at ``world_size`` ranks: unchanged unless it resumes a checkpoint saved at
+    another world size; then the layout re-derived and, when training.global_batch_size is unset, the
+    saved global batch set (the default one of the world the run started at)."""
+    resumed = resumed_layout(config)
     if resumed is None or resumed[1].world_size == world_size:
-        return config.parallelism, config.training
+        return config
     step, saved = resumed
     training = config.training
     if training.global_batch_size <= 0:
@@ -80,12 +75,25 @@ def fitted_to_world(
             f"it is not divisible by training.local_batch_size {training.local_batch_size} x data-parallel "
             f"degree {_dp_degree(parallelism, world_size)}; set training.global_batch_size to a multiple of that"
         ) from None
-    return parallelism, training
+    return dataclasses.replace(config, parallelism=parallelism, training=training)
 
 
 def _dp_degree(parallelism: Parallelism, world_size: int) -> int:
     others = parallelism.tensor_parallel_degree * parallelism.context_parallel_degree
     return world_size // (others * parallelism.pipeline_parallel_degree)
+
+
+def layout_of(resolved: dict[str, Any], world_size: int) -> RunLayout | None:
+    """The layout of a run of this resolved config (as TOML reads it) at ``world_size`` ranks; None
+    for a config without its parallelism and training sections."""
+    try:
+        parallelism = Parallelism(**resolved["parallelism"])
+        training = Training(**resolved["training"])
+    except (KeyError, TypeError):
+        return None
+    dp = _dp_degree(parallelism, world_size)
+    global_batch, accumulation = batch_layout(training, dp)
+    return RunLayout(world_size, dp, accumulation, global_batch)
 
 
 def layout_change(step: int, saved: RunLayout | None, own: RunLayout) -> str | None:

@@ -36,7 +36,7 @@ from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
 from parallelisms.torch_release import reusable_checkpoint_stager
 from trainer.checkpoint import integrity, rules
-from trainer.checkpoint.elastic import RunLayout, layout_change, marker_layout
+from trainer.checkpoint.elastic import fitted_to_world, layout_change, layout_of, marker_layout  # noqa: F401 (the trainer's)
 from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights
 from trainer.checkpoint.integrity import CheckpointError, ChecksummedWriter, complete_checkpoints
 from trainer.checkpoint.state import ModelState, OptimizerState, TrainState, whole_model
@@ -94,7 +94,6 @@ class CheckpointManager:
         train_state: TrainState,
         storage_writer: Callable[[int, str], FileSystemWriter] = lambda step, path: ChecksummedWriter(path),
         timeout_seconds: int | None = None,
-        layout: RunLayout | None = None,
     ):
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)
@@ -110,7 +109,7 @@ class CheckpointManager:
             "train_state": train_state,
         }
         self.resolved_config = resolved_config
-        self.layout = layout
+        self.layout = layout_of(tomllib.loads(resolved_config), dist.get_world_size())
         self.storage_writer = storage_writer
         self.rank = dist.get_rank()
         # Background saves run collectives from another thread: a group of their own keeps them
