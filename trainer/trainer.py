@@ -56,8 +56,8 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, config: JobConfig):
-        self.config = config = fitted_to_world(config, int(os.environ.get("WORLD_SIZE", "1")))  # elastic resumes
         check_folders_at_start(config)
+        self.config = config = fitted_to_world(config, int(os.environ.get("WORLD_SIZE", "1")))  # elastic resumes
         # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folders until it ends.
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)
