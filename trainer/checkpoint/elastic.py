@@ -8,7 +8,6 @@ and the kept global batch."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,6 @@ from config.job_config import JobConfig, Parallelism, Training
 from config.rules import batch_layout
 from trainer.checkpoint.integrity import CheckpointError, complete_checkpoints, read_marker
 from trainer.distributed import elastic_parallelism, is_first_attempt
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
