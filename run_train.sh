@@ -6,7 +6,9 @@
 #   LOG_RANK      ranks whose output is shown (default 0)
 #   MAX_RESTARTS  times torchrun restarts the whole group after a rank dies (default 3); with
 #                 checkpoint.enable each attempt resumes from the newest complete checkpoint
-#   NNODES, RDZV_ENDPOINT (host:port of node 0), RDZV_ID   multi-node jobs (c10d rendezvous)
+#   NNODES, RDZV_ENDPOINT (host:port of node 0), RDZV_ID   multi-node jobs (c10d rendezvous);
+#                 NNODES=MIN:MAX an elastic job: when a node is lost it goes on with the nodes left
+#                 (at least MIN), from the newest checkpoint at the same global batch (docs/checkpoints.md)
 #   TORCHFT_LIGHTHOUSE  http://host:port of torchft's lighthouse, with fault_tolerance.enable (one
 #                 run_train.sh per replica group: docs/fault-tolerance.md)
 #   COMM_MODE     fake: a dry run in one process playing rank 0 of NNODES x NGPU ranks (fake process
@@ -29,7 +31,10 @@ check_log_rank() { # the ranks per node
 CONFIG_FILE_GIVEN=${CONFIG_FILE:+yes}
 CONFIG_FILE=${CONFIG_FILE:-$HERE/configs/debug_model.toml}
 NNODES=${NNODES:-1}
-[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
+[[ "$NNODES" =~ ^[0-9]+(:[0-9]+)?$ ]] || fail "NNODES: '$NNODES' is not a number of nodes"
+MIN_NODES=$((10#${NNODES%:*})) MAX_NODES=$((10#${NNODES#*:}))
+[ "$MIN_NODES" -ge 1 ] || fail "NNODES: '$NNODES': a job has 1 node or more"
+[ "$MIN_NODES" -le "$MAX_NODES" ] || fail "NNODES: '$NNODES': MIN $MIN_NODES is above MAX $MAX_NODES"
 [[ "${NGPU:-auto}" =~ ^([1-9][0-9]*|auto)$ ]] || fail "NGPU: '$NGPU' is not a number of ranks per node"
 [[ "${MAX_RESTARTS:-3}" =~ ^[0-9]+$ ]] || fail "MAX_RESTARTS: '$MAX_RESTARTS' is not a number of restarts"
 LOG_RANK=${LOG_RANK:-0}
@@ -39,8 +44,8 @@ LOG_RANK=${LOG_RANK:-0}
 [ "${COMM_MODE:-}" = fake_backend ] && COMM_MODE=fake # torchtitan's name for it
 [[ "${COMM_MODE:-fake}" = fake ]] || fail "COMM_MODE: '$COMM_MODE' is not a mode; the one there is: fake (or fake_backend)"
 if [ "${COMM_MODE:-}" = fake ]; then
-  : # a dry run plays one rank of NNODES nodes: no rendezvous
-elif [ "$NNODES" -gt 1 ]; then
+  : # a dry run plays one rank of NNODES nodes (the most of a range): no rendezvous
+elif [ "$MAX_NODES" -gt 1 ]; then
   [ -n "${RDZV_ENDPOINT:-}" ] || fail "RDZV_ENDPOINT: set it to host:port of the first node for a job of $NNODES nodes"
   # host[:port]; torchrun's agent fails on another with a traceback, and restarts.
   [[ "$RDZV_ENDPOINT" =~ ^([^:]+|\[.+\])(:[0-9]+)?$ ]] ||
@@ -83,7 +88,7 @@ if [ "${COMM_MODE:-}" = fake ]; then
   if [ "$LOG_RANK" != 0 ]; then # the default needs no count; else count NGPU=auto as the launch would
     check_log_rank "${NGPU:-$("$PY" -c 'from programs.preflight import launch_sizes; print(launch_sizes({"--nnodes": "1"})[1])')}"
   fi
-  exec "$PY" -m programs.dry_run --nnodes "$NNODES" --nproc-per-node "${NGPU:-auto}" \
+  exec "$PY" -m programs.dry_run --nnodes "$MAX_NODES" --nproc-per-node "${NGPU:-auto}" \
     ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi
 # Catch configuration mistakes in one process, before starting all of them; it also tells the
@@ -94,14 +99,14 @@ read -r NGPU ON_ACCELERATORS ESTIMATE_MEMORY <<<"$LAUNCH"
 check_log_rank "$NGPU"
 if [ "$ESTIMATE_MEMORY" -eq 1 ]; then
   # memory_estimation.enable (torchtitan's): the dry run's estimate of this job, then the training.
-  "$PY" -m programs.dry_run --nnodes "$NNODES" --nproc-per-node "$NGPU" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
+  "$PY" -m programs.dry_run --nnodes "$MAX_NODES" --nproc-per-node "$NGPU" ${CONFIG_ARGS[@]+"${CONFIG_ARGS[@]}"} "$@"
 fi
 if [ "$ON_ACCELERATORS" -eq 0 ]; then
   # One thread per rank: several multi-threaded ranks on the same cores thrash.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
-if [ "$NNODES" -gt 1 ]; then
+if [ "$MAX_NODES" -gt 1 ]; then
   RENDEZVOUS=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-tessera}")
 else
   RENDEZVOUS=(--standalone)

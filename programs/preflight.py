@@ -38,10 +38,15 @@ MAX_WORLD_SIZE = 2**31 - 1  # a torch process group counts its ranks in a C++ in
 
 
 def check(
-    config: JobConfig, world_size: int, ranks_per_node: int | None = None, typed: frozenset[str] = frozenset()
+    config: JobConfig,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    typed: frozenset[str] = frozenset(),
+    elastic: bool = False,
 ) -> None:
     """Raises a one-line ConfigError for the first mistake found; with ``ranks_per_node`` (a launch,
-    not a dry run) also when the model cannot fit a rank. Warns of ``typed`` options without effect."""
+    not a dry run) also when the model cannot fit a rank. Warns of ``typed`` options without effect.
+    ``elastic``: a node of a node range, which may join the running job that holds the folders."""
     import torch
 
     from models.registry import get_model_spec
@@ -84,7 +89,7 @@ def check(
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)
         # A dry run writes nothing there: it may look at a running job's config.
-        for option, folder in claimed_folders(config):
+        for option, folder in [] if elastic else claimed_folders(config):
             if os.path.isfile(lock := os.path.join(folder, FOLDER_LOCK)):
                 lock_folder(lock, option, folder).close()
 
@@ -301,7 +306,9 @@ def _dataset_problem(config: JobConfig, option: str, error: Exception) -> str:
     return f"{option}: {error}{hint}"
 
 
-USAGE = "usage: python -m programs.preflight (--world-size N | --nnodes N --nproc-per-node K|auto) [config options]"
+USAGE = (
+    "usage: python -m programs.preflight (--world-size N | --nnodes N|MIN:MAX --nproc-per-node K|auto) [config options]"
+)
 
 
 def log_warnings_once() -> None:
@@ -334,6 +341,40 @@ def split_launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return launch, argv
 
 
+def check_elastic(config: JobConfig, nodes: range, ranks_per_node: int) -> None:
+    """An elastic job (NNODES=MIN:MAX, checked at MAX as any job) also runs at each smaller node count:
+    its model split divides the world there, and the global batch it starts with at MAX is kept."""
+    from trainer.distributed import elastic_parallelism, parallel_dims_from_config
+
+    full = parallel_dims_from_config(config.parallelism, nodes[-1] * ranks_per_node)
+    global_batch, _ = batch_layout(config.training, full.dp_degree)
+    within = f"of {nodes[0]}:{nodes[-1]}"
+    for count in nodes[:-1]:
+        try:
+            parallelism = elastic_parallelism(config.parallelism, count * ranks_per_node)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (at NNODES={count} {within})") from None
+        per_microbatch = (
+            config.training.local_batch_size * parallel_dims_from_config(parallelism, count * ranks_per_node).dp_degree
+        )
+        if global_batch % per_microbatch:
+            raise ConfigError(
+                f"training.global_batch_size: {global_batch} sequences per step (at NNODES={nodes[-1]}) cannot be "
+                f"kept at NNODES={count} {within}: training.local_batch_size x data-parallel degree there is "
+                f"{per_microbatch}; set training.global_batch_size to a multiple of it"
+            )
+
+
+def node_range(launch: dict[str, str]) -> range | None:
+    """The node counts of an elastic ``--nnodes MIN:MAX`` (1 <= MIN <= MAX), which then gives MAX alone
+    in ``launch``; None for any other ``--nnodes``."""
+    low, colon, high = launch.get("--nnodes", "").partition(":")
+    if not (colon and low.isdecimal() and high.isdecimal() and 1 <= int(low) <= int(high)):
+        return None
+    launch["--nnodes"] = high
+    return range(int(low), int(high) + 1)
+
+
 def launch_sizes(launch: dict[str, str]) -> tuple[int, int, int] | None:
     """(world size, ranks per node, accelerators here) of ``--world-size`` or ``--nnodes`` x
     ``--nproc-per-node`` (``auto``: one per accelerator, else 2); None unless given once."""
@@ -359,12 +400,15 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print_error(named_as_given(e, argv))
         return 2
+    nodes = node_range(launch)
     if (sizes := launch_sizes(launch)) is None:
         print(USAGE, file=sys.stderr)
         return 2
     world_size, nproc, accelerators = sizes
     try:
-        check(config, world_size, nproc, frozenset(typed_options(argv)))
+        check(config, world_size, nproc, frozenset(typed_options(argv)), elastic=nodes is not None)
+        if nodes is not None:
+            check_elastic(config, nodes, nproc)
     except ConfigError as e:
         print_error(named_as_given(e, argv))
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from config.errors import user_input
+from config.errors import ConfigError, user_input
 from config.job_config import Comm, Parallelism
 from parallelisms.device import backend_for, cache_freed_host_memory, rank_device
 from parallelisms.parallel_dims import ParallelDims
@@ -123,3 +124,25 @@ def parallel_dims_from_config(parallelism: Parallelism, world_size: int) -> Para
             world_size=world_size,
             cp=parallelism.context_parallel_degree,
         )
+
+
+def elastic_parallelism(parallelism: Parallelism, world_size: int) -> Parallelism:
+    """``parallelism`` at the world size of a job that lost or regained nodes: its degrees where they
+    make ``world_size``; else its tensor, context and pipeline degrees, with the data-parallel ranks
+    re-derived: the shard degree kept where it divides them, replicated across the rest (the layout
+    planner's HSDP: shard within a node, replicate across nodes), else all of them sharding."""
+    try:
+        parallel_dims_from_config(parallelism, world_size)
+        return parallelism
+    except ConfigError:
+        pass
+    p = parallelism
+    split = p.tensor_parallel_degree * p.context_parallel_degree * p.pipeline_parallel_degree
+    if world_size % split:
+        raise ConfigError(
+            f"parallelism: tensor {p.tensor_parallel_degree} x context {p.context_parallel_degree} x pipeline "
+            f"{p.pipeline_parallel_degree} degrees = {split} do not divide a world of {world_size} ranks"
+        )
+    dp, shard = world_size // split, p.data_parallel_shard_degree
+    replicate = dp // shard if shard > 0 and dp % shard == 0 else 1
+    return dataclasses.replace(p, data_parallel_replicate_degree=replicate, data_parallel_shard_degree=dp // replicate)

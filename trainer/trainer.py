@@ -24,7 +24,7 @@ from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
 from trainer.checkpoint.hf import job_export_assets
-from trainer.checkpoint.manager import CheckpointManager, TrainState
+from trainer.checkpoint.manager import CheckpointManager, TrainState, fitted_to_world
 from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
@@ -57,8 +57,8 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, config: JobConfig):
-        self.config = config
         check_folders_at_start(config)
+        self.config = config = fitted_to_world(config, int(os.environ.get("WORLD_SIZE", "1")))  # elastic resumes
         # Rank 0 (torchrun's RANK; the process group is not up yet) holds the folders until it ends.
         self._folder_claims = claim_folders(config) if os.environ.get("RANK", "0") == "0" else []
         self.device = init_distributed(config.comm, config.job.dump_folder)

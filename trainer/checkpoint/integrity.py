@@ -132,8 +132,11 @@ class ChecksummedWriter(FileSystemWriter):
         super().finish(metadata, kept)
 
 
-def write_marker(path: str, step: int, checksums: dict[str, str], launch: str = "") -> None:
-    """Lists every file's size and CRC-32 (read back here where no writer gave one) and the launch."""
+def write_marker(
+    path: str, step: int, checksums: dict[str, str], launch: str = "", layout: dict[str, int] | None = None
+) -> None:
+    """Lists every file's size and CRC-32 (read back here where no writer gave one), the launch and
+    the run's layout (``elastic.RunLayout``)."""
     files, crcs = {}, {}
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
@@ -141,6 +144,8 @@ def write_marker(path: str, step: int, checksums: dict[str, str], launch: str = 
             files[name] = os.path.getsize(file)
             crcs[name] = checksums.get(name) or file_crc32(file)
     marker = {"step": step, "files": files, "crc32": crcs, "launch": launch}
+    if layout is not None:
+        marker["layout"] = layout
     write_run_file(os.path.join(path, COMPLETE_MARKER), json.dumps(marker, indent=1), sync=True)
 
 

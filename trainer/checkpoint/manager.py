@@ -12,7 +12,7 @@ import operator
 import os
 import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
 from parallelisms.torch_release import reusable_checkpoint_stager
 from trainer.checkpoint import integrity, rules
+from trainer.checkpoint.elastic import fitted_to_world, layout_change, layout_of, marker_layout  # noqa: F401 (the trainer's)
 from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights
 from trainer.checkpoint.integrity import CheckpointError, ChecksummedWriter, complete_checkpoints
 from trainer.checkpoint.state import ModelState, OptimizerState, TrainState, whole_model
@@ -108,6 +109,7 @@ class CheckpointManager:
             "train_state": train_state,
         }
         self.resolved_config = resolved_config
+        self.layout = layout_of(tomllib.loads(resolved_config), dist.get_world_size())
         self.storage_writer = storage_writer
         self.rank = dist.get_rank()
         # Background saves run collectives from another thread: a group of their own keeps them
@@ -197,7 +199,8 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            integrity.write_marker(path, step, getattr(writer, "checksums", {}), launch_id())
+            layout = asdict(self.layout) if self.layout is not None else None
+            integrity.write_marker(path, step, getattr(writer, "checksums", {}), launch_id(), layout)
         except OSError as e:
             raise CheckpointError(f"completing {path} failed: {typed_first_line(e)}") from None
         logger.info("checkpoint saved: %s", path)
@@ -220,6 +223,9 @@ class CheckpointManager:
         """Restores the newest checkpoint, else initial_load_path; returns the folder of a whole state."""
         if self.config.enable and (step := self.resume()) is not None:
             logger.info("resumed from step %d", step)
+            path = os.path.join(self.folder, f"step-{step}")
+            if self.rank == 0 and self.layout and (change := layout_change(step, marker_layout(path), self.layout)):
+                logger.info("%s", change)
             if self.config.initial_load_path and is_first_attempt():  # a restart's own resume goes without saying
                 logger.warning(
                     "checkpoint.initial_load_path %s is not loaded: a run resumes from its own checkpoints first "
@@ -227,7 +233,7 @@ class CheckpointManager:
                     self.config.initial_load_path,
                     step,
                 )
-            return os.path.join(self.folder, f"step-{step}")
+            return path
         path = self.config.initial_load_path
         if not path:
             return None
