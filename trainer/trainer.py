@@ -23,8 +23,9 @@ from parallelisms.compile import log_graph_breaks
 from parallelisms.device import device_peak, use_deterministic_algorithms
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.tensor_parallel import local_loss
+from trainer.checkpoint.elastic import fitted_to_world
 from trainer.checkpoint.hf import job_export_assets
-from trainer.checkpoint.manager import CheckpointManager, TrainState, fitted_to_world
+from trainer.checkpoint.manager import CheckpointManager, TrainState
 from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer

@@ -36,7 +36,7 @@ from models.sizes import is_hf_folder
 from parallelisms.device import pinned_memory_available
 from parallelisms.torch_release import reusable_checkpoint_stager
 from trainer.checkpoint import integrity, rules
-from trainer.checkpoint.elastic import fitted_to_world, layout_change, layout_of, marker_layout  # noqa: F401 (the trainer's)
+from trainer.checkpoint.elastic import layout_change, layout_of, marker_layout
 from trainer.checkpoint.hf import ExportAssets, export_hf, load_hf_weights
 from trainer.checkpoint.integrity import CheckpointError, ChecksummedWriter, complete_checkpoints
 from trainer.checkpoint.state import ModelState, OptimizerState, TrainState, whole_model
