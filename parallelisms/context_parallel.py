@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
+from torch.utils.checkpoint import checkpoint
 
 RotateMethod = Literal["allgather", "alltoall"]
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -124,36 +125,44 @@ def _pass_on(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return all_to_all_single_autograd(x.contiguous(), receive, send, group=group)
 
 
+def _block_attention(query, keys, values, mask):
+    """One block's share of the online softmax: the rows' maximum score (detached; -inf where the
+    mask hides the whole block), the values weighted by exp(score - maximum) and those weights' sum."""
+    scores = (query @ keys.float().transpose(-2, -1)).masked_fill(~mask, -math.inf)
+    # The result does not depend on the maximum subtracted: no gradient through it.
+    maximum = scores.amax(dim=-1).detach()
+    weights = torch.exp(scores - maximum.nan_to_num(neginf=0.0)[..., None])
+    return maximum, weights @ values.float(), weights.sum(dim=-1)
+
+
 def _ring_attention(q, k, v, positions, group, documents):
-    """Online softmax over the blocks of keys as they come round: float32 running maximum, sum and
-    weighted values. Round 0 is the rank's own block, where every query sees at least itself, so
-    the running maximum is finite from the start."""
+    """Online softmax over the blocks of keys as they come round, in float32. Each block's scores
+    are recomputed in backward rather than kept (a block's scores are seq_local^2 per head, all of
+    them more than the all-gathered keys). Round 0 is the rank's own block, where every query sees
+    at least itself, so the running maximum is finite from the start."""
     cp_degree, rank = dist.get_world_size(group), dist.get_rank(group)
     all_positions = _all_positions(positions, cp_degree)
     all_documents = None
     if documents is not None:  # integers, no gradient: all at once
         all_documents = _gather_sequence(documents[:, None], group)[:, 0].chunk(cp_degree, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    query = q.float() * scale
+    query = q.float() / math.sqrt(q.shape[-1])
     block = torch.stack([k, v])
     out = total = maximum = None
     for step in range(cp_degree):
         if step > 0:
             block = _pass_on(block, group)
         source = (rank - step) % cp_degree
-        keys, values = block[0].float(), block[1].float()
-        scores = query @ keys.transpose(-2, -1)
         k_documents = all_documents[source] if all_documents is not None else None
-        scores = scores.masked_fill(~_mask(positions, all_positions[source], documents, k_documents), -math.inf)
-        # The result does not depend on the maximum subtracted: no gradient through it.
-        block_max = scores.amax(dim=-1).detach()
-        new_max = block_max if maximum is None else torch.maximum(maximum, block_max)
-        weights = torch.exp(scores - new_max[..., None])
+        mask = _mask(positions, all_positions[source], documents, k_documents)
+        block_max, block_out, block_total = checkpoint(
+            _block_attention, query, block[0], block[1], mask, use_reentrant=False
+        )
         if out is None:
-            out, total = weights @ values, weights.sum(dim=-1)
-        else:
-            correction = torch.exp(maximum - new_max)
-            out = out * correction[..., None] + weights @ values
-            total = total * correction + weights.sum(dim=-1)
+            out, total, maximum = block_out, block_total, block_max
+            continue
+        new_max = torch.maximum(maximum, block_max)
+        old_scale, block_scale = torch.exp(maximum - new_max), torch.exp(block_max - new_max)
+        out = out * old_scale[..., None] + block_out * block_scale[..., None]
+        total = total * old_scale + block_total * block_scale
         maximum = new_max
     return (out / total[..., None]).to(q.dtype)

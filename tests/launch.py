@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -59,6 +60,17 @@ def train_command(
             *args,
         ]
     return [sys.executable, *args]
+
+
+def write_word_corpus(path: str, documents: int, words_per_document: tuple[int, int]) -> str:
+    """A .jsonl corpus at ``path`` of made-up sentences, each of a random length in ``words_per_document``."""
+    words = "alpha beta gamma delta river mountain cloud engine paper window garden letter number signal".split()
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(documents):
+            length = rng.randint(*words_per_document)
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(length)) + "."}) + "\n")
+    return str(path)
 
 
 def train_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 
 import pytest
@@ -23,6 +22,7 @@ from tests.launch import (
     read_metrics,
     resumed_from,
     steps,
+    write_word_corpus,
 )
 
 pytestmark = pytest.mark.slow  # every test here launches torchrun
@@ -109,13 +109,7 @@ CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> str:
     """A .jsonl corpus of documents of 4 to 16 words: several in every window of 64 tokens."""
-    words = "alpha beta gamma delta river mountain cloud engine paper window garden letter number signal".split()
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("documents") / "short.jsonl"
-    with open(path, "w") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) + "."}) + "\n")
-    return str(path)
+    return write_word_corpus(tmp_path_factory.mktemp("documents") / "short.jsonl", 400, (4, 16))
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ profiler traces."""
 import collections
 import json
 import os
-import random
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.launch import GRAD_NORM_RTOL, TWO_BLOCKS, RunBatch, grad_norms, losses, run_train
+from tests.launch import GRAD_NORM_RTOL, TWO_BLOCKS, RunBatch, grad_norms, losses, run_train, write_word_corpus
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 # Validation after steps 5 and 10, 2 batches each; profiler traces of steps 5 and 10.
@@ -80,13 +79,7 @@ FAST_CASE = ("fsdp_2", "fsdp2")
 @pytest.fixture(scope="module")
 def validation_corpus(tmp_path_factory) -> str:
     """A .jsonl corpus of made-up sentences, not the default validation dataset."""
-    words = "alpha beta gamma delta river mountain cloud engine paper window garden letter number signal".split()
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("validation") / "held_out.jsonl"
-    with open(path, "w") as f:
-        for _ in range(200):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60)) + "."}) + "\n")
-    return str(path)
+    return write_word_corpus(tmp_path_factory.mktemp("validation") / "held_out.jsonl", 200, (60, 60))
 
 
 @pytest.fixture(scope="module")
