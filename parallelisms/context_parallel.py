@@ -28,6 +28,8 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.utils.checkpoint import checkpoint
 
 RotateMethod = Literal["allgather", "alltoall"]
+# The ring's float32 scores of one slice of queries against one block of keys: 2**27 is 512 MiB.
+SCORES_PER_SLICE = 2**27
 ROTATE_METHODS = ("allgather", "alltoall")
 
 
@@ -135,6 +137,19 @@ def _block_attention(query, keys, values, mask):
     return maximum, weights @ values.float(), weights.sum(dim=-1)
 
 
+def _chunked_block_attention(query, keys, values, mask):
+    """``_block_attention`` over slices of the queries, each recomputed in backward on its own, so
+    that at most ``SCORES_PER_SLICE`` scores exist at once, forward or backward."""
+    rows = max(1, SCORES_PER_SLICE // (query.shape[0] * query.shape[1] * keys.shape[-2]))
+    if rows >= query.shape[-2]:
+        return checkpoint(_block_attention, query, keys, values, mask, use_reentrant=False)
+    slices = [
+        checkpoint(_block_attention, q, keys, values, m, use_reentrant=False)
+        for q, m in zip(query.split(rows, dim=-2), mask.split(rows, dim=-2))
+    ]
+    return tuple(torch.cat(parts, dim=-1 if i != 1 else -2) for i, parts in enumerate(zip(*slices)))
+
+
 def _ring_attention(q, k, v, positions, group, documents):
     """Online softmax over the blocks of keys as they come round, in float32. Each block's scores
     are recomputed in backward rather than kept (a block's scores are seq_local^2 per head, all of
@@ -154,9 +169,7 @@ def _ring_attention(q, k, v, positions, group, documents):
         source = (rank - step) % cp_degree
         k_documents = all_documents[source] if all_documents is not None else None
         mask = _mask(positions, all_positions[source], documents, k_documents)
-        block_max, block_out, block_total = checkpoint(
-            _block_attention, query, block[0], block[1], mask, use_reentrant=False
-        )
+        block_max, block_out, block_total = _chunked_block_attention(query, block[0], block[1], mask)
         if out is None:
             out, total, maximum = block_out, block_total, block_max
             continue

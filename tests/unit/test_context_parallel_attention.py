@@ -1,6 +1,6 @@
 """Context-parallel attention on gloo ranks against one process's attention over the whole
 sequence: outputs and the gradients of q, k and v (float32, within 1e-5), for both rotate methods,
-causal and within packed documents, on 2 and 4 ranks."""
+causal and within packed documents, on 2 and 4 ranks; the ring also with its queries in slices."""
 
 import functools
 
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallelisms import context_parallel
 from parallelisms.context_parallel import (
     context_parallel_attention,
     document_ids,
@@ -56,7 +57,9 @@ def _reference(q, k, v, positions):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
 
 
-def _check(rank: int, world_size: int) -> None:
+def _check(rank: int, world_size: int, scores_per_slice: int | None = None) -> None:
+    if scores_per_slice is not None:  # the ring's slices of queries: 5, 5, 5 and 1 of 16 on 2 ranks
+        context_parallel.SCORES_PER_SLICE = scores_per_slice
     generator = torch.Generator().manual_seed(0)
     shape = (BATCH, HEADS, SEQ, HEAD_DIM)
     full = [torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3)]
@@ -82,3 +85,9 @@ def _check(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_one_process(world_size):
     check_on_gloo_ranks(functools.partial(_check, world_size=world_size), world_size, timeout_s=120)
+
+
+def test_ring_in_slices_of_queries_matches_one_process():
+    rows = 5
+    check = functools.partial(_check, world_size=2, scores_per_slice=rows * BATCH * HEADS * SEQ // 2)
+    check_on_gloo_ranks(check, 2, timeout_s=120)
