@@ -118,6 +118,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, enab
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan())
     parallelize_module(model, tp_mesh, _outer_plan(model, loss_parallel))
+    model.hidden_sequence_shards = tp_mesh.size()
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_clone_async_collective_output)
 

@@ -318,6 +318,8 @@ class Transformer(nn.Module):
     document_kernel: DocumentKernel = "sdpa"
     # Set by ``apply_cp``: the sequence is split over these ranks, ``forward`` gets this rank's tokens.
     context_parallel: ContextParallel | None = None
+    # Set by ``apply_tp``: a pipeline stage's hidden-state input holds 1/tp of its sequence (sequence parallel).
+    hidden_sequence_shards: int = 1
 
     def configure_attention(
         self, dtype: torch.dtype | None, query_chunk: int | None, document_kernel: DocumentKernel = "sdpa"
@@ -336,13 +338,14 @@ class Transformer(nn.Module):
         document; without, positions are 0, 1, ... and attention is causal over the whole sequence.
         Under context parallelism ``tokens`` and ``positions`` hold this rank's chunks of the sequence."""
         cp = self.context_parallel
-        seqlen = tokens.shape[1] * (cp.degree if cp is not None else 1)
+        seq_local = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.hidden_sequence_shards)
+        seqlen = seq_local * (cp.degree if cp is not None else 1)
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if cp is not None:
             # This rank's chunks of the sequence (``context_parallel_inputs``), causal or within documents.
-            rope_rows, mask = context_parallel_inputs(cp, tokens.shape[1], self.rope_cache, positions)
+            rope_rows, mask = context_parallel_inputs(cp, seq_local, self.rope_cache, positions)
             for layer in self.layers.values():
                 h = layer(h, rope_rows, mask)
         elif positions is None:

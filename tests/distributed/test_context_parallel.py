@@ -96,6 +96,12 @@ LAYOUTS = {
         [*local(2), *cp(2, "alltoall"), "--parallelism.pipeline_parallel_degree", "2"],
         "reference",
     ),
+    # The later stage's input holds half the rank's sequence (sequence parallel): its rotary rows still all of it.
+    "cp2_tp2_pp2": (
+        8,
+        [*local(4), *cp(2, "allgather"), *TP2, "--parallelism.pipeline_parallel_degree", "2", *VALIDATION],
+        "reference",
+    ),
     "cp2_pp2_dp2_compiled": (
         8,
         [*local(2), *cp(2, "allgather"), "--parallelism.pipeline_parallel_degree", "2", *COMPILED],
