@@ -100,8 +100,9 @@ def test_measure_rate_is_flops_over_the_time_of_a_pass() -> None:
     rate = measure_rate(sleeper, (torch.ones(4, requires_grad=True),), flops=1e9, min_seconds=0.1)
     elapsed = time.perf_counter() - start
     timed_passes = sleeper.passes - 1
-    assert timed_passes >= 5
-    assert 1e9 * timed_passes / elapsed <= rate <= 5e10
+    # At least 2 timed passes over at least min_seconds, however long a sleep takes here.
+    assert timed_passes >= 2
+    assert 1e9 * timed_passes / elapsed <= rate <= min(5e10, 1e9 * timed_passes / 0.1)
 
 
 # ---------------------------------------------------------------------------
