@@ -38,12 +38,13 @@ class RecordingLoader:
             yield batch
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], file_prefix: str = "samples-") -> None:
+    """Trains as train.py does, this rank's batches written to <dump_folder>/<file_prefix>rank<R>.jsonl."""
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(levelname)s %(message)s")
     config = load_config(argv)
     trainer = Trainer(config)
-    path = os.path.join(config.job.dump_folder, f"samples-rank{dist.get_rank()}.jsonl")
+    path = os.path.join(config.job.dump_folder, f"{file_prefix}rank{dist.get_rank()}.jsonl")
     trainer.dataloader = RecordingLoader(trainer.dataloader, path)
     trainer.train()
     trainer.close()
