@@ -28,8 +28,8 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.utils.checkpoint import checkpoint
 
 RotateMethod = Literal["allgather", "alltoall"]
-# The ring's float32 scores of one slice of queries against one block of keys: 2**27 is 512 MiB.
-SCORES_PER_SLICE = 2**27
+# The ring's float32 scores of one slice of queries against one block of keys: 2**24 is 64 MiB.
+SCORES_PER_SLICE = 2**24
 ROTATE_METHODS = ("allgather", "alltoall")
 
 
