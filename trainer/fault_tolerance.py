@@ -79,14 +79,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def params_checksum(params: list[torch.Tensor]) -> int:
     """An integer of the weights' bits, summed over the group's ranks: equal in groups whose weights are equal."""
-    total = torch.zeros((), dtype=torch.int64)
+    # Summed where the weights are, one transfer to the host at the end.
+    total = torch.zeros((), dtype=torch.int64, device=params[0].device if params else None)
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     for param in params:
         local = _local(param.detach()).contiguous().flatten()
-        total += local.view(bits[local.element_size()]).sum(dtype=torch.int64).cpu()
-    device_total = total.to(params[0].device) if params else total
-    dist.all_reduce(device_total)
-    return int(device_total.item()) % 2**48  # exact in JSON and in a float64
+        total += local.view(bits[local.element_size()]).sum(dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total.item()) % 2**48  # exact in JSON and in a float64
 
 
 class GroupState:
@@ -179,6 +179,7 @@ class ReplicaGroups:
         dist.barrier()
         self.manager = self.manager or manager()
         self.data_file = os.path.join(trainer.config.job.dump_folder, DATA_POSITION_FOLDER, f"data_rank_{rank}.pt")
+        os.makedirs(os.path.dirname(self.data_file), exist_ok=True)
         self.quorum_started = False
         self.participants = 0
 
@@ -233,7 +234,6 @@ class ReplicaGroups:
         return {"replica_groups": self.participants, "params_checksum": params_checksum(self.state.params)}
 
     def _save_data_position(self) -> None:
-        os.makedirs(os.path.dirname(self.data_file), exist_ok=True)
         partial = f"{self.data_file}.partial"
         torch.save(self.trainer.dataloader.state_dict(), partial)
         os.replace(partial, self.data_file)
