@@ -157,7 +157,8 @@ def stack_of(frame: FrameType | None) -> str:
 
 class Watchdog:
     """Built on every rank; ``mark`` says where the training loop is, ``stop`` that it ended. Judging
-    starts at the second step's mark: the first step's compilation and warm-up take long."""
+    and sampling start at the second step's mark: the first step's compilation and warm-up take long
+    and differ between ranks."""
 
     def __init__(self, comm: Comm, metrics: Metrics, dump_folder: str, dims: ParallelDims, device: torch.device):
         self.timeout = comm.hang_timeout_seconds
@@ -225,7 +226,7 @@ class Watchdog:
         seen: dict[int, tuple] = {}
         next_publish = 0.0
         while not self._stopped.wait(SAMPLE_SECONDS if self._sampling else interval):
-            if self._sampling and self.phase != DONE:
+            if self._sampling and self.judging:  # the first step's warm-up differs between ranks
                 self.samples += 1
                 self.waits += in_collective(sys._current_frames().get(self._main))
             now = time.monotonic()
