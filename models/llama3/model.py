@@ -7,6 +7,7 @@ model's parameter names; built on the meta device, ``init_weights`` fills it aft
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -193,9 +194,12 @@ def document_mask(positions: torch.Tensor, kernel: DocumentKernel) -> DocumentMa
     return create_block_mask(same_document_causal, batch, None, seqlen, seqlen, device=positions.device)
 
 
-# Eager flex attention runs an unfused reference that holds every score; compiled, it is the fused
-# kernel that skips the blocks the mask empties.
-_compiled_flex_attention = torch.compile(flex_attention)
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    """Eager flex attention runs an unfused reference that holds every score; compiled, it is the
+    fused kernel that skips the blocks the mask empties. Made on first use: torch.compile imports
+    the compiler, seconds of every rank's start that runs without document masks need not pay."""
+    return torch.compile(flex_attention)
 
 
 def attend(
@@ -208,7 +212,7 @@ def attend(
         return mask.attend(q, k, v)
     if isinstance(mask, BlockMask):
         # A compiled model traces flex attention into its own graph.
-        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         return flex(q, k, v, block_mask=mask)
     seqlen = q.shape[-2]
     if query_chunk is None or seqlen <= query_chunk:
