@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +139,56 @@ def run_script(
     if check and result.returncode != 0:
         raise AssertionError(f"run_train.sh failed ({result.returncode}):\n{_tail(result)}")
     return result
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts each rank in a session of its own, so the
+    process group of the agent does not hold the ranks)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        try:
+            tree += [child for task in os.listdir(f"/proc/{tree[i]}/task") for child in _task_children(tree[i], task)]
+        except FileNotFoundError:
+            pass
+        i += 1
+    return tree
+
+
+def _task_children(pid: int, task: str) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def kill_tree(agent: subprocess.Popen) -> None:
+    """SIGKILL to the agent and every rank at once, as a scheduler ends a job; returns when all
+    are gone."""
+    tree = _process_tree(agent.pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, f"processes {tree} still alive after SIGKILL"
+        time.sleep(0.1)
+
+
+def without_rank_prefixes(output: str) -> str:
+    """run_train.sh's output without torchrun's ``[rankN]:`` in front of each rank's lines."""
+    return re.sub(r"^\[rank\d+\]:", "", output, flags=re.MULTILINE)
 
 
 def _tail(result: subprocess.CompletedProcess) -> str:

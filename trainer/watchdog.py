@@ -7,11 +7,13 @@ whether that stack waits in a collective); rank 0's thread reads every rank's an
 rank 1's watches rank 0's heartbeat alone. The judge measures ages on its own clock (when a rank's
 heartbeat or mark last changed), so the hosts' clocks need not agree.
 
-For stragglers the thread samples the stack every ``SAMPLE_SECONDS``: a sample in torch.distributed
-is time blocked on the peers (a collective's call or wait), any other busy. Collectives make every
-rank's wall-clock step equal, so wall time cannot tell the slow rank; the time each spends busy
-can: the straggler waits least, its peers wait for it. On GPUs the host blocks at the step's syncs
-(``.item()``) instead, so the samples see a slow host (data, Python), not a slow device."""
+For stragglers the thread samples the stack every ``SAMPLE_SECONDS``: the time to a sample in
+torch.distributed is time blocked on the peers (a collective's call or wait), to any other busy, less
+the time the main thread waited for a core (Linux's schedstat): a crowded host delays a rank without
+its work being slower. Collectives make every rank's wall-clock step equal, so wall time cannot tell
+the slow rank; the time each spends busy can: the straggler waits least, its peers wait for it. On
+GPUs the host blocks at the step's syncs (``.item()``) instead, so the samples see a slow host (data,
+Python), not a slow device."""
 
 from __future__ import annotations
 
@@ -134,6 +136,15 @@ def straggler_ratios(busy: list[float], stages: list[int], threshold: float) -> 
     return found
 
 
+def run_queue_seconds(thread_id: int) -> float:
+    """Seconds the thread has waited, runnable, for a core (Linux's schedstat; 0 where there is none)."""
+    try:
+        with open(f"/proc/self/task/{thread_id}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def in_collective(frame: FrameType | None) -> bool:
     """Whether a stack waits in a collective: one of its innermost ``_COLLECTIVE_DEPTH`` frames is in
     torch.distributed (the wait itself is C++, Work.wait, called from a collective's Python or from
@@ -169,8 +180,9 @@ class Watchdog:
         self.host = socket.gethostname()
         self.step, self.phase, self.first_step = 0, DONE, None
         self.judging = False
-        self.samples = self.waits = 0
-        self._main = threading.get_ident()
+        self.samples, self.busy_seconds = 0, 0.0
+        self._main, self._main_thread_id = threading.get_ident(), threading.get_native_id()
+        self._last_sample: tuple[float, float] | None = None  # (clock, main thread's run-queue wait)
         self._stopped = threading.Event()
         self._store = None
         if self.timeout > 0 and self.world_size > 1 and "MASTER_ADDR" in os.environ:
@@ -213,8 +225,8 @@ class Watchdog:
         call (a collective: every rank calls it); None when off."""
         if not self._sampling:
             return None
-        busy = 1 - self.waits / self.samples if self.samples else math.nan
-        self.samples = self.waits = 0
+        busy = self.busy_seconds if self.samples else math.nan
+        self.samples, self.busy_seconds = 0, 0.0
         gathered = [torch.empty(1, dtype=torch.float64, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(gathered, torch.tensor([busy], dtype=torch.float64, device=self.device))
         ratios = straggler_ratios([t.item() for t in gathered], self.stages, self.threshold)
@@ -227,8 +239,7 @@ class Watchdog:
         next_publish = 0.0
         while not self._stopped.wait(SAMPLE_SECONDS if self._sampling else interval):
             if self._sampling and self.judging:  # the first step's warm-up differs between ranks
-                self.samples += 1
-                self.waits += in_collective(sys._current_frames().get(self._main))
+                self._sample()
             now = time.monotonic()
             if self._store is None or now < next_publish:
                 continue
@@ -241,6 +252,14 @@ class Watchdog:
                 logger.warning("the hang watchdog stops: torchrun's store does not answer (%s)", e)
                 self._store = None
                 return
+
+    def _sample(self) -> None:
+        now, queued = time.monotonic(), run_queue_seconds(self._main_thread_id)
+        if self._last_sample is not None and not in_collective(sys._current_frames().get(self._main)):
+            clock, queued_before = self._last_sample
+            self.busy_seconds += max(0.0, (now - clock) - (queued - queued_before))
+        self.samples += 1
+        self._last_sample = now, queued
 
     def _publish(self) -> None:
         frame = sys._current_frames().get(self._main)

@@ -22,11 +22,11 @@ import pytest
 from config.errors import ConfigError
 from config.manager import load_config
 from programs.preflight import check_elastic
-from tests.distributed.test_fault_tolerance import _kill_tree
 from tests.launch import (
     REPO,
     TINY_RUN,
     TWO_BLOCKS,
+    kill_tree,
     launch_train,
     losses_by_step,
     read_metrics,
@@ -115,12 +115,12 @@ def shrunk(tmp_path_factory) -> tuple[str, str, str]:
             assert survivor.poll() is None and lost.poll() is None, (root / "survivor.log").read_text()[-4000:]
             assert time.monotonic() < deadline, "no step 4 within 600 s"
             time.sleep(0.05)
-        _kill_tree(lost)
+        kill_tree(lost)
         assert survivor.wait(timeout=600) == 0, (root / "survivor.log").read_text()[-4000:]
     finally:
         for node in (survivor, lost):
             if node.poll() is None:
-                _kill_tree(node)
+                kill_tree(node)
     return dump, (root / "survivor.log").read_text(), (root / "lost.log").read_text()
 
 

@@ -21,6 +21,7 @@ from tests.launch import (
     REPO,
     TINY_RUN,
     TWO_BLOCKS,
+    kill_tree,
     launch_train,
     losses_by_step,
     read_metrics,
@@ -150,51 +151,6 @@ def test_hung_rank_times_out_and_restarts(tmp_path, reference):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(child) for child in f.read().split()]
-
-
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (torchrun starts each rank in a session of its own, so the
-    process group of the agent does not hold the ranks)."""
-    tree, i = [pid], 0
-    while i < len(tree):
-        try:
-            tree += [child for task in os.listdir(f"/proc/{tree[i]}/task") for child in _task_children(tree[i], task)]
-        except FileNotFoundError:
-            pass
-        i += 1
-    return tree
-
-
-def _task_children(pid: int, task: str) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
-
-
-def _kill_tree(agent: subprocess.Popen) -> None:
-    """SIGKILL to the agent and every rank at once, as a scheduler ends a job; returns when all
-    are gone."""
-    tree = _process_tree(agent.pid)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in tree):
-        assert time.monotonic() < deadline, f"processes {tree} still alive after SIGKILL"
-        time.sleep(0.1)
 
 
 def _logged_steps(dump: str) -> int:
@@ -401,7 +357,7 @@ def _two_nodes(commands: list[list[str]], rdzv_id: str, timeout: float) -> list[
     finally:
         for node in nodes:
             if node.poll() is None:
-                _kill_tree(node)
+                kill_tree(node)
     return [(node.returncode, output) for node, output in zip(nodes, outputs)]
 
 
@@ -444,7 +400,7 @@ def test_rank_hung_inside_a_save_times_out_and_restarts(tmp_path, reference):
         output = agent.communicate(timeout=600)[0]
     finally:
         if agent.poll() is None:
-            _kill_tree(agent)  # the ranks too: they are not in the agent's process group
+            kill_tree(agent)  # the ranks too: they are not in the agent's process group
     assert agent.returncode == 0, output[-4000:]
     step_8 = os.path.join(dump, "checkpoint", "step-8")
     assert "this rank hangs in the middle of the save" in output
@@ -492,7 +448,7 @@ def test_whole_job_killed_and_started_again_by_hand(tmp_path, reference):
                 assert time.monotonic() < deadline, "no step 6 within 600 s"
                 time.sleep(0.05)
         finally:
-            _kill_tree(agent)
+            kill_tree(agent)
     assert agent.returncode == -signal.SIGKILL
     newest = complete_checkpoints(os.path.join(dump, "checkpoint"))[0][0]
     assert 4 <= newest < STEPS

@@ -15,7 +15,7 @@ import pytest
 
 from config.errors import ConfigError
 from config.manager import load_config
-from tests.launch import TWO_BLOCKS, RunBatch, launch_train, read_metrics, resumed_from, steps
+from tests.launch import TINY_RUN, TWO_BLOCKS, read_metrics, resumed_from, run_script, steps, without_rank_prefixes
 from trainer.watchdog import (
     DISTRIBUTED_CODE,
     DONE,
@@ -147,11 +147,14 @@ CHECKPOINTED = [
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory) -> tuple[str, str]:
-    """4 ranks; the last is SIGSTOPped in step 6's forward/backward, torchrun restarts once."""
+    """4 ranks through run_train.sh; the last is SIGSTOPped in step 6's forward/backward, torchrun
+    restarts once. Ranks 0 (the judge) and 3 (the stopped one) are shown."""
     dump = str(tmp_path_factory.mktemp("stopped"))
     failure = ("--debug.fail_at_step", "6", "--debug.failure", "stop", "--comm.hang_timeout_seconds", f"{TIMEOUT:g}")
-    result = launch_train(dump, 4, *CHECKPOINTED, *failure, max_restarts=1, timeout=600)
-    return dump, result.stdout + result.stderr
+    result = run_script(
+        dump, *TINY_RUN, *CHECKPOINTED, *failure, nproc=4, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,3"}, timeout=600
+    )
+    return dump, without_rank_prefixes(result.stdout + result.stderr)
 
 
 def _seconds(clock: str) -> int:
@@ -189,29 +192,32 @@ def test_the_job_restarts_and_resumes_from_the_checkpoint(stopped_run):
 
 
 @pytest.fixture(scope="module")
-def straggler_runs(tmp_path_factory) -> RunBatch:
-    """2 ranks, 12 steps logged every 4: the last rank slowed from step 2 on, or not."""
+def straggler_runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """2 ranks through run_train.sh, 12 steps logged every 4: the last rank slowed from step 2 on
+    ("slowed"), or not ("steady"); each run's records and rank 0's log."""
     watched = [*TWO_BLOCKS, "--training.local_batch_size", "2", "--training.steps", "12", "--metrics.log_freq", "4"]
     watched += ["--metrics.straggler_threshold", "2"]
-    runs = {
-        "slowed": (2, [*watched, "--debug.fail_at_step", "2", "--debug.failure", "slow"]),
-        "steady": (2, watched),
-    }
-    return RunBatch(str(tmp_path_factory.mktemp("stragglers")), runs, timeout=600)
+    runs = {"slowed": ["--debug.fail_at_step", "2", "--debug.failure", "slow"], "steady": []}
+    found = {}
+    for name, failure in runs.items():
+        dump = str(tmp_path_factory.mktemp(name))
+        result = run_script(dump, *TINY_RUN, *watched, *failure, timeout=600)
+        found[name] = (read_metrics(dump), without_rank_prefixes(result.stdout + result.stderr))
+    return found
 
 
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler(straggler_runs):
-    records = straggler_runs.records("slowed")
+    records, log = straggler_runs["slowed"]
     assert steps(records) == [1, 4, 8, 12]
     for record in records[1:]:
         assert [s["rank"] for s in record["stragglers"]] == [1], records
         assert record["stragglers"][0]["busy_ratio"] > 2
-    assert "| stragglers rank 1 on " in straggler_runs.log("slowed")
+    assert "| stragglers rank 1 on " in log
 
 
 @pytest.mark.slow
 def test_a_steady_run_names_no_straggler(straggler_runs):
-    records = straggler_runs.records("steady")
+    records, log = straggler_runs["steady"]
     assert [r["stragglers"] for r in records] == [[]] * 4, records
-    assert "stragglers rank" not in straggler_runs.log("steady")
+    assert "stragglers rank" not in log

@@ -25,12 +25,12 @@ from tests.launch import (
     REPO,
     TINY_RUN,
     TWO_BLOCKS,
-    launch_train,
     read_metrics,
     resumed_from,
     run_script,
-    train_command,
-    train_env,
+    script_command,
+    script_env,
+    without_rank_prefixes,
 )
 
 GROUPS = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
@@ -70,15 +70,16 @@ def _records(dump: str) -> list[dict]:
 
 
 def _start_group(dump: str, replica: int, lighthouse: str, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """One replica group of 2 ranks through run_train.sh, restarted once by its torchrun; both ranks' output
+    goes to ``<dump>.log``."""
     log = f"{dump}.log"
-    command = train_command(
-        dump, 2, *GROUPS, *SMALL, "--fault_tolerance.replica_id", str(replica), *overrides, max_restarts=1
-    )
+    command = script_command(dump, *TINY_RUN, *GROUPS, *SMALL, "--fault_tolerance.replica_id", str(replica), *overrides)
+    env = script_env(2, {"TORCHFT_LIGHTHOUSE": lighthouse, "MAX_RESTARTS": "1", "LOG_RANK": "0,1"})
     with open(log, "w") as out:
         process = subprocess.Popen(
             command,
             cwd=REPO,
-            env=train_env({"TORCHFT_LIGHTHOUSE": lighthouse}),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its ranks end with it
@@ -141,7 +142,7 @@ def test_a_killed_group_rejoins_while_the_other_trains_on(tmp_path, lighthouse):
     assert len({r["step"] for r in together} & set(rejoin_steps)) >= 5
     # Its data position is its own share's after its last commit, not its checkpoint's: no batch skipped
     # or trained twice. The last commit may have come just before the end, unlogged.
-    assert resumed_from(_text(killed_log)) == [4]
+    assert resumed_from(without_rank_prefixes(_text(killed_log))) == [4]
     for rank in range(2):
         position = torch.load(tmp_path / "killed" / "fault_tolerance" / f"data_rank_{rank}.pt", weights_only=False)
         # A group started after the other's first commit joins at its step: it trained fewer steps before the kill.
@@ -151,10 +152,10 @@ def test_a_killed_group_rejoins_while_the_other_trains_on(tmp_path, lighthouse):
 
 @pytest.mark.slow
 def test_one_group_trains_as_a_run_without_torchft(tmp_path, lighthouse):
-    run = [*SMALL, "--training.steps", "6"]
-    launch_train(str(tmp_path / "plain"), 2, *run)
+    run = [*TINY_RUN, *SMALL, "--training.steps", "6"]
+    run_script(str(tmp_path / "plain"), *run)
     one_group = [*run, "--fault_tolerance.enable", "--fault_tolerance.group_size", "1"]
-    launch_train(str(tmp_path / "ft"), 2, *one_group, env={"TORCHFT_LIGHTHOUSE": lighthouse})
+    run_script(str(tmp_path / "ft"), *one_group, env={"TORCHFT_LIGHTHOUSE": lighthouse})
     plain, ft = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / "ft"))
     assert [r["loss"] for r in ft] == [r["loss"] for r in plain] and len(ft) == 6
     assert [r["grad_norm"] for r in ft] == [r["grad_norm"] for r in plain]
