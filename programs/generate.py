@@ -152,7 +152,7 @@ def load_model(config: JobConfig, args: Any) -> nn.Module:
     from trainer.distributed import init_distributed, parallel_dims_from_config
 
     device = init_distributed(config.comm, config.job.dump_folder)
-    dims = parallel_dims_from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+    dims = parallel_dims_from_config(config.parallelism, dist.get_world_size())
     dims.build_mesh(device.type)
     model = build_model(config, dims, device, args).parts[0]
     path = config.checkpoint.initial_load_path

@@ -12,6 +12,7 @@ import torch
 
 from models.llama3.kv_cache import KVCache
 from models.llama3.model import Transformer, TransformerModelArgs
+from tests.hf_folders import llama_config, write_llama_folder
 from trainer.generation import generate, sampling_probabilities
 
 # Float32 on the CPU: a cached forward sums the same products as the full one, in other groupings.
@@ -24,6 +25,12 @@ def model() -> Transformer:
     args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=32)
     model = Transformer(args)
     model.init_weights(seed=3)
+    with torch.no_grad():
+        # Initialised, attention barely moves the residual stream next to the embeddings (std 1):
+        # the next token would hang on the last one alone, and attention bugs change no token.
+        for layer in model.layers.values():
+            for linear, scale in (("wq", 8.0), ("wk", 8.0), ("wv", 20.0), ("wo", 20.0)):
+                getattr(layer.attention, linear).weight.mul_(scale)
     return model.eval()
 
 
@@ -132,3 +139,40 @@ def test_sampled_tokens_follow_the_distribution():
     for token, p in enumerate(expected):
         frequency = float((draws == token).float().mean())
         assert abs(frequency - p) <= 4 * math.sqrt(p * (1 - p) / 20_000) + 1e-9
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    return write_llama_folder(str(tmp_path_factory.mktemp("generate_inputs")), llama_config())
+
+
+def _refusal(capsys, folder: str, *options: str) -> str:
+    """The error line of ``python -m programs.generate`` on ``folder`` with ``options``: exit 2, nothing loaded."""
+    from programs.generate import main
+
+    argv = ["--checkpoint.initial_load_path", folder, "--model.tokenizer_path", folder, "--training.seq_len", "16"]
+    assert main(argv + list(options)) == 2
+    assert not torch.distributed.is_initialized()  # refused before the model is built
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    return error
+
+
+def test_a_prompt_longer_than_the_context_exits_2(hf_folder, capsys):
+    error = _refusal(capsys, hf_folder, "--generation.prompt", "The model reads a token, looks at the ones before it")
+    assert error == (
+        "error: generation.prompt: the prompt has 34 tokens, more than the model's context of 16 (training.seq_len)\n"
+    )
+
+
+def test_a_missing_prompt_file_exits_2(hf_folder, capsys, tmp_path):
+    missing = str(tmp_path / "prompts.txt")
+    assert _refusal(capsys, hf_folder, "--generation.prompt_file", missing) == (
+        f"error: generation.prompt_file: {missing} not found\n"
+    )
+
+
+def test_a_folder_of_another_model_size_exits_2(hf_folder, capsys):
+    error = _refusal(capsys, hf_folder, "--generation.prompt", "The model", "--model.ffn_dim", "256")
+    assert error.startswith(f"error: checkpoint.initial_load_path: HF checkpoint: {hf_folder}/config.json does not")
+    assert "intermediate_size" in error
