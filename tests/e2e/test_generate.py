@@ -1,9 +1,10 @@
 """``python -m programs.generate`` against transformers: a tiny Llama 3 folder made by transformers (random
 weights, a Llama-3-style tokenizer with a chat template), a DCP checkpoint of it saved by train.py at
-dp 2 x tp 2 (one step at lr 1e-30, which leaves float32 weights of this size bitwise as loaded), and
-32 greedy tokens of a text prompt and of a chat, which must equal transformers' ``generate``
-(do_sample=False) token for token: from the folder, from the checkpoint in one process and on
-every rank of a tensor-parallel group of 2, with the key/value cache and without. Float32 on the CPU."""
+dp 2 x tp 2 (one step at lr 1e-30: an update of that size is below half a float32 step of every
+weight, which stays as loaded), and 32 greedy tokens of a text prompt and of a chat, which must equal
+transformers' ``generate`` (do_sample=False) token for token: from the folder, from the checkpoint in
+one process and on every rank of a tensor-parallel group of 2, with the key/value cache and without.
+Float32 on the CPU."""
 
 from __future__ import annotations
 
@@ -140,6 +141,11 @@ def _tensor_parallel_rank(options: list[str], expected: list[list[int]], rank: i
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, tokens)
         assert every_rank == [expected] * dist.get_world_size(), (rank, use_cache)
+    # Sampled: each rank draws from its copy of the replicated logits with a generator of the same seed.
+    sampled = generate(model, ids, max_new_tokens=8, eos_id=None, temperature=1.0, top_p=0.9, seed=5)
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, sampled)
+    assert every_rank == [sampled] * dist.get_world_size(), rank
 
 
 @pytest.mark.slow  # spawns 2 ranks
@@ -149,10 +155,11 @@ def test_every_rank_of_a_tensor_parallel_group_gets_transformers_tokens(source, 
 
 
 @pytest.mark.slow  # launches train.py on 4 ranks
-def test_a_checkpoint_of_another_model_size_is_refused_before_loading(source, checkpoint, capsys):
-    from programs.generate import main
+def test_a_checkpoint_of_another_model_size_is_refused_before_loading(source, checkpoint, capsys, monkeypatch):
+    from programs import generate as program
 
-    assert main(_options(source, checkpoint, "--model.ffn_dim", "256")) == 2
+    monkeypatch.setattr(program, "load_model", lambda *_: pytest.fail("the model was loaded"))
+    assert program.main(_options(source, checkpoint, "--model.ffn_dim", "256")) == 2
     error = capsys.readouterr().err
     assert error.startswith(f"error: checkpoint.initial_load_path: {checkpoint} holds another model than this job's")
     assert "of other shapes (layers.0.feed_forward.w1.weight: [192, 64] saved, [256, 64] in the model)" in error

@@ -146,33 +146,35 @@ def hf_folder(tmp_path_factory) -> str:
     return write_llama_folder(str(tmp_path_factory.mktemp("generate_inputs")), llama_config())
 
 
-def _refusal(capsys, folder: str, *options: str) -> str:
+def _refusal(capsys, monkeypatch, folder: str, *options: str) -> str:
     """The error line of ``python -m programs.generate`` on ``folder`` with ``options``: exit 2, nothing loaded."""
-    from programs.generate import main
+    from programs import generate as program
 
+    monkeypatch.setattr(program, "load_model", lambda *_: pytest.fail("the model was loaded"))
     argv = ["--checkpoint.initial_load_path", folder, "--model.tokenizer_path", folder, "--training.seq_len", "16"]
-    assert main(argv + list(options)) == 2
-    assert not torch.distributed.is_initialized()  # refused before the model is built
+    assert program.main(argv + list(options)) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1, error
     return error
 
 
-def test_a_prompt_longer_than_the_context_exits_2(hf_folder, capsys):
-    error = _refusal(capsys, hf_folder, "--generation.prompt", "The model reads a token, looks at the ones before it")
+def test_a_prompt_longer_than_the_context_exits_2(hf_folder, capsys, monkeypatch):
+    error = _refusal(
+        capsys, monkeypatch, hf_folder, "--generation.prompt", "The model reads a token, looks at the ones before it"
+    )
     assert error == (
         "error: generation.prompt: the prompt has 34 tokens, more than the model's context of 16 (training.seq_len)\n"
     )
 
 
-def test_a_missing_prompt_file_exits_2(hf_folder, capsys, tmp_path):
+def test_a_missing_prompt_file_exits_2(hf_folder, capsys, monkeypatch, tmp_path):
     missing = str(tmp_path / "prompts.txt")
-    assert _refusal(capsys, hf_folder, "--generation.prompt_file", missing) == (
+    assert _refusal(capsys, monkeypatch, hf_folder, "--generation.prompt_file", missing) == (
         f"error: generation.prompt_file: {missing} not found\n"
     )
 
 
-def test_a_folder_of_another_model_size_exits_2(hf_folder, capsys):
-    error = _refusal(capsys, hf_folder, "--generation.prompt", "The model", "--model.ffn_dim", "256")
+def test_a_folder_of_another_model_size_exits_2(hf_folder, capsys, monkeypatch):
+    error = _refusal(capsys, monkeypatch, hf_folder, "--generation.prompt", "The model", "--model.ffn_dim", "256")
     assert error.startswith(f"error: checkpoint.initial_load_path: HF checkpoint: {hf_folder}/config.json does not")
     assert "intermediate_size" in error
