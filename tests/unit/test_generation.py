@@ -12,7 +12,7 @@ import torch
 
 from models.llama3.kv_cache import KVCache
 from models.llama3.model import Transformer, TransformerModelArgs
-from tests.hf_folders import llama_config, write_llama_folder
+from tests.hf_folders import LLAMA3_CHAT_TOKENS, llama_config, write_chat_tokenizer, write_llama_folder
 from trainer.generation import generate, sampling_probabilities
 
 # Float32 on the CPU: a cached forward sums the same products as the full one, in other groupings.
@@ -178,3 +178,30 @@ def test_a_folder_of_another_model_size_exits_2(hf_folder, capsys, monkeypatch):
     error = _refusal(capsys, monkeypatch, hf_folder, "--generation.prompt", "The model", "--model.ffn_dim", "256")
     assert error.startswith(f"error: checkpoint.initial_load_path: HF checkpoint: {hf_folder}/config.json does not")
     assert "intermediate_size" in error
+
+
+def test_a_text_prompt_under_generation_chat_is_one_user_message(tmp_path):
+    from config.manager import load_config
+    from programs.generate import Prompt, encode_prompts
+    from trainer.data.tokenizer import load_tokenizer
+
+    folder = write_chat_tokenizer(str(tmp_path / "chat"))
+    config = load_config(["--model.tokenizer_path", folder, "--generation.chat"])
+    text = "What does a checkpoint hold?"
+    as_text, as_chat = encode_prompts(
+        [Prompt("a", text=text), Prompt("b", messages=[{"role": "user", "content": text}])],
+        load_tokenizer(folder),
+        config,
+    )
+    assert as_text == as_chat
+    tokenizer = load_tokenizer(folder)
+    start_header = LLAMA3_CHAT_TOKENS.index("<|start_header_id|>")
+    last_header = len(as_text) - 1 - as_text[::-1].index(start_header)
+    assert as_text[0] == tokenizer.bos_id  # the template's BOS, once
+    assert tokenizer.decode(as_text[last_header:]) == "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def test_a_chat_prompt_without_a_chat_template_exits_2(tmp_path, capsys, monkeypatch):
+    folder = write_llama_folder(str(tmp_path / "no_template"), llama_config())
+    error = _refusal(capsys, monkeypatch, folder, "--generation.prompt", "Hello", "--generation.chat")
+    assert error.startswith("error: generation.chat (chat prompts need a tokenizer folder with a chat template): ")
