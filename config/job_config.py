@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from config.fault_tolerance import FaultTolerance
+from config.generation import Generation
 from config.plan import Plan
 
 # No torch here, so config mistakes are reported in seconds. Dtype options take torch's names.
@@ -490,3 +491,4 @@ class JobConfig:
     plan: Plan = field(default_factory=Plan)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    generation: Generation = field(default_factory=Generation)

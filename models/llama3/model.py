@@ -25,6 +25,7 @@ from parallelisms.device import DocumentKernel
 from parallelisms.names import clean_name
 
 from .context_parallel import ContextParallel, ContextParallelMask, context_parallel_inputs
+from .kv_cache import KVCache, LayerKVCache
 
 INIT_STD = 0.02
 
@@ -140,8 +141,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        """``mask`` (``document_mask``): attention within each packed document; None: causal."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        mask: DocumentMask | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        """``mask`` (``document_mask``): attention within each packed document; None: causal.
+        ``cache``: generation's, which attends to the positions before this forward's tokens too."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism only this rank's heads are present.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -149,6 +157,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q = apply_rotary_emb(q, rope_cache)
         k = apply_rotary_emb(k, rope_cache)
+        if cache is not None:
+            return self.wo(cache.attend(q, k, v).reshape(bs, seqlen, -1))
 
         # Query head h reads kv head h // n_rep; sharding keeps this ratio per rank.
         n_rep = q.shape[2] // k.shape[2]
@@ -277,8 +287,16 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
-        if mask is None:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        mask: DocumentMask | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            h = x + self.attention(self.attention_norm(x), rope_cache, cache=cache)
+        elif mask is None:
             h = x + self.attention(self.attention_norm(x), rope_cache)
         else:
             # A keyword: tensor parallel's plan and compile regions take attention's two positional inputs.
@@ -335,19 +353,28 @@ class Transformer(nn.Module):
             layer.attention.attention_dtype = dtype
             layer.attention.query_chunk = query_chunk
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """Logits of ``tokens`` [batch, seq] (hidden states in and out on a pipeline stage without
         the embedding or output). With ``positions`` [batch, seq], each token's position in its
         document (0 where one starts), RoPE takes those positions and attention stays inside each
         document; without, positions are 0, 1, ... and attention is causal over the whole sequence.
-        Under context parallelism ``tokens`` and ``positions`` hold this rank's chunks of the sequence."""
+        Under context parallelism ``tokens`` and ``positions`` hold this rank's chunks of the sequence.
+        With a ``cache`` (generation), ``positions`` are the tokens' places in their sequences: their
+        keys and values are cached there and each attends to every cached position up to its own."""
         cp = self.context_parallel
         seq_local = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.hidden_sequence_shards)
         seqlen = seq_local * (cp.degree if cp is not None else 1)
         if seqlen > self.rope_cache.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if cp is not None:
+        if cache is not None:
+            cache.start(positions)
+            rope_rows = self.rope_cache[positions]
+            for name, layer in self.layers.items():
+                h = layer(h, rope_rows, cache=cache.layer(name))
+        elif cp is not None:
             # This rank's chunks of the sequence (``context_parallel_inputs``), causal or within documents.
             rope_rows, mask = context_parallel_inputs(cp, seq_local, self.rope_cache, positions)
             for layer in self.layers.values():

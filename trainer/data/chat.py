@@ -109,9 +109,16 @@ class ChatEncoder:
                 return len(prefix)
         return 0
 
-    def _render(self, messages: list[dict[str, Any]], where: str) -> str:
+    def encode_prompt(self, value: Any, where: str) -> list[int]:
+        """Ids of a conversation rendered with the template's generation prompt (the assistant's header), for a
+        model to continue, as transformers' ``apply_chat_template(add_generation_prompt=True)`` gives them."""
+        text = self._render(_checked_messages(value, where), where, add_generation_prompt=True)
+        return self.tokenizer.encode_rendered_chats([text])[0][0]
+
+    def _render(self, messages: list[dict[str, Any]], where: str, add_generation_prompt: bool = False) -> str:
+        variables = _template_variables(messages, self.template_tokens, add_generation_prompt)
         try:
-            return _compiled_template(self.template).render(_template_variables(messages, self.template_tokens))
+            return _compiled_template(self.template).render(variables)
         except jinja2.TemplateError as error:  # raise_exception's, an undefined value, a sandbox refusal
             raise ValueError(f"{where}: the chat template refuses this conversation: {first_line(error)}") from None
         except Exception as error:  # the template's own expressions failing on this record's values
