@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.evaluation import Evaluation
 from config.fault_tolerance import FaultTolerance
 from config.plan import Plan
 
@@ -490,3 +491,4 @@ class JobConfig:
     plan: Plan = field(default_factory=Plan)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    eval: Evaluation = field(default_factory=Evaluation)

@@ -30,6 +30,7 @@ from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
+from trainer.evaluate import Evaluator
 from trainer.fault_injection import FailureInjector
 from trainer.fault_tolerance import data_share, join_replica_groups
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
@@ -113,6 +114,7 @@ class Trainer:
         # Another seed than training's: other windows of the same corpus.
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
         self.validator = Validator(config.validation, validation_data, dims.dp_degree, self.loss, self.cp_shard)
+        self.evaluator = Evaluator(config, self.tokenizer, dims, self.device)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.watchdog = Watchdog(config.comm, config.metrics, config.job.dump_folder, dims, self.device)
         self.step = 0
@@ -312,6 +314,9 @@ class Trainer:
             self.watchdog.mark("validation")
             loss = self._sum_over_ranks(self.validator.validate(self.model, self.device, step))
             self.metrics.log_validation(step, loss.item())
+        if self.evaluator.due(step):
+            self.watchdog.mark("evaluation")
+            self.metrics.log_evaluation(step, *self.evaluator.evaluate(self.model))
 
     def _handle_nonfinite(self, step: int, step_metrics: dict[str, float]) -> None:
         policy = self.config.training.nonfinite_policy
