@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.distributed.checkpoint as dcp
-
 # lm_eval adds its own models to the registry only while it is empty: they go in before "tessera".
 import lm_eval.models  # noqa: F401
+import torch
+import torch.distributed.checkpoint as dcp
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
