@@ -7,12 +7,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from config.job_config import JobConfig
 
 EVALUATION_FILE = "evaluation.jsonl"  # in job.dump_folder: one JSON record per evaluation
 RECORD_FIELDS = ("context", "choices", "answer")
@@ -50,9 +46,8 @@ def task_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def check_evaluation(c: JobConfig) -> None:
-    """The section's mistakes that need no file read."""
-    e = c.eval
+def check_evaluation(e: Evaluation, seq_len: int, pipeline_degree: int, context_degree: int) -> None:
+    """The section's mistakes that need no file read, at training.seq_len and the parallelism degrees."""
     if e.freq < 0 or e.limit < 0 or e.batch_size < 1:
         raise ConfigError(
             f"eval.freq {e.freq} and eval.limit {e.limit} must be 0 or more, eval.batch_size {e.batch_size} 1 or more"
@@ -61,10 +56,9 @@ def check_evaluation(c: JobConfig) -> None:
         return
     if not e.tasks:
         raise ConfigError(f"eval.freq {e.freq} needs eval.tasks: the JSONL files of the tasks to score")
-    if e.max_length is not None and not 2 <= e.max_length <= c.training.seq_len:
-        raise ConfigError(f"eval.max_length {e.max_length} must be 2 to training.seq_len {c.training.seq_len}")
-    parallel = c.parallelism
-    if parallel.pipeline_parallel_degree > 1 or parallel.context_parallel_degree > 1:
+    if e.max_length is not None and not 2 <= e.max_length <= seq_len:
+        raise ConfigError(f"eval.max_length {e.max_length} must be 2 to training.seq_len {seq_len}")
+    if pipeline_degree > 1 or context_degree > 1:
         raise ConfigError(
             "eval.freq: evaluation runs on layouts without pipeline or context parallelism (it scores every "
             "sequence whole on one stage); set eval.freq 0 or parallelism.pipeline/context_parallel_degree 1"

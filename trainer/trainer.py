@@ -114,7 +114,6 @@ class Trainer:
         # Another seed than training's: other windows of the same corpus.
         validation_data = functools.partial(data, "validation.dataset", config.validation, seed=config.debug.seed + 1)
         self.validator = Validator(config.validation, validation_data, dims.dp_degree, self.loss, self.cp_shard)
-        self.evaluator = Evaluator(config, self.tokenizer, dims, self.device)
         self.failures = FailureInjector(config.debug, self.rank, dist.get_world_size())
         self.watchdog = Watchdog(config.comm, config.metrics, config.job.dump_folder, dims, self.device)
         self.step = 0
@@ -235,6 +234,7 @@ class Trainer:
                 "to train; raise training.steps to train on"
             )
         self.replicas = join_replica_groups(self)  # fault_tolerance.enable: a group behind takes a live one's state
+        self.evaluator = Evaluator(config, self.tokenizer, self.parallel_dims, self.device)  # eval.tasks read
         data_iter = self.replicas.start_data(self._start_data, resumed)
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
