@@ -1,18 +1,22 @@
 """Evaluation during training on 2 CPU ranks (FSDP): its accuracy at the last step equals what
 lm-evaluation-harness's own HF backend gives on the run's Hugging Face export (the same choices
-picked), and what the "tessera" adapter gives on the run's DCP checkpoint and on the export; and a
-run with evaluation trains bitwise as the same run without it."""
+picked), and what the "tessera" adapter gives on the run's DCP checkpoint and on the export, in
+Python and through lm_eval's command line; and a run with evaluation trains bitwise as the same run
+without it."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 from tests.hf_folders import corpus_text, write_tokenizer
-from tests.launch import TWO_BLOCKS, launch_train, read_metrics
+from tests.launch import REPO, TWO_BLOCKS, launch_train, read_metrics, train_env
 
 STEPS, FREQ = 10, 5
 MAX_LENGTH = 64  # training.seq_len: no record is cut
@@ -130,3 +134,26 @@ def test_in_training_accuracy_equals_the_harness_on_the_export_and_the_adapter(r
                 assert ours == pytest.approx(theirs, abs=1e-3)
     # Not a model that picks the same index every time: the accuracies tell choices apart.
     assert 0 < in_training["sentences"]["acc"] < 1
+
+
+@pytest.mark.slow  # the runs of the fixture, and lm_eval's command line in a process
+def test_lm_eval_command_line_scores_the_checkpoint_through_this_module(runs, tmp_path):
+    """``python -m programs.lm_eval_model`` is lm_eval's command line with "tessera" registered: a task of
+    --include_path on the run's DCP checkpoint gives the accuracy the run logged."""
+    import yaml
+
+    task = runs["tasks"][0]
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "sentences.yaml").write_text(yaml.safe_dump(harness_task(task)))
+    checkpoint = runs["root"] / "with" / "checkpoint" / f"step-{STEPS}"
+    command = [
+        *(sys.executable, "-m", "programs.lm_eval_model", "--model", "tessera"),
+        *("--model_args", f"checkpoint={checkpoint}", "--tasks", "sentences"),
+        *("--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--output_path", str(tmp_path / "out")),
+    ]
+    subprocess.run(command, cwd=REPO, env=train_env(), check=True, capture_output=True, text=True, timeout=300)
+    (results,) = glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)
+    with open(results) as f:
+        scores = json.load(f)["results"]["sentences"]
+    logged = runs["evaluations"][-1]["tasks"]["sentences"]
+    assert (scores["acc,none"], scores["acc_norm,none"]) == (logged["acc"], logged["acc_norm"])
