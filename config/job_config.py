@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from config.evaluation import Evaluation
 from config.fault_tolerance import FaultTolerance
 from config.generation import Generation
 from config.plan import Plan
@@ -492,3 +493,4 @@ class JobConfig:
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     generation: Generation = field(default_factory=Generation)
+    eval: Evaluation = field(default_factory=Evaluation)

@@ -8,6 +8,7 @@ import os
 import typing
 
 from config.errors import ConfigError
+from config.evaluation import check_evaluation
 from config.fault_tolerance import check_fault_tolerance
 from config.job_config import (
     CHECKPOINT_PARTS,
@@ -203,6 +204,9 @@ def validate(config: JobConfig) -> None:
     """Checks what does not depend on the world size (the optimizer's and LR schedule's values: when built)."""
     _check_ranges(config)
     check_fault_tolerance(config.fault_tolerance, config.optimizer.early_step_in_backward)
+    parallel = config.parallelism
+    degrees = parallel.pipeline_parallel_degree, parallel.context_parallel_degree
+    check_evaluation(config.eval, config.training.seq_len, *degrees)
     for mistake, message in _CONTRADICTIONS:
         if mistake(config):
             raise ConfigError(message.format(c=config))

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 modules="torch torchdata tensorboard safetensors sentencepiece tiktoken tokenizers matplotlib datasets pyarrow"
-[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest xdist ruff transformers wandb torchao torchft"
+[ -n "$extras" ] && [[ ",$extras," == *",test,"* ]] && modules="$modules pytest xdist ruff transformers wandb torchao torchft lm_eval accelerate"
 [ -n "$extras" ] && [[ ",$extras," == *",ft,"* ]] && modules="$modules torchft"
 
 # The torch releases pyproject.toml accepts, e.g. torch>=2.11,<2.14: any installed one is kept.

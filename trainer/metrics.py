@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from config.errors import ConfigError, first_line
+from config.evaluation import EVALUATION_FILE
 from config.job_config import METRICS_FILE, VALIDATION_FILE, JobConfig
 from parallelisms.device import PeakFlops, peak_memory_bytes
 from parallelisms.parallel_dims import ParallelDims
@@ -374,7 +375,7 @@ class MetricsLogger:
             logger.info("TensorBoard logs in %s", self.tensorboard_dir)
         if self._jsonl is not None and new_run:
             self._jsonl.close()
-            for name in (METRICS_FILE, VALIDATION_FILE):
+            for name in (METRICS_FILE, VALIDATION_FILE, EVALUATION_FILE):
                 _move_aside(os.path.join(os.path.dirname(self.jsonl_path), name))
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
 
@@ -415,11 +416,7 @@ class MetricsLogger:
         if stragglers is not None:
             scalars["stragglers/count"] = len(stragglers)
             scalars.update({f"stragglers/rank_{s['rank']}_busy_ratio": s["busy_ratio"] for s in stragglers})
-        if self._tensorboard is not None:
-            for tag, value in scalars.items():
-                self._tensorboard.add_scalar(tag, value, step)
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+        self._scalars(step, scalars)
 
     def summary(self, *, checkpoint_folder: str | None = None, hf_folder: str | None = None) -> None:
         if not self.enabled:
@@ -436,12 +433,28 @@ class MetricsLogger:
     def log_validation(self, step: int, loss: float) -> None:
         if self.enabled:
             logger.info("step %d | validation loss %.4f", step, loss)
-            with open(os.path.join(os.path.dirname(self.jsonl_path), VALIDATION_FILE), "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "loss": _json_number(loss)}) + "\n")
+            self._append(VALIDATION_FILE, {"step": step, "loss": _json_number(loss)})
+        self._scalars(step, {"validation/loss": loss})
+
+    def log_evaluation(self, step: int, tasks: dict[str, dict[str, float]], seconds: float) -> None:
+        """Each task's acc and acc_norm (trainer/evaluate.py), and the seconds the evaluation took."""
+        if self.enabled:
+            scores = " | ".join(f"{name} acc {v['acc']:.4f} acc_norm {v['acc_norm']:.4f}" for name, v in tasks.items())
+            logger.info("step %d | eval %s | %.2fs", step, scores, seconds)
+            self._append(EVALUATION_FILE, {"step": step, "tasks": tasks, "seconds": round(seconds, 3)})
+        self._scalars(step, {f"eval/{name}/{key}": value for name, v in tasks.items() for key, value in v.items()})
+
+    def _append(self, name: str, record: dict) -> None:
+        with open(os.path.join(os.path.dirname(self.jsonl_path), name), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and W&B, where enabled."""
         if self._tensorboard is not None:
-            self._tensorboard.add_scalar("validation/loss", loss, step)
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, step)
         if self._wandb is not None:
-            self._wandb.log({"validation/loss": loss}, step=step)
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._jsonl is not None:

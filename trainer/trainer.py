@@ -30,6 +30,7 @@ from trainer.data.batch import Batch
 from trainer.data.loader import config_dataloader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.distributed import init_distributed, is_first_attempt, parallel_dims_from_config, set_collective_timeout
+from trainer.evaluate import Evaluator
 from trainer.fault_injection import FailureInjector
 from trainer.fault_tolerance import data_share, join_replica_groups
 from trainer.folders import check_folders_at_start, claim_folders, write_run_file
@@ -233,6 +234,7 @@ class Trainer:
                 "to train; raise training.steps to train on"
             )
         self.replicas = join_replica_groups(self)  # fault_tolerance.enable: a group behind takes a live one's state
+        self.evaluator = Evaluator(config, self.tokenizer, self.parallel_dims, self.device)  # eval.tasks read
         data_iter = self.replicas.start_data(self._start_data, resumed)
         self.metrics.start(self.step, new_run=self.step == 0 and is_first_attempt())
         if config.debug.gc_freq > 0 or config.debug.gc_debug:
@@ -312,6 +314,9 @@ class Trainer:
             self.watchdog.mark("validation")
             loss = self._sum_over_ranks(self.validator.validate(self.model, self.device, step))
             self.metrics.log_validation(step, loss.item())
+        if self.evaluator.due(step):
+            self.watchdog.mark("evaluation")
+            self.metrics.log_evaluation(step, *self.evaluator.evaluate(self.model))
 
     def _handle_nonfinite(self, step: int, step_metrics: dict[str, float]) -> None:
         policy = self.config.training.nonfinite_policy

@@ -1,0 +1,106 @@
+"""The ``[eval]`` section: multiple-choice tasks in local JSONL files, scored by log-likelihood every
+``freq`` steps of training (trainer/evaluate.py) as lm-evaluation-harness scores them; and the
+reading of those files, which the pre-launch check and the ranks share."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from config.errors import ConfigError
+
+EVALUATION_FILE = "evaluation.jsonl"  # in job.dump_folder: one JSON record per evaluation
+RECORD_FIELDS = ("context", "choices", "answer")
+
+
+@dataclass
+class Evaluation:
+    tasks: list[str] = field(default_factory=list)
+    """JSONL files of multiple-choice tasks, one record a line: {"context": "...", "choices": ["...", ...],
+    "answer": index of the right choice}. A task is named by its file's name without the extension."""
+    freq: int = 0
+    """Evaluate every this many steps and at the last step; 0 = never."""
+    limit: int = 0
+    """Records scored of each task (its first ones); 0 = all."""
+    batch_size: int = 8
+    """Sequences of a forward pass on each rank."""
+    max_length: int | None = None
+    """Tokens of a scored sequence: a longer context is cut from the left, as lm-evaluation-harness cuts it;
+    unset = training.seq_len."""
+    add_bos: bool = False
+    """Begin each context with the BOS token, as lm-evaluation-harness does with add_bos_token=True or with a
+    tokenizer that adds one itself (Llama 3's): set it to score as the harness scores that model."""
+
+
+@dataclass
+class Record:
+    """A multiple-choice question: the continuation of ``context`` by " " + each choice is scored."""
+
+    context: str
+    choices: list[str]
+    answer: int
+
+
+def task_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def check_evaluation(e: Evaluation, seq_len: int, pipeline_degree: int, context_degree: int) -> None:
+    """The section's mistakes that need no file read, at training.seq_len and the parallelism degrees."""
+    if e.freq < 0 or e.limit < 0 or e.batch_size < 1:
+        raise ConfigError(
+            f"eval.freq {e.freq} and eval.limit {e.limit} must be 0 or more, eval.batch_size {e.batch_size} 1 or more"
+        )
+    if e.freq == 0:
+        return
+    if not e.tasks:
+        raise ConfigError(f"eval.freq {e.freq} needs eval.tasks: the JSONL files of the tasks to score")
+    if e.max_length is not None and not 2 <= e.max_length <= seq_len:
+        raise ConfigError(f"eval.max_length {e.max_length} must be 2 to training.seq_len {seq_len}")
+    if pipeline_degree > 1 or context_degree > 1:
+        raise ConfigError(
+            "eval.freq: evaluation runs on layouts without pipeline or context parallelism (it scores every "
+            "sequence whole on one stage); set eval.freq 0 or parallelism.pipeline/context_parallel_degree 1"
+        )
+    names = [task_name(path) for path in e.tasks]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"eval.tasks: two files of the same name in {', '.join(e.tasks)}: a task is named by it")
+
+
+def read_task(path: str, limit: int = 0) -> list[Record]:
+    """The records of a task file (its first ``limit``, 0 = all); a ConfigError names the file and line of a
+    record that is not a multiple-choice question."""
+    where = f"eval.tasks: {path}"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where} is not a file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            records.append(_record(line, f"{where} line {number}"))
+            if len(records) == limit:
+                break
+    if not records:
+        raise ConfigError(f"{where} holds no records")
+    return records
+
+
+def _record(line: str, where: str) -> Record:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where} is not a JSON object")
+    if missing := [name for name in RECORD_FIELDS if name not in record]:
+        raise ConfigError(f"{where} has no {', '.join(missing)} (a record holds {', '.join(RECORD_FIELDS)})")
+    context, choices, answer = (record[name] for name in RECORD_FIELDS)
+    if not isinstance(context, str):
+        raise ConfigError(f"{where}: context must be a string")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise ConfigError(f"{where}: choices must be a list of 2 or more non-empty strings")
+    if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
+        raise ConfigError(f"{where}: answer {answer!r} is not an index of its {len(choices)} choices")
+    return Record(context, choices, answer)
