@@ -8,6 +8,7 @@ takes lm_eval's options. In Python, importing this module registers "tessera" fo
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from config.errors import ConfigError
@@ -28,7 +30,9 @@ from models.sizes import CONFIG_NAME, is_hf_folder, job_model_args, read_hf_conf
 from trainer.checkpoint.hf import load_hf_weights
 from trainer.data.tokenizer import Tokenizer, build_tokenizer
 from trainer.evaluate import Request, loglikelihoods
+from trainer.evaluate_generation import continuations, generation_prompt
 
+MAX_GEN_TOKS = 256  # the HF backend's, for a request that names none
 DEFAULT_MAX_LENGTH = 2048  # lm_eval's HF backend's, for a folder whose config.json gives no context length
 
 
@@ -118,7 +122,35 @@ class TesseraLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        raise NotImplementedError("tessera: generate_until is not built yet; log-likelihood tasks only")
+        """Each context's continuation as the harness's HF backend makes it: up to max_gen_toks tokens (256
+        by default) after the context's last max_length - max_gen_toks, greedy unless do_sample (then
+        drawn at its temperature, top_k and top_p), ending at EOS, cut at the first of ``until``; the
+        requests of the same gen_kwargs batch_size a generation."""
+        texts: list[str] = [""] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(requests[indices[0]].args[1], MAX_GEN_TOKS)
+            limit = kwargs["max_gen_toks"]
+            if limit >= self.max_length:
+                raise ConfigError(f"max_gen_toks {limit} must be below the model's max_length {self.max_length}")
+            sample = bool(kwargs.get("do_sample"))
+            contexts = [requests[i].args[0] for i in indices]
+            outputs = continuations(
+                self.model,
+                self.tokenizer,
+                [generation_prompt(self.tokenizer, c, self.add_bos, self.max_length - limit) for c in contexts],
+                [list(kwargs["until"])] * len(indices),
+                max_new_tokens=limit,
+                batch_size=self.batch_size,
+                temperature=float(kwargs.get("temperature") or 0.0) if sample else 0.0,
+                top_k=int(kwargs.get("top_k") or 0),
+                top_p=float(kwargs.get("top_p") or 1.0),
+            )
+            for index, text in zip(indices, outputs):
+                texts[index] = text
+        return texts
 
 
 def main(argv: list[str]) -> None:

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from config.errors import ConfigError, print_error
-from config.evaluation import read_task
+from config.evaluation import read_tasks
 from config.job_config import JobConfig, Training, Validation
 from config.manager import load_config, named_as_given, typed_options
 from config.rules import batch_layout, warn_no_effect_at_degrees
@@ -86,8 +86,10 @@ def check(
     check_output_folders(config)
     if config.metrics.enable_wandb and ranks_per_node is not None:  # a dry run logs nothing
         check_wandb()
-    for path in config.eval.tasks if config.eval.freq else ():
-        read_task(path, config.eval.limit)  # a broken record would stop every rank at its first evaluation
+    if config.eval.freq:
+        read_tasks(
+            config.eval, config.training.seq_len
+        )  # a broken record would stop every rank at its first evaluation
     args = check_files(config, simulated=ranks_per_node is None)
     if ranks_per_node is not None:
         check_memory(config, args, dims, ranks_per_node)

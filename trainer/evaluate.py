@@ -1,6 +1,6 @@
 """Downstream evaluation: multiple-choice tasks scored by log-likelihood as lm-evaluation-harness scores
-them (its tokenization of a context and a choice, its left truncation, its acc and acc_norm), during
-training at the training layout; programs/lm_eval_model.py scores the harness's own requests here too."""
+them (its tokenization of a context and a choice, its left truncation, its acc and acc_norm), and
+generation tasks by exact match (trainer/evaluate_generation.py), during training at the training layout; programs/lm_eval_model.py scores the harness's own requests here too."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from config.errors import ConfigError
-from config.evaluation import Record, read_task, task_name
+from config.evaluation import GenerationRecord, Record, read_tasks
 from config.job_config import JobConfig
 from models.builder import BuiltModel
 from parallelisms.parallel_dims import ParallelDims
 from trainer.data.tokenizer import Tokenizer
+from trainer.evaluate_generation import continuations, exact_matches, generation_prompt
 
 Request = tuple[list[int], list[int]]  # the ids of a context and of its continuation
 TARGET_DELIMITER = " "  # lm-evaluation-harness's between a context and a choice
@@ -96,40 +97,75 @@ def accuracies(tasks: dict[str, list[Record]], sums: list[float]) -> dict[str, d
 
 
 class Evaluator:
-    """Scores eval.tasks every eval.freq steps: each data-parallel rank its share of the requests (the
-    tensor-parallel ranks of a group the same share), every rank as many forward passes."""
+    """Scores eval.tasks every eval.freq steps: each data-parallel rank its share of the requests and of
+    the generation prompts (the tensor-parallel ranks of a group the same share), every rank as many
+    forward passes."""
 
     def __init__(self, config: JobConfig, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device):
         e = config.eval
         self.freq, self.last_step, self.batch_size = e.freq, config.training.steps, e.batch_size
-        self.max_length = e.max_length or config.training.seq_len
-        self.dims, self.device = dims, device
-        self.tasks = {task_name(path): read_task(path, e.limit) for path in e.tasks} if e.freq else {}
-        self.requests = [r for records in self.tasks.values() for r in choice_requests(records, tokenizer, e.add_bos)]
+        self.max_length, self.max_new_tokens = e.max_length or config.training.seq_len, e.max_new_tokens
+        self.dims, self.device, self.tokenizer = dims, device, tokenizer
+        self.tasks = read_tasks(e, config.training.seq_len) if e.freq else {}
+        self.choice_tasks = {name: r for name, r in self.tasks.items() if isinstance(r[0], Record)}
+        self.generation_tasks = {name: r for name, r in self.tasks.items() if isinstance(r[0], GenerationRecord)}
+        self.requests = [
+            r for records in self.choice_tasks.values() for r in choice_requests(records, tokenizer, e.add_bos)
+        ]
         longest = max((len(continuation) for _, continuation in self.requests), default=0)
         if longest > self.max_length:
             raise ConfigError(f"eval.tasks: a choice of {longest} tokens is longer than eval.max_length")
+        context = self.max_length - self.max_new_tokens
+        self.generations = [
+            (generation_prompt(tokenizer, r.context, e.add_bos, context), r.until, r.answer)
+            for records in self.generation_tasks.values()
+            for r in records
+        ]
 
     def due(self, step: int) -> bool:
         return self.freq > 0 and (step % self.freq == 0 or step == self.last_step)
 
     def evaluate(self, model: BuiltModel) -> tuple[dict[str, dict[str, float]], float]:
-        """Each task's accuracies, and the seconds the evaluation took."""
+        """Each task's scores (acc and acc_norm, or exact_match), and the seconds the evaluation took."""
         start = time.perf_counter()
-        ranks, rank = self.dims.dp_degree, self.dims.dp_rank
-        share = self.requests[rank::ranks]
-        # The same number of forward passes on every rank (FSDP gathers in each): the short shares repeat one.
-        padded = share + self.requests[:1] * (math.ceil(len(self.requests) / ranks) - len(share))
         for part in model.parts:
             part.eval()
         # Padded to the training's length: a length the layout takes (tensor-parallel sequence shards, say).
-        sums, _ = loglikelihoods(
-            model.parts[0], padded, self.max_length, self.batch_size, self.device, pad_to=self.max_length
+        sums = self._over_ranks(
+            self.requests,
+            lambda share: loglikelihoods(
+                model.parts[0], share, self.max_length, self.batch_size, self.device, pad_to=self.max_length
+            )[0],
         )
+        matches = self._over_ranks(self.generations, lambda share: self._matches(model.parts[0], share))
         for part in model.parts:
             part.train()
-        every = torch.zeros(len(self.requests), dtype=torch.float64, device=self.device)
-        every[rank::ranks] = torch.tensor(sums[: len(share)], dtype=torch.float64, device=self.device)
+        scores = {**accuracies(self.choice_tasks, sums), **exact_matches(self.generation_tasks, matches)}
+        return {name: scores[name] for name in self.tasks}, time.perf_counter() - start
+
+    def _matches(self, model: torch.nn.Module, share: list[tuple[list[int], list[str], str]]) -> list[float]:
+        texts = continuations(
+            model,
+            self.tokenizer,
+            [prompt for prompt, _, _ in share],
+            [until for _, until, _ in share],
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            stop_at_eos=False,  # every rank as many decode steps: each is a collective under FSDP
+        )
+        return [float(text == answer) for text, (_, _, answer) in zip(texts, share)]
+
+    def _over_ranks(self, items: list, score: Callable[[list], list[float]]) -> list[float]:
+        """``score`` of every item, each data-parallel rank scoring every dp-th one and the results summed
+        over the ranks. The same number of forward passes on every rank (FSDP gathers in each): the
+        short shares repeat one."""
+        if not items:
+            return []
+        ranks, rank = self.dims.dp_degree, self.dims.dp_rank
+        share = items[rank::ranks]
+        values = score(share + items[:1] * (math.ceil(len(items) / ranks) - len(share)))
+        every = torch.zeros(len(items), dtype=torch.float64, device=self.device)
+        every[rank::ranks] = torch.tensor(values[: len(share)], dtype=torch.float64, device=self.device)
         if self.dims.dp_mesh is not None:
             dist.all_reduce(every, group=self.dims.dp_mesh.get_group())
-        return accuracies(self.tasks, every.tolist()), time.perf_counter() - start
+        return every.tolist()

@@ -437,9 +437,12 @@ class MetricsLogger:
         self._scalars(step, {"validation/loss": loss})
 
     def log_evaluation(self, step: int, tasks: dict[str, dict[str, float]], seconds: float) -> None:
-        """Each task's acc and acc_norm (trainer/evaluate.py), and the seconds the evaluation took."""
+        """Each task's scores (trainer/evaluate.py: acc and acc_norm, or exact_match), and the seconds the
+        evaluation took."""
         if self.enabled:
-            scores = " | ".join(f"{name} acc {v['acc']:.4f} acc_norm {v['acc_norm']:.4f}" for name, v in tasks.items())
+            scores = " | ".join(
+                f"{name} " + " ".join(f"{key} {value:.4f}" for key, value in v.items()) for name, v in tasks.items()
+            )
             logger.info("step %d | eval %s | %.2fs", step, scores, seconds)
             self._append(EVALUATION_FILE, {"step": step, "tasks": tasks, "seconds": round(seconds, 3)})
         self._scalars(step, {f"eval/{name}/{key}": value for name, v in tasks.items() for key, value in v.items()})

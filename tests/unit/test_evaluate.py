@@ -19,6 +19,7 @@ from programs.lm_eval_model import TesseraLM
 from tests.hf_folders import SHAPES, corpus_text, write_llama_folder
 from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate import accuracies, encode_pair
+from trainer.evaluate_generation import cut_at_stops
 from trainer.metrics import MetricsLogger
 
 PAIRS = [
@@ -98,8 +99,41 @@ def test_scores_and_truncation_equal_the_harness_hf_backend(folder):
     torch.testing.assert_close(
         ours.loglikelihood_rolling(rolling), hf.loglikelihood_rolling(rolling, disable_tqdm=True), atol=1e-4, rtol=0
     )
-    with pytest.raises(NotImplementedError, match="generate_until"):
-        ours.generate_until([])
+
+
+@pytest.mark.parametrize(
+    "text, until, expected",
+    [
+        ("a token. Then", ["."], "a token"),
+        ("a token. Then\n", ["\n", "."], "a token"),  # the first stop in the text, not in the list
+        ("no stop here", ["\n\n"], "no stop here"),
+        ("keeps all", ["", "z"], "keeps all"),  # an empty stop is ignored
+        (" leading", [" "], ""),
+    ],
+)
+def test_stop_strings_cut_as_the_harness_cuts(text, until, expected):
+    from lm_eval.models.utils import postprocess_generated_text
+
+    assert cut_at_stops(text, until) == expected == postprocess_generated_text(text, until, None)
+
+
+def test_generate_until_equals_the_harness_hf_backend(folder):
+    """Greedy continuations of the harness's HF backend, token for token, then cut: its left truncation of
+    a long context to max_length - max_gen_toks, its stop strings, a batch of requests of two gen_kwargs."""
+    from lm_eval.models.huggingface import HFLM
+
+    options = {"max_length": 32, "batch_size": 3}
+    hf = HFLM(pretrained=folder, dtype="float32", device="cpu", **options)
+    ours = TesseraLM(checkpoint=folder, **options)
+    contexts = [pair[0] or "A" for pair in PAIRS] + [" ".join(corpus_text(1).split()[:40])]
+    kinds = [{"until": ["at"], "max_gen_toks": 8}, {"until": ["e", "\x00"], "max_gen_toks": 6, "do_sample": False}]
+    requests = [
+        Instance("generate_until", {}, (context, kinds[i % 2]), i) for i, context in enumerate(contexts + contexts)
+    ]
+    expected = hf.generate_until(requests, disable_tqdm=True)
+    assert ours.generate_until(requests) == expected
+    # The stops cut: not every text is its full 6 or 8 tokens.
+    assert len({len(text) for text in expected}) > 2, expected
 
 
 def test_acc_takes_the_first_of_equal_scores_and_acc_norm_divides_by_characters():
@@ -120,6 +154,9 @@ BAD_TASKS = {
     "one_choice": ([{**GOOD, "choices": ["a"]}], "line 1: choices must be a list of 2 or more non-empty strings"),
     "not_json": (["{'context': 1}"], "line 1 is not JSON"),
     "missing_file": (None, "is not a file"),
+    "generation_missing_answer": ([{"context": "x", "until": ["\n"]}], "line 1 has no answer (a generation record"),
+    "generation_after_choice": ([GOOD, {"context": "x", "answer": "y"}], "line 2 has no choices"),
+    "until_not_a_list": ([{"context": "x", "answer": "y", "until": "\n"}], "line 1: until must be a list"),
 }
 
 
@@ -133,6 +170,14 @@ def test_a_broken_task_file_is_one_line_before_the_ranks_start(name, tmp_path, c
     assert preflight.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: eval.tasks: {path} {message}") and err.count("\n") == 1, err
+
+
+def test_max_new_tokens_that_leave_no_context_are_one_line_before_the_ranks_start(tmp_path, capsys):
+    path = tmp_path / "ends.jsonl"
+    path.write_text(json.dumps({"context": "The model reads", "answer": " a token"}) + "\n")
+    argv = ["--world-size=2", "--job.dump_folder", str(tmp_path / "run"), "--eval.freq", "5", "--eval.tasks", str(path)]
+    assert preflight.main([*argv, "--training.seq_len", "64", "--eval.max_new_tokens", "64"]) == 2
+    assert capsys.readouterr().err == "error: eval.max_new_tokens 64 must be 1 to 63 (below eval.max_length)\n"
 
 
 @pytest.mark.parametrize(
