@@ -69,7 +69,6 @@ def check_evaluation(e: Evaluation, seq_len: int, pipeline_degree: int, context_
         raise ConfigError(
             f"eval.freq {e.freq} and eval.limit {e.limit} must be 0 or more, eval.batch_size {e.batch_size} 1 or more"
         )
-
     if e.freq == 0:
         return
     if not e.tasks:

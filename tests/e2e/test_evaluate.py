@@ -1,8 +1,9 @@
-"""Evaluation during training on 2 CPU ranks (FSDP): its accuracy at the last step equals what
-lm-evaluation-harness's own HF backend gives on the run's Hugging Face export (the same choices
-picked), and what the "tessera" adapter gives on the run's DCP checkpoint and on the export, in
-Python and through lm_eval's command line; and a run with evaluation trains bitwise as the same run
-without it."""
+"""Evaluation during training on 2 CPU ranks (FSDP): its accuracy and exact match at the last step
+equal what lm-evaluation-harness's own HF backend gives on the run's Hugging Face export (the same
+choices picked, the same texts generated), and what the "tessera" adapter gives on the run's DCP
+checkpoint and on the export, in Python and through lm_eval's command line; under tensor parallelism
+(tp 2) what the adapter gives in one process on that run's checkpoint; and a run with evaluation
+trains bitwise as the same run without it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from tests.launch import REPO, TWO_BLOCKS, launch_train, read_metrics, train_env
 
 STEPS, FREQ = 10, 5
 MAX_LENGTH = 64  # training.seq_len: no record is cut
+MAX_NEW_TOKENS = 8
+STOPS = [" ", ".", ","]  # of the generation task: a word's end
 
 
 def write_multiple_choice(path: str, records: int, choices: int, seed: int) -> str:
@@ -38,24 +41,52 @@ def write_multiple_choice(path: str, records: int, choices: int, seed: int) -> s
     return path
 
 
+def write_generation(path: str, records: int, seed: int) -> str:
+    """A task of ``records`` word ends from the training corpus: a sentence cut inside a word, to be
+    continued by the rest of that word; or cut after a word, to be continued by a space or a punctuation
+    mark (the answer is empty: they are the stop strings). The model of 10 steps gets a few right."""
+    sentences = [line for line in corpus_text(1).splitlines() if line.endswith(".")]
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(records):
+            sentence = rng.choice(sentences)
+            cut = rng.choice([i for i in range(1, len(sentence) - 1) if sentence[i - 1] != " "])
+            answer = sentence[cut:].split(" ")[0].split(".")[0]
+            f.write(json.dumps({"context": sentence[:cut], "answer": answer, "until": STOPS}) + "\n")
+    return path
+
+
 def harness_task(path: str) -> dict:
     """The task of a local JSONL file, as lm-evaluation-harness reads it (no download)."""
-    return {
+    with open(path) as f:
+        generation = "choices" not in json.loads(f.readline())
+    source = {
         "task": os.path.splitext(os.path.basename(path))[0],
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": path}},
         "test_split": "test",
-        "output_type": "multiple_choice",
         "doc_to_text": "context",
-        "doc_to_choice": "choices",
         "doc_to_target": "answer",
+    }
+    if generation:
+        return {
+            **source,
+            "output_type": "generate_until",
+            "generation_kwargs": {"until": STOPS, "max_gen_toks": MAX_NEW_TOKENS, "do_sample": False},
+            "metric_list": [{"metric": "exact_match"}],
+        }
+    return {
+        **source,
+        "output_type": "multiple_choice",
+        "doc_to_choice": "choices",
         "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}],
     }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Two 2-rank runs of the same job, with evaluation every FREQ steps and without."""
+    """Three 2-rank runs of the same job: with evaluation every FREQ steps and without (FSDP), and with
+    it under tensor parallelism."""
     root = tmp_path_factory.mktemp("evaluate")
     write_tokenizer(str(root / "tokenizer"))
     (root / "corpus.txt").write_text(corpus_text())
@@ -64,6 +95,7 @@ def runs(tmp_path_factory) -> dict:
     tasks = [
         write_multiple_choice(str(root / "sentences.jsonl"), 50, 4, seed=0),
         write_multiple_choice(str(root / "short.jsonl"), 3, 3, seed=1),
+        write_generation(str(root / "ends.jsonl"), 15, seed=3),  # 8 and 7 a rank
     ]
     job = [
         *TWO_BLOCKS,
@@ -76,12 +108,18 @@ def runs(tmp_path_factory) -> dict:
         "--checkpoint.enable",
         "--checkpoint.export_hf",
     ]
-    evaluation = ["--eval.freq", str(FREQ), "--eval.tasks", ",".join(tasks), "--eval.batch_size", "8"]
+    evaluation = [
+        *("--eval.freq", str(FREQ), "--eval.tasks", ",".join(tasks), "--eval.batch_size", "8"),
+        *("--eval.max_new_tokens", str(MAX_NEW_TOKENS)),
+    ]
     launch_train(str(root / "with"), 2, *job, *evaluation, timeout=600)
     launch_train(str(root / "without"), 2, *job, timeout=600)
-    with open(root / "with" / "evaluation.jsonl") as f:
-        evaluations = [json.loads(line) for line in f]
-    return {"root": root, "tasks": tasks, "evaluations": evaluations}
+    launch_train(str(root / "tp"), 2, *job, *evaluation, "--parallelism.tensor_parallel_degree", "2", timeout=600)
+    evaluations = {}
+    for run in ("with", "tp"):
+        with open(root / run / "evaluation.jsonl") as f:
+            evaluations[run] = [json.loads(line) for line in f]
+    return {"root": root, "tasks": tasks, "evaluations": evaluations["with"], "tp": evaluations["tp"]}
 
 
 @pytest.mark.slow  # two 2-rank launches
@@ -106,12 +144,14 @@ def harness_scores(model: str, model_args: str, tasks: list[str]) -> dict[str, d
         device="cpu",
         log_samples=True,
     )
+    # Each choice's log-likelihood, or each generated text.
     picks = {
-        name: [[ll for ll, _ in sample["filtered_resps"]] for sample in samples]
+        name: [[r if isinstance(r, str) else r[0] for r in sample["filtered_resps"]] for sample in samples]
         for name, samples in out["samples"].items()
     }
+    metrics = ("acc", "acc_norm", "exact_match")
     return {
-        name: {"acc": values["acc,none"], "acc_norm": values["acc_norm,none"], "lls": picks[name]}
+        name: {**{m: values[f"{m},none"] for m in metrics if f"{m},none" in values}, "picks": picks[name]}
         for name, values in out["results"].items()
     }
 
@@ -124,16 +164,29 @@ def test_in_training_accuracy_equals_the_harness_on_the_export_and_the_adapter(r
     hf = harness_scores("hf", f"pretrained={export},dtype=float32,max_length={MAX_LENGTH}", tasks)
     dcp = harness_scores("tessera", f"checkpoint={root / 'with' / 'checkpoint' / f'step-{STEPS}'}", tasks)
     folder = harness_scores("tessera", f"checkpoint={export},max_length={MAX_LENGTH}", tasks)
-    print({"in training": in_training, **{k: {n: v["acc"] for n, v in s.items()} for k, s in [("hf", hf)]}})
+    print({"in training": in_training, "hf": hf})
     for name in in_training:
-        assert in_training[name] == {"acc": hf[name]["acc"], "acc_norm": hf[name]["acc_norm"]}
+        scores = {k: v for k, v in hf[name].items() if k != "picks"}
+        assert in_training[name] == scores
         for adapter in (dcp, folder):
-            assert (adapter[name]["acc"], adapter[name]["acc_norm"]) == (hf[name]["acc"], hf[name]["acc_norm"])
-            # The same picks: each choice's log-likelihood within float32 noise of the HF model's.
-            for ours, theirs in zip(adapter[name]["lls"], hf[name]["lls"]):
-                assert ours == pytest.approx(theirs, abs=1e-3)
-    # Not a model that picks the same index every time: the accuracies tell choices apart.
+            assert {k: v for k, v in adapter[name].items() if k != "picks"} == scores
+            # The same picks: each choice's log-likelihood within float32 noise of the HF model's, the
+            # same generated texts.
+            for ours, theirs in zip(adapter[name]["picks"], hf[name]["picks"]):
+                assert ours == (theirs if isinstance(theirs[0], str) else pytest.approx(theirs, abs=1e-3))
+    # Not a model that picks the same index every time, nor one that never or always says the answer.
     assert 0 < in_training["sentences"]["acc"] < 1
+    assert 0 < in_training["ends"]["exact_match"] < 1, hf["ends"]["picks"]
+
+
+@pytest.mark.slow  # the runs of the fixture
+def test_in_training_evaluation_under_tensor_parallelism_equals_one_process(runs):
+    """At tp 2 (sequence-parallel shards, vocabulary-sharded logits) the scores equal those of the adapter
+    in one process on the same step's checkpoint."""
+    root, tasks = runs["root"], runs["tasks"]
+    in_training = runs["tp"][-1]["tasks"]
+    one = harness_scores("tessera", f"checkpoint={root / 'tp' / 'checkpoint' / f'step-{STEPS}'}", tasks)
+    assert in_training == {name: {k: v for k, v in one[name].items() if k != "picks"} for name in in_training}
 
 
 @pytest.mark.slow  # the runs of the fixture, and lm_eval's command line in a process
