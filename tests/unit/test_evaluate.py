@@ -200,14 +200,15 @@ def test_the_accuracies_go_to_the_console_the_evaluation_file_and_tensorboard(tm
     logger = MetricsLogger(str(tmp_path), enable=True, enable_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"))
     logger.start(0)
     with caplog.at_level("INFO"):
-        logger.log_evaluation(5, {"sentences": {"acc": 0.5, "acc_norm": 0.25}}, 1.5)
+        logger.log_evaluation(5, {"sentences": {"acc": 0.5, "acc_norm": 0.25}, "ends": {"exact_match": 0.75}}, 1.5)
     logger.close()
-    assert "step 5 | eval sentences acc 0.5000 acc_norm 0.2500 | 1.50s" in caplog.text
+    assert "step 5 | eval sentences acc 0.5000 acc_norm 0.2500 | ends exact_match 0.7500 | 1.50s" in caplog.text
     with open(tmp_path / "evaluation.jsonl") as f:
         assert json.loads(f.read()) == {
             "step": 5,
-            "tasks": {"sentences": {"acc": 0.5, "acc_norm": 0.25}},
+            "tasks": {"sentences": {"acc": 0.5, "acc_norm": 0.25}, "ends": {"exact_match": 0.75}},
             "seconds": 1.5,
         }
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
     assert [e.value for e in events.Scalars("eval/sentences/acc_norm")] == [0.25]
+    assert [e.value for e in events.Scalars("eval/ends/exact_match")] == [0.75]
