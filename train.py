@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from config.errors import ConfigError, first_line, print_error
+from config.errors import ConfigError, first_line, init_console_logging, print_error
 from config.manager import help_text, load_config, named_as_given
 from trainer.refusal import job_refused, refuse
 
@@ -18,11 +18,7 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    init_console_logging()
     if job_refused():
         return 0  # an earlier attempt of this job met a mistake that a restart cannot mend
     try:

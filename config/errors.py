@@ -1,14 +1,26 @@
-"""The one user-error type, and the one-line messages every program reports mistakes in."""
+"""The one user-error type, the one-line messages every program reports mistakes in, and the ranks' console."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 from collections.abc import Iterator
 
 
 class ConfigError(ValueError):
     """A user error in the configuration: reported as one line, without a traceback."""
+
+
+def init_console_logging() -> None:
+    """Timed log lines on the console: INFO from rank 0 (torchrun's RANK, or a lone process), warnings and
+    errors from every rank."""
+    logging.basicConfig(
+        level=logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def print_error(message: object) -> None:

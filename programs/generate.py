@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from config.errors import ConfigError, print_error, user_input
+from config.errors import ConfigError, init_console_logging, print_error, user_input
 from config.generation import Generation, check_generation
 from config.job_config import JobConfig
 from config.manager import help_text, load_config, named_as_given
@@ -229,11 +229,7 @@ def main(argv: list[str]) -> int:
         print(help_text(PROGRAM))
         return 0
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    init_console_logging()
     try:
         config, tokenizer, args, prompts, ids = prepare(load_config(argv))
         model = load_model(config, args)
