@@ -7,6 +7,7 @@ exit 2, found before the model loads."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -142,13 +143,11 @@ def for_generation(config: JobConfig) -> JobConfig:
 def load_model(config: JobConfig, args: Any) -> nn.Module:
     """The model of ``args`` on this rank's part of the mesh, its weights from checkpoint.initial_load_path."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     from models.builder import build_model
     from models.sizes import is_hf_folder
     from trainer.checkpoint import integrity
-    from trainer.checkpoint.hf import load_hf_weights
-    from trainer.checkpoint.state import ModelState
+    from trainer.checkpoint.state import load_model_weights
     from trainer.distributed import init_distributed, parallel_dims_from_config
 
     device = init_distributed(config.comm, config.job.dump_folder)
@@ -156,15 +155,13 @@ def load_model(config: JobConfig, args: Any) -> nn.Module:
     dims.build_mesh(device.type)
     model = build_model(config, dims, device, args).parts[0]
     path = config.checkpoint.initial_load_path
-    if is_hf_folder(path):
-        with user_input("checkpoint.initial_load_path"):
-            load_hf_weights([model], path)
-    else:
-        try:
-            integrity.verify_files(path, require_marker=False, rank=dist.get_rank(), world_size=dist.get_world_size())
-        except integrity.CheckpointError as e:
-            raise ConfigError(f"checkpoint.initial_load_path, damaged: {e}") from None
-        dcp.load({"model": ModelState(model)}, checkpoint_id=path)
+    # A Hugging Face folder's mistakes (a missing or unreadable weight) are the user's: one line.
+    named = user_input("checkpoint.initial_load_path") if is_hf_folder(path) else contextlib.nullcontext()
+    try:
+        with named:
+            load_model_weights(model, path)
+    except integrity.CheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_path, damaged: {e}") from None
     logger.info("weights loaded from %s", path)
     return model
 

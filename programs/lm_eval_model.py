@@ -15,7 +15,6 @@ import sys
 # lm_eval adds its own models to the registry only while it is empty: they go in before "tessera".
 import lm_eval.models  # noqa: F401
 import torch
-import torch.distributed.checkpoint as dcp
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -27,7 +26,7 @@ from config.job_config import RESOLVED_CONFIG_FILE
 from config.manager import load_config
 from models.llama3 import Transformer
 from models.sizes import CONFIG_NAME, is_hf_folder, job_model_args, read_hf_config
-from trainer.checkpoint.hf import load_hf_weights
+from trainer.checkpoint.state import load_model_weights
 from trainer.data.tokenizer import Tokenizer, build_tokenizer
 from trainer.evaluate import Request, loglikelihoods
 from trainer.evaluate_generation import continuations, generation_prompt
@@ -55,12 +54,7 @@ def load_model(checkpoint: str, config: str = "", max_length: int | None = None)
         )
     tokenizer = build_tokenizer(job.model.tokenizer_path, job.job.cache_dir, job.model.default_tokenizer_vocab_size)
     model = Transformer(job_model_args(job, tokenizer.vocab_size))
-    if is_hf_folder(checkpoint):
-        load_hf_weights([model], checkpoint)
-    else:
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=checkpoint)  # reshards from the layout it was saved at
-        model.load_state_dict(state["model"])
+    load_model_weights(model, checkpoint)
     return model.eval(), tokenizer
 
 

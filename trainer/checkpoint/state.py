@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -17,7 +19,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from models.sizes import is_hf_folder
 from parallelisms.float8 import plain_tensor
+from trainer.checkpoint import integrity
+from trainer.checkpoint.hf import load_hf_weights
 from trainer.optim import optimizers_holding_state
 
 
@@ -55,6 +60,18 @@ class ModelState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict)
+
+
+def load_model_weights(model: nn.Module, path: str) -> None:
+    """The weights of a Hugging Face folder, or of a DCP checkpoint folder saved at any layout (DCP
+    reshards), into ``model``; this rank's share of the DCP files is checked against the checkpoint's
+    marker first (integrity.CheckpointError names a damaged one)."""
+    if is_hf_folder(path):
+        load_hf_weights([model], path)
+        return
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    integrity.verify_files(path, require_marker=False, rank=rank, world_size=world_size)
+    dcp.load({"model": ModelState(model)}, checkpoint_id=path)
 
 
 class OptimizerState(Stateful):
