@@ -1,6 +1,7 @@
 """Downstream evaluation: multiple-choice tasks scored by log-likelihood as lm-evaluation-harness scores
 them (its tokenization of a context and a choice, its left truncation, its acc and acc_norm), and
-generation tasks by exact match (trainer/evaluate_generation.py), during training at the training layout; programs/lm_eval_model.py scores the harness's own requests here too."""
+generation tasks by exact match (trainer/evaluate_generation.py), during training at the training
+layout; programs/lm_eval_model.py scores the harness's own requests here too."""
 
 from __future__ import annotations
 
