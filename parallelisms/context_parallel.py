@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
-from torch.utils.checkpoint import checkpoint
 
 RotateMethod = Literal["allgather", "alltoall"]
 # The ring's float32 scores of one slice of queries against one block of keys: 2**24 is 64 MiB.
@@ -39,14 +38,19 @@ def check_sequence(seq_len: int, cp_degree: int) -> None:
         raise ValueError(f"seq_len {seq_len} does not split into 2 x cp_degree {cp_degree} equal chunks")
 
 
+def _chunk_starts(chunk: int, cp_degree: int, cp_rank: int) -> tuple[int, int]:
+    """Where the head and tail chunks of rank ``cp_rank`` begin in the sequence."""
+    return cp_rank * chunk, (2 * cp_degree - 1 - cp_rank) * chunk
+
+
 def head_tail_positions(seq_len: int, cp_degree: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The global indices (int64, ascending) of the tokens rank ``cp_rank`` holds: chunks ``cp_rank``
     and ``2 * cp_degree - 1 - cp_rank`` of ``2 * cp_degree``."""
     check_sequence(seq_len, cp_degree)
     chunk = seq_len // (2 * cp_degree)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    tail_start = (2 * cp_degree - 1 - cp_rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
+    return torch.cat(
+        [torch.arange(start, start + chunk, device=device) for start in _chunk_starts(chunk, cp_degree, cp_rank)]
+    )
 
 
 def shard_sequence(tensor: torch.Tensor, cp_degree: int, cp_rank: int) -> torch.Tensor:
@@ -127,27 +131,103 @@ def _pass_on(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return all_to_all_single_autograd(x.contiguous(), receive, send, group=group)
 
 
-def _block_attention(query, keys, values, mask):
-    """One block's share of the online softmax: the rows' maximum score (detached; -inf where the
-    mask hides the whole block), the values weighted by exp(score - maximum) and those weights' sum."""
-    scores = (query @ keys.float().transpose(-2, -1)).masked_fill(~mask, -math.inf)
-    # The result does not depend on the maximum subtracted: no gradient through it.
-    maximum = scores.amax(dim=-1).detach()
-    weights = torch.exp(scores - maximum.nan_to_num(neginf=0.0)[..., None])
-    return maximum, weights @ values.float(), weights.sum(dim=-1)
+def _slices(query: torch.Tensor, cp_degree: int, rank: int, source: int) -> tuple[tuple[int, int, int], ...]:
+    """(start, stop, keys): row ranges of ``query`` [batch, heads, seq_local, head_dim] (this rank's)
+    whose scores against a block of ``seq_local`` keys (rank ``source``'s) hold at most
+    ``SCORES_PER_SLICE`` values, each with how many of the block's keys it may see under the causal
+    mask: a prefix, since positions ascend in both chunks. Plain integers from the chunk layout, so
+    that a compiled graph holds no data-dependent shape."""
+    batch, heads, seq_local, _ = query.shape
+    chunk = seq_local // 2
+    rows = max(1, SCORES_PER_SLICE // (batch * heads * seq_local))
+    head, tail = _chunk_starts(chunk, cp_degree, rank)
+    slices = []
+    for start in range(0, seq_local, rows):
+        stop = min(start + rows, seq_local)
+        last = head + stop - 1 if stop <= chunk else tail + stop - 1 - chunk
+        keys = sum(min(max(last - first + 1, 0), chunk) for first in _chunk_starts(chunk, cp_degree, source))
+        slices.append((start, stop, keys))
+    return tuple(slices)
 
 
-def _chunked_block_attention(query, keys, values, mask):
-    """``_block_attention`` over slices of the queries, each recomputed in backward on its own, so
-    that at most ``SCORES_PER_SLICE`` scores exist at once, forward or backward."""
-    rows = max(1, SCORES_PER_SLICE // (query.shape[0] * query.shape[1] * keys.shape[-2]))
-    if rows >= query.shape[-2]:
-        return checkpoint(_block_attention, query, keys, values, mask, use_reentrant=False)
-    slices = [
-        checkpoint(_block_attention, q, keys, values, m, use_reentrant=False)
-        for q, m in zip(query.split(rows, dim=-2), mask.split(rows, dim=-2))
-    ]
-    return tuple(torch.cat(parts, dim=-1 if i != 1 else -2) for i, parts in enumerate(zip(*slices)))
+def _largest(query: torch.Tensor, slices: tuple[tuple[int, int, int], ...]) -> int:
+    """The most scores one of ``slices`` of ``query`` [batch, heads, seq_q, head_dim] computes."""
+    batch, heads = query.shape[:2]
+    return max(batch * heads * (stop - start) * keys for start, stop, keys in slices)
+
+
+def _weights(query, keys, hidden, buffer, maximum=None):
+    """exp(scores - maximum) of ``query`` against ``keys`` (0 where ``hidden``, the mask's negation,
+    hides the key), built in place in ``buffer``, and the rows' maximum score (-inf where every key
+    is hidden)."""
+    weights = torch.matmul(query, keys.transpose(-2, -1), out=_scratch(buffer, query, keys))
+    weights.masked_fill_(hidden, -math.inf)
+    if maximum is None:
+        maximum = weights.amax(dim=-1)
+    return weights.sub_(maximum.nan_to_num(neginf=0.0)[..., None]).exp_(), maximum
+
+
+def _scratch(buffer: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The front of ``buffer`` shaped as the product of ``rows`` [..., n, d] and ``columns`` [..., m, d]
+    transposed: [..., n, m]."""
+    shape = (*rows.shape[:-1], columns.shape[-2])
+    return buffer[: math.prod(shape)].view(shape)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One block of keys' share of the online softmax: the rows' maximum score, the values weighted
+    by exp(score - maximum) and those weights' sum, computed slice by slice of the queries (each
+    against the keys ``slices`` says it may see) and recomputed in backward, so that at most ``SCORES_PER_SLICE`` scores (and as many gradients)
+    exist at once. The results are allocated before the slices' buffers, which then reuse one
+    another's memory: on a CPU, small results between them would fragment malloc's heap. No
+    gradient flows through the maximum (the attention does not depend on it)."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, mask, slices):
+        batch, heads, seq_q, _ = query.shape
+        maximum = query.new_empty(batch, heads, seq_q)
+        out = query.new_empty(batch, heads, seq_q, values.shape[-1])
+        total = query.new_empty(batch, heads, seq_q)
+        hidden = mask.logical_not()
+        buffer = query.new_empty(_largest(query, slices))
+        for start, stop, needed in slices:
+            rows = slice(start, stop)
+            if needed == 0:
+                maximum[..., rows], out[..., rows, :], total[..., rows] = -math.inf, 0.0, 0.0
+                continue
+            weights, maximum[..., rows] = _weights(
+                query[..., rows, :], keys[..., :needed, :], hidden[..., rows, :needed], buffer
+            )
+            out[..., rows, :] = weights @ values[..., :needed, :]
+            total[..., rows] = weights.sum(dim=-1)
+        ctx.save_for_backward(query, keys, values, mask, maximum)
+        ctx.slices = slices
+        ctx.mark_non_differentiable(maximum)
+        return maximum, out, total
+
+    @staticmethod
+    def backward(ctx, _, grad_out, grad_total):
+        query, keys, values, mask, maximum = ctx.saved_tensors
+        grad_query, grad_keys, grad_values = torch.empty_like(query), torch.zeros_like(keys), torch.zeros_like(values)
+        hidden = mask.logical_not()
+        buffers = query.new_empty(2, _largest(query, ctx.slices))
+        for start, stop, needed in ctx.slices:
+            rows = slice(start, stop)
+            if needed == 0:
+                grad_query[..., rows, :] = 0.0
+                continue
+            keys_seen, values_seen = keys[..., :needed, :], values[..., :needed, :]
+            queries, grads = query[..., rows, :], grad_out[..., rows, :]
+            weights, _ = _weights(queries, keys_seen, hidden[..., rows, :needed], buffers[0], maximum[..., rows])
+            grad_values[..., :needed, :] += weights.transpose(-2, -1) @ grads
+            # d(total)/d(weight) is 1 and d(out)/d(weight) is the value; d(weight)/d(score) is the weight.
+            grad_scores = torch.matmul(
+                grads, values_seen.transpose(-2, -1), out=_scratch(buffers[1], grads, values_seen)
+            )
+            grad_scores.add_(grad_total[..., rows, None]).mul_(weights)
+            grad_query[..., rows, :] = grad_scores @ keys_seen
+            grad_keys[..., :needed, :] += grad_scores.transpose(-2, -1) @ queries
+        return grad_query, grad_keys, grad_values, None, None
 
 
 def _ring_attention(q, k, v, positions, group, documents):
@@ -169,7 +249,9 @@ def _ring_attention(q, k, v, positions, group, documents):
         source = (rank - step) % cp_degree
         k_documents = all_documents[source] if all_documents is not None else None
         mask = _mask(positions, all_positions[source], documents, k_documents)
-        block_max, block_out, block_total = _chunked_block_attention(query, block[0], block[1], mask)
+        block_max, block_out, block_total = _BlockAttention.apply(
+            query, block[0].float(), block[1].float(), mask, _slices(query, cp_degree, rank, source)
+        )
         if out is None:
             out, total, maximum = block_out, block_total, block_max
             continue
