@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ from programs.dry_run import dry_run, in_child, measured_ranks
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
+# Sequences per microbatch tried: those a user tries, up to torchtitan's debug config's 8.
+MICROBATCHES = (1, 2, 4, 8)
+# DDP's gradient buckets (torch's default bucket_cap_mb), one all-reduce each.
+DDP_BUCKET_BYTES = 25 * 2**20
 # Extra block FLOPs of each AC mode, of 6 per parameter and token: full 2 of 6, selective 1 of 6.
 RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
 
@@ -43,10 +48,13 @@ class Layout:
     offload: bool = False  # training.enable_cpu_offload: tried only when no layout fits without
 
     def describe(self) -> str:
-        mesh = f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}"
+        if self.shard == 1 and self.replicate > 1:
+            mesh = f"ddp {self.replicate}"
+        else:
+            mesh = "dp " + (f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}")
         pipe = f" pp{self.pp} {self.schedule} ({self.local_batch // self.microbatch} mb)" if self.pp > 1 else ""
         offload = " cpu offload" if self.offload else ""
-        return f"{self.impl} dp {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}{offload}"
+        return f"{self.impl} {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}{offload}"
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,10 @@ def global_batch(config: JobConfig) -> int:
 def _pipelines(config: JobConfig, shape: ModelShape, pp: int, per_rank: int):
     """(schedule, stages, largest stage's blocks, microbatch, local batch) of each pipeline tried."""
     if pp == 1:
-        yield from (("", 1, shape.n_layers, mb, mb) for mb in (1, 2) if per_rank % mb == 0)
+        yield from (("", 1, shape.n_layers, mb, mb) for mb in MICROBATCHES if per_rank % mb == 0)
         return
     for schedule in SCHEDULES:
-        for mb in (1, 2):
+        for mb in MICROBATCHES:
             if per_rank % mb:
                 continue
             # The most microbatches per pipeline step up to 4 per stage: a smaller bubble.
@@ -122,7 +130,7 @@ def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
             if batch % dp:
                 continue
             node_shard = max(1, plan.devices_per_node // tp)  # HSDP: shard inside a node, replicate across
-            replicates = {1} | ({dp // node_shard} if node_shard < dp and dp % node_shard == 0 else set())
+            replicates = {1, dp} | ({dp // node_shard} if node_shard < dp and dp % node_shard == 0 else set())
             for pipeline in _pipelines(config, shape, pp, batch // dp):
                 for replicate in sorted(replicates):
                     for impl in ("fsdp2", "simple_fsdp"):
@@ -168,7 +176,9 @@ def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
     span = lay.shard * lay.tp
     ag = _ring_seconds(plan, lay.shard, span, rank_params * 2, calls)
     rs = _ring_seconds(plan, lay.shard, span, rank_params * 4, calls)
-    ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, calls)
+    # HSDP all-reduces each unit's shard; DDP (no sharding) its whole gradient in buckets.
+    ar_calls = math.ceil(rank_params * 4 / DDP_BUCKET_BYTES) if lay.shard == 1 else calls
+    ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, ar_calls)
     dp_comm = passes * (gathers * ag + rs) + ar
     if lay.offload:
         # Each gather copies the fp32 shard to the device and each reduction its gradient back, over
@@ -423,6 +433,8 @@ def main(argv: list[str]) -> int:
         estimator = PeakEstimator(config, shape)
         planned, tried = plan_layouts(config, shape, estimator)
         best = layout_config(config, planned[0].layout)
+        # The written file is read as --job.config_file itself: it names no other.
+        best = dataclasses.replace(best, job=dataclasses.replace(best.job, config_file=""))
         with user_input("plan.output"), open(config.plan.output, "w") as f:
             f.write(to_toml(best))
     except ConfigError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -155,3 +156,34 @@ def test_the_layouts_split_as_planned_whatever_the_config_set(monkeypatch):
         (two, 64, 0),
         (two, 64, 56),
     ]
+
+
+def test_the_search_has_the_microbatches_a_user_tries_and_ddp():
+    """Debug model on 2 devices, 16 sequences a step: microbatches 1, 2, 4 and 8 (the debug config's),
+    and DDP (replicas without sharding), whose gradient all-reduce is priced in 25 MiB buckets."""
+    config = load_config(["--model.flavor", "debugmodel", "--plan.devices", "2", "--training.global_batch_size", "16"])
+    shape = plan.model_shape(config)
+    layouts = plan.enumerate_layouts(config, shape)
+    assert {lay.microbatch for lay in layouts if lay.pp == 1} == {1, 2, 4, 8}
+    ddp = next(
+        lay
+        for lay in layouts
+        if (lay.impl, lay.replicate, lay.shard, lay.microbatch, lay.ac) == ("fsdp2", 2, 1, 8, "none")
+    )
+    assert ddp.describe() == "fsdp2 ddp 2 tp1 mbs 8 ac none"
+    # One bucket (the debug model's 6.3M fp32 gradients): a 2-rank ring all-reduce is 2 hops. Compute
+    # made free leaves nothing to hide it behind.
+    free = dataclasses.replace(config.plan, peak_tflops=1e9)
+    slower = dataclasses.replace(config, plan=dataclasses.replace(free, link_latency_us=1010.0))
+    fast = dataclasses.replace(config, plan=free)
+    assert plan.step_seconds(slower, shape, ddp) - plan.step_seconds(fast, shape, ddp) == pytest.approx(2e-3)
+
+
+def test_the_written_config_names_no_other_config_file(tmp_path, caplog):
+    """Planned from a config file, the written one loads without "job.config_file ... has no effect"."""
+    out = tmp_path / "plan.toml"
+    given = ["--job.config_file", "configs/debug_model.toml", "--plan.devices", "2", "--plan.top", "1"]
+    result = _run(*given, "--plan.output", str(out))
+    assert result.returncode == 0, result.stderr
+    load_config(["--job.config_file", str(out)])
+    assert "config_file" not in caplog.text
