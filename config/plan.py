@@ -26,6 +26,9 @@ class Plan:
     """Bandwidth of one device's links between nodes, GB/s (e.g. one 400 Gb/s NIC per device)."""
     link_latency_us: float = 10.0
     """Latency of one hop of a ring collective or one send, microseconds (the alpha of alpha-beta)."""
+    calibration_file: str = ""
+    """A calibration file written by python -m programs.calibrate on the machine the plan is for: the time model
+    takes its compute and link rates from it instead of peak_tflops, mfu, the *_gbps and link_latency_us."""
     devices_per_node: int = 8
     """Devices in a node: mesh dimensions within a node use intra_node_gbps, the others inter_node_gbps."""
     activation_checkpoint_modes: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
