@@ -2,9 +2,10 @@
 
     python bench/plan_vs_measured.py --devices 2 [--rounds 2] [--steps 16] [--top 10] [--out PATH]
 
-Plans ``configs/debug_model.toml`` (the debug model, seq 256, 8 sequences per rank) on ``--devices``
-CPU ranks of this machine (``MACHINE``: one core per rank, a gloo link, the figures the trainer's
-logs and collective calibration give), and trains for real, through ``run_train.sh`` with the
+Calibrates the planner on ``--devices`` CPU ranks of this machine (``python -m programs.calibrate``;
+``--calibration FILE`` takes a calibration made before, ``--calibration figures`` plans with
+``MACHINE``'s ``[plan]`` figures instead), plans ``configs/debug_model.toml`` (the debug model, seq
+256, 8 sequences per rank) on those ranks, and trains for real, through ``run_train.sh`` with the
 config file the planner writes for each: its ``--top`` fastest predicted layouts (without
 activation checkpointing), DDP with the debug config's 8 sequences per microbatch, and the debug
 config unchanged. Runs use this machine's default precision (``mixed_precision_param = "auto"``:
@@ -34,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from config.manager import load_config, to_toml
-from programs import plan
+from programs import plan, time_model
 
 DEBUG_CONFIG = os.path.join(REPO, "configs", "debug_model.toml")
 # This 2-core machine: the trainer's logged rate of debugmodel's float32 steps on one thread and
@@ -47,7 +48,9 @@ FIRST_TIMED_STEP = 4
 UNCHANGED = "debug config unchanged"
 
 
-def candidates(config, top: int) -> list[tuple[str, plan.Layout | None, float | None]]:
+def candidates(
+    config, top: int, calibration: time_model.Calibration | None
+) -> list[tuple[str, plan.Layout | None, float | None]]:
     """(name, layout, predicted step seconds): the ``top`` fastest predicted, DDP at the debug config's
     microbatch, and the debug config unchanged (no layout, no prediction). Without data parallelism
     the implementation makes no difference: FSDP2 stands for both."""
@@ -55,7 +58,9 @@ def candidates(config, top: int) -> list[tuple[str, plan.Layout | None, float | 
     layouts = [
         lay for lay in plan.enumerate_layouts(config, shape) if lay.replicate * lay.shard > 1 or lay.impl == "fsdp2"
     ]
-    timed = sorted(((lay, plan.step_seconds(config, shape, lay)) for lay in layouts), key=lambda t: t[1])
+    rates = time_model.Rates(config, shape, calibration)
+    batch = plan.global_batch(config)
+    timed = sorted(((lay, time_model.step_seconds(rates, lay, batch)) for lay in layouts), key=lambda t: t[1])
     chosen = timed[:top]
     ddp = next(
         (t for t in timed if t[0].shard == 1 and t[0].replicate > 1 and t[0].microbatch == 8 and t[0].impl == "fsdp2"),
@@ -64,6 +69,16 @@ def candidates(config, top: int) -> list[tuple[str, plan.Layout | None, float | 
     if ddp is not None and ddp not in chosen:
         chosen.append(ddp)
     return [(lay.describe(), lay, seconds) for lay, seconds in chosen] + [(UNCHANGED, None, None)]
+
+
+def calibrate(devices: int, scratch: str) -> str:
+    """Runs the planner's calibration on ``devices`` CPU ranks of this machine; returns its file."""
+    path = os.path.join(scratch, "calibration.json")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}"]
+    command += ["-m", "programs.calibrate", "--job.config_file", DEBUG_CONFIG, "--plan.calibration_file", path]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    return path
 
 
 def measure(config, layout: plan.Layout | None, devices: int, steps: int, scratch: str, name: str) -> float:
@@ -160,13 +175,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=10, help="how many of the fastest predicted to measure")
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--calibration", default="", help="a calibration file, 'figures' for MACHINE's; default: calibrate first"
+    )
     args = parser.parse_args(argv)
     devices = ["--plan.devices", str(args.devices), "--plan.devices_per_node", str(args.devices)]
     config = load_config(["--job.config_file", DEBUG_CONFIG, *devices, *MACHINE])
-    chosen = candidates(config, args.top)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    rows = [{"layout": name, "predicted_step_s": seconds, "rounds_tps": []} for name, _, seconds in chosen]
     with tempfile.TemporaryDirectory(prefix="bench_plan_") as scratch:
+        calibration_file = args.calibration or calibrate(args.devices, scratch)
+        calibration = time_model.read_calibration(calibration_file) if calibration_file != "figures" else None
+        chosen = candidates(config, args.top, calibration)
+        rows = [{"layout": name, "predicted_step_s": seconds, "rounds_tps": []} for name, _, seconds in chosen]
         for round_index in range(args.rounds):
             order = list(enumerate(chosen))
             for i, (name, layout, _) in order if round_index % 2 == 0 else order[::-1]:
@@ -179,6 +199,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         info = {"date": started, "devices": args.devices, "rounds": args.rounds, "steps": args.steps}
+        info["calibration"] = calibration.__dict__ if calibration else "figures"
         json.dump({"info": info | {"machine": MACHINE}, "summary": summary, "rows": rows}, f, indent=1)
     print(f"wrote {out}")
     return 0

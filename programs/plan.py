@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -20,16 +19,13 @@ from models.registry import get_model_spec
 from models.sizes import architecture_folder, job_model_args
 from parallelisms.pipeline import plan_pipeline
 from programs.dry_run import dry_run, in_child, measured_ranks
+from programs.time_model import Rates, read_calibration, step_seconds
 
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 # Sequences per microbatch tried: those a user tries, up to torchtitan's debug config's 8.
 MICROBATCHES = (1, 2, 4, 8)
-# DDP's gradient buckets (torch's default bucket_cap_mb), one all-reduce each.
-DDP_BUCKET_BYTES = 25 * 2**20
-# Extra block FLOPs of each AC mode, of 6 per parameter and token: full 2 of 6, selective 1 of 6.
-RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
 
 
 @dataclass(frozen=True)
@@ -137,66 +133,6 @@ def enumerate_layouts(config: JobConfig, shape: ModelShape) -> list[Layout]:
                         for ac in plan.activation_checkpoint_modes:
                             layouts.append(Layout(impl, replicate, dp // replicate, tp, pp, *pipeline, ac))
     return layouts
-
-
-def _ring_seconds(plan, group: int, span: int, nbytes: float, collectives: float) -> float:
-    """A ring collective over ``group`` ranks within ``span`` consecutive ones moving ``nbytes`` in
-    ``collectives`` calls: (group - 1) hops of latency per call, (group - 1) / group of the bytes."""
-    if group == 1:
-        return 0.0
-    gbps = plan.intra_node_gbps if span <= plan.devices_per_node else plan.inter_node_gbps
-    return collectives * (group - 1) * plan.link_latency_us * 1e-6 + (group - 1) / group * nbytes / (gbps * 1e9)
-
-
-def step_seconds(config: JobConfig, shape: ModelShape, layout: Layout) -> float:
-    """The time model (README): compute with the pipeline bubble, plus the communication not hidden."""
-    plan, seq, lay = config.plan, config.training.seq_len, layout
-    tokens = global_batch(config) * seq
-    block = (6 * shape.block_params + 12 * shape.dim * seq) * shape.n_layers * tokens
-    flops = block * (1 + RECOMPUTE[lay.ac] * 6 * shape.block_params / (6 * shape.block_params + 12 * shape.dim * seq))
-    flops += 6 * shape.other_params * tokens
-    compute = flops / plan.devices / (plan.peak_tflops * 1e12 * plan.mfu)
-    dp = lay.replicate * lay.shard
-    passes = global_batch(config) // dp // lay.local_batch  # gradient-accumulation steps
-    microbatches = lay.local_batch // lay.microbatch
-    if lay.pp > 1:
-        compute *= 1 + (lay.pp - 1) / (lay.stages // lay.pp * microbatches)
-    # Data parallel: bf16 all-gathers (once per pipeline step), fp32 reduce-scatters and all-reduce; overlappable.
-    rank_params = (shape.block_params * shape.n_layers + shape.other_params) / (lay.tp * lay.pp)
-    gathers = 1 if lay.pp > 1 else 2
-    embedding = shape.vocab * shape.dim
-    if lay.impl == "fsdp2":
-        # One unit per block, and the root: embedding, final norm and output, gathered first.
-        calls, first = shape.n_layers / lay.pp + 1, shape.other_params
-    else:
-        # Manual buckets: one per block, the embedding (gathered first), and final norm with output.
-        calls, first = shape.n_layers / lay.pp + 2, embedding
-    if lay.pp > 1:
-        first = min(first, embedding)  # rank 0's first stage holds the embedding, not the output
-    span = lay.shard * lay.tp
-    ag = _ring_seconds(plan, lay.shard, span, rank_params * 2, calls)
-    rs = _ring_seconds(plan, lay.shard, span, rank_params * 4, calls)
-    # HSDP all-reduces each unit's shard; DDP (no sharding) its whole gradient in buckets.
-    ar_calls = math.ceil(rank_params * 4 / DDP_BUCKET_BYTES) if lay.shard == 1 else calls
-    ar = 2 * _ring_seconds(plan, lay.replicate, span * lay.replicate, rank_params * 4 / lay.shard, ar_calls)
-    dp_comm = passes * (gathers * ag + rs) + ar
-    if lay.offload:
-        # Each gather copies the fp32 shard to the device and each reduction its gradient back, over
-        # the host link, overlapped as the collectives are. The host optimizer step is not priced.
-        dp_comm += passes * (gathers + 1) * rank_params / lay.shard * 4 / (plan.host_link_gbps * 1e9)
-    # Each forward pass waits for its first gather; the rest overlaps compute.
-    exposed = max(0.0, dp_comm - compute) + passes * _ring_seconds(plan, lay.shard, span, first / lay.tp * 2, 1)
-    # Sequence parallel: 8 exposed activation all-gathers and reduce-scatters per block and microbatch.
-    activation = lay.microbatch * seq * shape.dim * 2
-    blocks = shape.n_layers / lay.pp
-    tp = _ring_seconds(
-        plan, lay.tp, lay.tp, activation * 8 * blocks * microbatches * passes, 8 * blocks * microbatches * passes
-    )
-    # Pipeline: a send forward and one backward per stage boundary and microbatch, exposed.
-    sends = 2 * (lay.stages // lay.pp) * microbatches * passes if lay.pp > 1 else 0
-    pp_link = plan.intra_node_gbps if plan.devices <= plan.devices_per_node else plan.inter_node_gbps
-    pp = sends * (plan.link_latency_us * 1e-6 + activation / lay.tp / (pp_link * 1e9))
-    return compute + exposed + tp + pp
 
 
 def layout_config(config: JobConfig, layout: Layout) -> JobConfig:
@@ -311,7 +247,9 @@ def _needs_more(layout: Layout, than: Layout) -> bool:
     return same and more
 
 
-def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator) -> tuple[list[Planned], int]:
+def plan_layouts(
+    config: JobConfig, shape: ModelShape, estimator: PeakEstimator, rates: Rates
+) -> tuple[list[Planned], int]:
     """The fastest ``plan.top`` layouts that fit and the number tried; ConfigError when none fits.
     Only when none fits are the sharded layouts tried again with CPU offload, whose state must fit
     ``plan.host_memory_gib`` per node."""
@@ -319,7 +257,7 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
     layouts = enumerate_layouts(config, shape)
     if not layouts:
         raise ConfigError(f"plan.devices: no layout of {shape.name} splits {plan.devices} devices and the batch")
-    fitting, measured = _fitting(config, shape, estimator, layouts)
+    fitting, measured = _fitting(config, shape, estimator, layouts, rates)
     if fitting:
         return fitting, len(layouts)
     node_devices = min(plan.devices, plan.devices_per_node)
@@ -328,7 +266,7 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
         for lay in layouts
         if lay.shard > 1 and host_state_bytes(shape, lay) * node_devices <= plan.host_memory_gib * GiB
     ]
-    fitting, _ = _fitting(config, shape, estimator, offloaded)
+    fitting, _ = _fitting(config, shape, estimator, offloaded, rates)
     if fitting:
         return fitting, len(layouts) + len(offloaded)
     if not measured:
@@ -346,12 +284,16 @@ def plan_layouts(config: JobConfig, shape: ModelShape, estimator: PeakEstimator)
 
 
 def _fitting(
-    config: JobConfig, shape: ModelShape, estimator: PeakEstimator, layouts: list[Layout]
+    config: JobConfig, shape: ModelShape, estimator: PeakEstimator, layouts: list[Layout], rates: Rates
 ) -> tuple[list[Planned], list[tuple[int, Layout]]]:
     """The fastest ``plan.top`` of ``layouts`` that fit, and the (peak, layout) of those measured."""
     plan = config.plan
     limit = plan.device_memory_gib * GiB
-    timed = sorted(layouts, key=lambda lay: (step_seconds(config, shape, lay), AC_MODES.index(lay.ac)))
+
+    def seconds(layout: Layout) -> float:
+        return step_seconds(rates, layout, global_batch(config))
+
+    timed = sorted(layouts, key=lambda lay: (seconds(lay), AC_MODES.index(lay.ac)))
     fitting, measured = [], []
     frugal = max(plan.activation_checkpoint_modes, key=AC_MODES.index)
 
@@ -376,10 +318,10 @@ def _fitting(
         if layout.ac != frugal and fits(dataclasses.replace(layout, ac=frugal)) is None:
             continue
         if (peak := fits(layout)) is not None:
-            fitting.append(Planned(layout, peak, step_seconds(config, shape, layout)))
+            fitting.append(Planned(layout, peak, seconds(layout)))
     # Measured recomputing more than the fastest layouts, some may fit that the time order has not reached.
     fitting = sorted(
-        (Planned(lay, peak, step_seconds(config, shape, lay)) for peak, lay in measured if peak <= limit),
+        (Planned(lay, peak, seconds(lay)) for peak, lay in measured if peak <= limit),
         key=lambda p: p.step_seconds,
     )[: plan.top]
     return fitting, measured
@@ -394,6 +336,13 @@ def table(config: JobConfig, planned: list[Planned]) -> str:
             f"{i:>2}  {p.layout.describe():<58} {p.peak_bytes / GiB:>9.2f} {p.step_seconds:>8.2f} {rate:>16,.0f}"
         )
     return "\n".join(rows)
+
+
+def _rates_source(rates: Rates) -> str:
+    plan = rates.config.plan
+    if rates.calibration is not None:
+        return f"compute and collectives as measured in {plan.calibration_file}"
+    return f"{plan.mfu:g} MFU of {plan.peak_tflops:g} TFLOP/s and the [plan] link figures"
 
 
 def check_plan(config: JobConfig) -> None:
@@ -431,7 +380,9 @@ def main(argv: list[str]) -> int:
         with user_input():
             shape = model_shape(config)
         estimator = PeakEstimator(config, shape)
-        planned, tried = plan_layouts(config, shape, estimator)
+        calibration = read_calibration(config.plan.calibration_file) if config.plan.calibration_file else None
+        rates = Rates(config, shape, calibration)
+        planned, tried = plan_layouts(config, shape, estimator, rates)
         best = layout_config(config, planned[0].layout)
         # The written file is read as --job.config_file itself: it names no other.
         best = dataclasses.replace(best, job=dataclasses.replace(best.job, config_file=""))
@@ -450,7 +401,7 @@ def main(argv: list[str]) -> int:
     print(table(config, planned))
     print(
         "peak: the dry run's per-rank peak, measured on 1 and 2 blocks per stage, extrapolated; "
-        f"step: {plan.mfu:g} MFU of {plan.peak_tflops:g} TFLOP/s plus exposed communication (README)"
+        f"step: {_rates_source(rates)}, plus the communication compute does not hide (docs/dry-run-and-planner.md)"
     )
     print(f"wrote the best layout to {plan.output}")
     return 0

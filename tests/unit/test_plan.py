@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from config.job_config import JobConfig
 from config.manager import load_config
 from models.llama3.pipeline import pipeline_layout
-from programs import plan
+from programs import plan, time_model
 
 GiB = 2**30
 REAL = ["--training.seq_len", "8192"]
@@ -100,7 +101,8 @@ def test_time_model_by_hand():
     assert shape.block_params == 218_112_000 and shape.other_params == 2 * 128256 * 4096 + 4096
     layout = plan.Layout("fsdp2", 1, 8, 1, 1, "", 1, 32, 1, 1, "full")
     tokens = 8 * 8192
-    flops = (6 * shape.block_params * (1 + 1 / 3) + 12 * 4096 * 8192) * 32 * tokens + 6 * shape.other_params * tokens
+    # Full checkpointing recomputes the blocks' forward: a third more of their forward and backward.
+    flops = (6 * shape.block_params + 12 * 4096 * 8192) * (1 + 1 / 3) * 32 * tokens + 6 * shape.other_params * tokens
     compute = flops / 8 / (989e12 * 0.4)
     params = 32 * shape.block_params + shape.other_params
     gather = 7 * 33 * 10e-6 + 7 / 8 * params * 2 / 450e9  # 33 collectives (32 blocks and the rest)
@@ -108,7 +110,9 @@ def test_time_model_by_hand():
     # The root's gather (embedding, final norm and output) opens the forward.
     first = 7 * 10e-6 + 7 / 8 * shape.other_params * 2 / 450e9
     exposed = max(0.0, 2 * gather + scatter - compute) + first
-    assert plan.step_seconds(config, shape, layout) == pytest.approx(compute + exposed, rel=1e-12)
+    assert time_model.step_seconds(time_model.Rates(config, shape), layout, 8) == pytest.approx(
+        compute + exposed, rel=1e-12
+    )
 
 
 @pytest.mark.slow
@@ -176,7 +180,8 @@ def test_the_search_has_the_microbatches_a_user_tries_and_ddp():
     free = dataclasses.replace(config.plan, peak_tflops=1e9)
     slower = dataclasses.replace(config, plan=dataclasses.replace(free, link_latency_us=1010.0))
     fast = dataclasses.replace(config, plan=free)
-    assert plan.step_seconds(slower, shape, ddp) - plan.step_seconds(fast, shape, ddp) == pytest.approx(2e-3)
+    seconds = [time_model.step_seconds(time_model.Rates(c, shape), ddp, 16) for c in (slower, fast)]
+    assert seconds[0] - seconds[1] == pytest.approx(2e-3)
 
 
 def test_the_written_config_names_no_other_config_file(tmp_path, caplog):
@@ -187,3 +192,64 @@ def test_the_written_config_names_no_other_config_file(tmp_path, caplog):
     assert result.returncode == 0, result.stderr
     load_config(["--job.config_file", str(out)])
     assert "config_file" not in caplog.text
+
+
+def _calibration(tmp_path, **changes) -> str:
+    """A calibration file of made-up round rates: a block takes 10 ms per sequence plus 5 ms, the rest
+    4 ms per sequence plus 2 ms; every collective 1 ms per call and 1 GB/s; a third hides."""
+    data = {
+        "world_size": 2,
+        "dtype": "float32",
+        "compute": {
+            "microbatches": [1, 2, 4, 8],
+            "block_seconds": [0.005 + 0.01 * m for m in (1, 2, 4, 8)],
+            "rest_seconds": [0.002 + 0.004 * m for m in (1, 2, 4, 8)],
+        },
+        "collectives": {kind: {"alpha_us": 1000.0, "gbps": 1.0} for kind in time_model.KINDS},
+        "overlap": 1 / 3,
+    } | changes
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_a_calibrated_step_by_hand(tmp_path):
+    """Debug model on 2 devices from a calibration file: FSDP 2 with 2 passes of 4 sequences, and TP 2
+    (each rank computes half a microbatch: the rates extrapolated below 1 sequence)."""
+    config = load_config(["--model.flavor", "debugmodel", "--plan.devices", "2", "--training.global_batch_size", "16"])
+    shape = plan.model_shape(config)
+    rates = time_model.Rates(config, shape, time_model.read_calibration(_calibration(tmp_path)))
+    params = 6 * shape.block_params + shape.other_params
+    fsdp = plan.Layout("fsdp2", 1, 2, 1, 1, "", 1, 6, 4, 4, "none")
+    compute = 2 * (6 * 0.045 + 0.018)  # 2 passes of 6 blocks and the rest at 4 sequences
+    gather = 7 * 1e-3 + params * 4 / 2 / 1e9  # 7 units (6 blocks and the root), fp32, half the bytes
+    scatter = gather
+    dp_comm = 2 * (2 * gather + scatter)
+    first = 1e-3 + shape.other_params * 4 / 2 / 1e9
+    expected = compute + dp_comm - min(dp_comm / 3, compute) + 2 * first
+    assert time_model.step_seconds(rates, fsdp, 16) == pytest.approx(expected, rel=1e-12)
+    tp = plan.Layout("fsdp2", 1, 1, 2, 1, "", 1, 6, 8, 16, "none")
+    compute = 2 * (6 * 0.045 + 0.018)  # 16 sequences, 2 microbatches of 8, half of each: 4 sequences' rates
+    calls = 4 * 6 * 2  # 4 all-gathers and 4 reduce-scatters per block and microbatch
+    activation = 8 * 256 * shape.dim * 4
+    tp_comm = 2 * (calls * 1e-3 + activation * calls / 2 / 1e9)
+    assert time_model.step_seconds(rates, tp, 16) == pytest.approx(compute + tp_comm, rel=1e-12)
+    assert rates.block_seconds(0.5) == pytest.approx(0.01)  # 5 ms + 10 ms x 0.5, below the measured
+    bent = {"microbatches": [1, 2, 4, 8], "block_seconds": [0.015, 0.025, 0.045, 0.1], "rest_seconds": [0] * 4}
+    rates = time_model.Rates(config, shape, time_model.read_calibration(_calibration(tmp_path, compute=bent)))
+    assert [rates.block_seconds(m) for m in (3, 6, 16)] == pytest.approx([0.035, 0.0725, 0.21])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{}", "is not a calibration file (no 'compute')"),
+        ('{"compute": {}, "collectives": null}', "was measured on one rank"),
+    ],
+)
+def test_a_file_that_is_no_calibration_is_one_line(tmp_path, content, message):
+    path = tmp_path / "calibration.json"
+    path.write_text(content)
+    result = _run("--model.flavor", "debugmodel", "--plan.devices", "2", "--plan.calibration_file", str(path))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "plan.calibration_file" in result.stderr
