@@ -278,9 +278,11 @@ def _forward_flops(name: str, numel: int, tokens: int, args: TransformerModelArg
     return forward
 
 
-def block_rate(args: TransformerModelArgs, batch: int, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a fresh block's forward and backward in ``dtype`` at ``batch`` sequences. A pipeline
-    stage without blocks times one too: its bucket plan weighs the others' compute against its gathers."""
+def fresh_block(
+    args: TransformerModelArgs, batch: int, device: torch.device, dtype: torch.dtype
+) -> tuple[TransformerBlock, tuple[torch.Tensor, torch.Tensor], float]:
+    """A block built from ``args`` alone in ``dtype``, its attention as the model's runs on ``device``,
+    with inputs of ``batch`` sequences and the FLOPs of its forward and backward on them."""
     with torch.device("meta"):
         block = TransformerBlock(args)
     block = block.to_empty(device=device).to(dtype)
@@ -295,7 +297,13 @@ def block_rate(args: TransformerModelArgs, batch: int, device: torch.device, dty
     x.requires_grad_()
     rope_cache = precompute_rope_cache(args, device)
     forward = _forward_flops("layers.0", sum(p.numel() for p in block.parameters()), batch * args.max_seq_len, args)
-    return measure_rate(block, (x, rope_cache), 3.0 * forward)  # backward = 2 x forward
+    return block, (x, rope_cache), 3.0 * forward  # backward = 2 x forward
+
+
+def block_rate(args: TransformerModelArgs, batch: int, device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a fresh block's forward and backward in ``dtype`` at ``batch`` sequences. A pipeline
+    stage without blocks times one too: its bucket plan weighs the others' compute against its gathers."""
+    return measure_rate(*fresh_block(args, batch, device, dtype))
 
 
 def _cost_models(
