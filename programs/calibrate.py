@@ -29,7 +29,7 @@ from models.registry import get_model_spec
 from models.sizes import job_model_args
 from parallelisms.cost_model import COLLECTIVES, CommModel, calibrate_collective, forward_backward
 from parallelisms.device import attention_dtype, backend_for, causal_query_chunk, document_kernel, synchronize
-from programs.plan import MICROBATCHES
+from programs.time_model import MICROBATCHES
 from trainer.distributed import init_distributed
 from trainer.loss import summed_cross_entropy
 

@@ -19,50 +19,11 @@ from models.registry import get_model_spec
 from models.sizes import architecture_folder, job_model_args
 from parallelisms.pipeline import plan_pipeline
 from programs.dry_run import dry_run, in_child, measured_ranks
-from programs.time_model import Rates, read_calibration, step_seconds
+from programs.time_model import MICROBATCHES, Layout, ModelShape, Rates, read_calibration, step_seconds
 
 GiB = 2**30
 AC_MODES = ("none", "selective", "full")
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-# Sequences per microbatch tried: those a user tries, up to torchtitan's debug config's 8.
-MICROBATCHES = (1, 2, 4, 8)
-
-
-@dataclass(frozen=True)
-class Layout:
-    impl: str
-    replicate: int
-    shard: int
-    tp: int
-    pp: int
-    schedule: str  # empty without pipelining
-    stages: int  # pipeline stages in all
-    stage_blocks: int  # of the largest stage
-    microbatch: int  # sequences per forward (a pipeline microbatch or a gradient-accumulation step)
-    local_batch: int  # training.local_batch_size: one microbatch, or a pipeline step's
-    ac: str
-    offload: bool = False  # training.enable_cpu_offload: tried only when no layout fits without
-
-    def describe(self) -> str:
-        if self.shard == 1 and self.replicate > 1:
-            mesh = f"ddp {self.replicate}"
-        else:
-            mesh = "dp " + (f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}")
-        pipe = f" pp{self.pp} {self.schedule} ({self.local_batch // self.microbatch} mb)" if self.pp > 1 else ""
-        offload = " cpu offload" if self.offload else ""
-        return f"{self.impl} {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}{offload}"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    n_layers: int
-    dim: int
-    vocab: int
-    n_heads: int
-    n_kv_heads: int
-    block_params: int
-    other_params: int  # embedding, final norm and output head
 
 
 def model_shape(config: JobConfig) -> ModelShape:

@@ -7,13 +7,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from config.errors import ConfigError, user_input
 from config.job_config import JobConfig
-
-if TYPE_CHECKING:
-    from programs.plan import Layout, ModelShape
 
 # Extra block work of each AC mode, of forward + backward: full recomputes the forward (1 of 3),
 # selective (every second matmul) half of it.
@@ -21,6 +17,46 @@ RECOMPUTE = {"none": 0.0, "selective": 1 / 6, "full": 1 / 3}
 # DDP's gradient buckets (torch's default bucket_cap_mb), one all-reduce each.
 DDP_BUCKET_BYTES = 25 * 2**20
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send")
+# Sequences per microbatch the planner tries and the calibration measures: those a user tries, up to
+# torchtitan's debug config's 8.
+MICROBATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    impl: str
+    replicate: int
+    shard: int
+    tp: int
+    pp: int
+    schedule: str  # empty without pipelining
+    stages: int  # pipeline stages in all
+    stage_blocks: int  # of the largest stage
+    microbatch: int  # sequences per forward (a pipeline microbatch or a gradient-accumulation step)
+    local_batch: int  # training.local_batch_size: one microbatch, or a pipeline step's
+    ac: str
+    offload: bool = False  # training.enable_cpu_offload: tried only when no layout fits without
+
+    def describe(self) -> str:
+        if self.shard == 1 and self.replicate > 1:
+            mesh = f"ddp {self.replicate}"
+        else:
+            mesh = "dp " + (f"{self.replicate}x{self.shard}" if self.replicate > 1 else f"{self.shard}")
+        pipe = f" pp{self.pp} {self.schedule} ({self.local_batch // self.microbatch} mb)" if self.pp > 1 else ""
+        offload = " cpu offload" if self.offload else ""
+        return f"{self.impl} {mesh} tp{self.tp}{pipe} mbs {self.microbatch} ac {self.ac}{offload}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    n_layers: int
+    dim: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    block_params: int
+    other_params: int  # embedding, final norm and output head
 
 
 @dataclass(frozen=True)
