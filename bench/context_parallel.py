@@ -110,6 +110,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write(path: str, rounds: list[dict[str, dict[str, float]]], keys: list[str]) -> list[dict[str, Any]]:
+    """Summarizes the rounds so far and writes them with this run's command and machine; returns the rows."""
+    rows = summarize(rounds, keys)
+    record = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": rows,
+        "rounds": rounds,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(record, out, indent=1)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="2048,4096,8192")
@@ -121,6 +137,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     all_cases = cases(seq_lens, [int(n) for n in args.degrees.split(",")], args.rotate_methods.split(","))
     keys = [f"{s} {n} {r}" for s, n, r in all_cases]
@@ -132,18 +150,9 @@ def main() -> int:
                 results[key] = run_case(seq_len, degree, rotate, args.steps, work)
                 print(f"round {number + 1} {key}: {results[key]}", file=sys.stderr, flush=True)
             rounds.append(results)
-    rows = summarize(rounds, keys)
+            # Written after every round: a run stopped early keeps the rounds it finished.
+            rows = write(args.out, rounds, keys)
     print(table(rows))
-    record = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rows": rows,
-        "rounds": rounds,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as out:
-        json.dump(record, out, indent=1)
     return 0
 
 
