@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from config.errors import ConfigError, user_input
 from config.job_config import JobConfig
+from parallelisms.cost_model import wire_bytes
 
 # Extra block work of each AC mode, of forward + backward: full recomputes the forward (1 of 3),
 # selective (every second matmul) half of it.
@@ -84,8 +85,8 @@ class Calibration:
         if group == 1:
             return 0.0
         alpha, bandwidth = self.links[kind]
-        share = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "send": group / (group - 1)}[kind]
-        return calls * alpha + share * (group - 1) / group * nbytes / bandwidth
+        # The bytes the calibration's fit priced: the same convention for the same kind.
+        return calls * alpha + wire_bytes(kind, nbytes, group) / bandwidth
 
 
 def read_calibration(path: str) -> Calibration:
